@@ -1,0 +1,240 @@
+"""Typed, frozen, validated configuration from ``DILOCO_*`` environment variables.
+
+Every setting of every role is a field of a frozen dataclass below; the field's metadata names its
+parser and help text, and the environment variable is ``DILOCO_<FIELD NAME IN UPPER CASE>``. This
+module is the one place that lists every variable with its default: the README table is generated
+from :func:`markdown_table` and a test checks that the two agree.
+
+A bad value fails at start-up with one line that names the variable, the value and what was
+expected, e.g. ``DILOCO_INNER_LR='fast': expected a float > 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "DILOCO_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is one line naming the variable."""
+
+
+# -- parsers: str -> value, raising ValueError(expected-description) -------------------------------
+
+
+def _str(nonempty: bool = True, max_len: int = 256, charset: str | None = None) -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        if nonempty and not s:
+            raise ValueError("expected a non-empty string")
+        if len(s) > max_len:
+            raise ValueError(f"expected at most {max_len} characters")
+        if charset is not None and any(c not in charset for c in s):
+            raise ValueError("expected only letters, digits, '-' and '_'")
+        return s
+
+    parse.expected = "a string"  # type: ignore[attr-defined]
+    return parse
+
+
+_TOKEN_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
+
+
+def token() -> Callable[[str], str]:
+    """A NATS-subject-safe token: letters, digits, '-' and '_' (no dots, spaces or wildcards)."""
+    return _str(True, 64, _TOKEN_CHARS)
+
+
+def text(nonempty: bool = False) -> Callable[[str], str]:
+    return _str(nonempty, 4096)
+
+
+def integer(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    desc = "an integer" + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s.strip(), 10)
+        except ValueError:
+            raise ValueError(f"expected {desc}") from None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise ValueError(f"expected {desc}")
+        return v
+
+    return parse
+
+
+def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Callable[[str], float]:
+    op = ">" if lo_open else ">="
+    desc = "a float" + (f" {op} {lo:g}" if lo is not None else "") + (f" <= {hi:g}" if hi is not None else "")
+
+    def parse(s: str) -> float:
+        try:
+            v = float(s.strip())
+        except ValueError:
+            raise ValueError(f"expected {desc}") from None
+        if not math.isfinite(v):
+            raise ValueError(f"expected {desc}")
+        if lo is not None and (v < lo or (lo_open and v == lo)):
+            raise ValueError(f"expected {desc}")
+        if hi is not None and v > hi:
+            raise ValueError(f"expected {desc}")
+        return v
+
+    return parse
+
+
+def boolean() -> Callable[[str], bool]:
+    def parse(s: str) -> bool:
+        v = s.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+    return parse
+
+
+def choice(*options: str) -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        if s not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return s
+
+    return parse
+
+
+def nats_urls() -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        parts = [p.strip() for p in s.split(",") if p.strip()]
+        if not parts or any("://" not in p for p in parts):
+            raise ValueError("expected comma-separated URLs like nats://host:4222 or tls://host:4222")
+        for p in parts:
+            scheme = p.split("://", 1)[0]
+            if scheme not in ("nats", "tls", "ws", "wss"):
+                raise ValueError("expected URL schemes nats://, tls://, ws:// or wss://")
+        return ",".join(parts)
+
+    return parse
+
+
+def var(default: Any, parse: Callable[[str], Any], help: str, secret: bool = False) -> Any:
+    """A config field: its default (already typed), its parser, one line of help."""
+    return field(default=default, metadata={"parse": parse, "help": help, "secret": secret})
+
+
+# -- the settings ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    """Settings every role reads."""
+
+    nats_url: str = var("nats://127.0.0.1:4222", nats_urls(), "NATS server URL(s), comma-separated")
+    run: str = var("default", token(), "run id: every subject, stream and bucket of a run carries it")
+    region: str = var("local", token(), "region / island name of this process")
+    nats_user: str = var("", text(), "NATS user name (empty: no user/password auth)")
+    nats_password: str = var("", text(), "NATS password", secret=True)
+    nats_creds: str = var("", text(), "path of a NATS .creds file (JWT + nkey)")
+    nats_nkey_seed: str = var("", text(), "path of an nkey seed file")
+    tls_ca: str = var("", text(), "CA certificate (PEM) to verify the server's TLS certificate")
+    tls_cert: str = var("", text(), "client certificate (PEM) for mutual TLS")
+    tls_key: str = var("", text(), "client key (PEM) for mutual TLS", secret=True)
+    log_level: str = var("info", choice("debug", "info", "warning", "error"), "structlog level")
+    metrics_interval: float = var(2.0, number(0.05, 3600), "seconds between metrics messages")
+    max_chunk_bytes: int = var(
+        1024 * 1024, integer(4096, 64 * 1024 * 1024), "largest message the transport sends (<= server max_payload)"
+    )
+    inflight_chunks: int = var(16, integer(1, 1024), "chunks published without waiting for their acks")
+    stream_max_age: float = var(3600.0, number(1, 365 * 86400), "seconds a gradient chunk is kept in its stream")
+    stream_max_bytes: int = var(
+        4 * 1024**3, integer(1024 * 1024), "bytes each stream of a run may hold (bounded disk use)"
+    )
+    global_history: int = var(2, integer(2, 64), "global versions kept per fragment (>= 2 so readers never race)")
+    partial_timeout: float = var(60.0, number(0.1, 86400), "seconds before an incomplete fragment is dropped")
+
+
+ROLE_CONFIGS: dict[str, type] = {"common": CommonConfig}
+
+
+def register(role: str) -> Callable[[type], type]:
+    """Class decorator: declare ``cls`` as the config of ``role`` (its fields join the variable list)."""
+
+    def deco(cls: type) -> type:
+        ROLE_CONFIGS[role] = cls
+        return cls
+
+    return deco
+
+
+def env_name(field_name: str) -> str:
+    return PREFIX + field_name.upper()
+
+
+def _fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "parse" in f.metadata]
+
+
+def from_env(cls: type, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
+    """Build ``cls`` from ``DILOCO_*`` variables; unset ones take the default. Raises :class:`ConfigError`."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in _fields(cls):
+        name = env_name(f.name)
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+            continue
+        raw = env.get(name)
+        if raw is None:
+            continue
+        try:
+            values[f.name] = f.metadata["parse"](raw)
+        except ValueError as e:
+            shown = "***" if f.metadata.get("secret") else raw
+            raise ConfigError(f"{name}={shown!r}: {e}") from None
+    try:
+        return cls(**values)
+    except ValueError as e:  # cross-field checks in __post_init__ name their variables themselves
+        raise ConfigError(str(e)) from None
+
+
+def sources(cls: type, environ: Mapping[str, str] | None = None) -> list[tuple[str, Any, str]]:
+    """(variable, effective value, 'env' | 'default') for ``diloco config ROLE``."""
+    env = os.environ if environ is None else environ
+    cfg = from_env(cls, env)
+    out = []
+    for f in _fields(cls):
+        name = env_name(f.name)
+        value = getattr(cfg, f.name)
+        if f.metadata.get("secret") and value:
+            value = "***"
+        out.append((name, value, "env" if name in env else "default"))
+    return out
+
+
+def all_variables() -> list[tuple[str, str, Any, str]]:
+    """(variable, role, default, help) for every variable, each listed once under its first role."""
+    seen: set[str] = set()
+    rows = []
+    for role, cls in ROLE_CONFIGS.items():
+        for f in _fields(cls):
+            name = env_name(f.name)
+            if name in seen:
+                continue
+            seen.add(name)
+            rows.append((name, role, f.default, f.metadata["help"]))
+    return rows
+
+
+def markdown_table() -> str:
+    lines = ["| variable | role | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, role, default, help_ in all_variables():
+        d = "(empty)" if default == "" else f"`{default}`"
+        lines.append(f"| `{name}` | {role} | {d} | {help_} |")
+    return "\n".join(lines)

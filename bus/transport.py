@@ -1,0 +1,352 @@
+"""Moving fragments of any size over JetStream: chunked publish, assembled pull, versioned objects.
+
+Three pieces, thin I/O around :mod:`bus.chunks`:
+
+* :class:`ChunkPublisher` publishes a blob as chunks no larger than ``max_chunk`` through a bounded
+  window of in-flight acks. Each chunk has a ``Nats-Msg-Id``, so a retry after a timeout (server
+  restart, lost ack) is always safe: JetStream stores it once.
+* :class:`ChunkConsumer` pulls chunks from a durable consumer and feeds an :class:`Assembler`;
+  the caller gets whole objects and acks their messages only once it has used them (the aggregator
+  acks after persisting a merge, so a crash never loses an acknowledged contribution).
+* :class:`VersionedStore` keeps the newest versions of a fragment (global parameters, aggregator
+  state): the chunks go to ``<kind>.<frag>.c<i>``, then a small *head* record with the version and
+  the chunks' stream sequences goes to ``<kind>.<frag>.head``. A version exists once its head
+  does, so a writer killed mid-publish leaves the previous version readable. Readers fetch chunks
+  by sequence (direct get) and verify the crc32; a reader raced by two newer versions retries.
+  :meth:`VersionedStore.watch` yields heads as they are published (the newest of every fragment
+  first), monotonic per fragment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import orjson
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from bus.chunks import Assembled, Assembler, Chunk, Dropped, checksum, chunk_headers, parse_chunk, split
+from bus.subjects import Subjects
+
+
+class TransportError(RuntimeError):
+    pass
+
+
+class ChunkPublisher:
+    """Publish blobs as chunk messages with at most ``inflight`` unacknowledged chunks."""
+
+    def __init__(self, js: JetStreamContext, max_chunk: int = 1024 * 1024, inflight: int = 16,
+                 ack_timeout: float = 10.0, deadline: float = 300.0):
+        self.js = js
+        self.max_chunk = max_chunk
+        self.inflight = inflight
+        self.ack_timeout = ack_timeout
+        self.deadline = deadline
+        self.bytes_sent = 0
+        self.retries = 0
+
+    async def _publish_one(self, subject: str, payload: memoryview, headers: dict, t_end: float):
+        """Awaited publish with retries until ``t_end`` (same Msg-Id: duplicates are dropped by the server)."""
+        delay = 0.1
+        while True:
+            try:
+                return await self.js.publish(subject, payload, timeout=self.ack_timeout, headers=dict(headers))
+            except Exception as e:
+                if time.monotonic() + delay > t_end:
+                    raise TransportError(f"publish to {subject} failed after retries: {e!r}") from e
+                self.retries += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def publish(self, subjects: str | list[str], obj_id: str, blob, meta: dict) -> list:
+        """Publish ``blob`` under ``obj_id``; returns the PubAcks in chunk order.
+
+        ``subjects`` is one subject for every chunk, or one per chunk (versioned objects).
+        """
+        parts = split(blob, self.max_chunk)
+        n = len(parts)
+        subj = [subjects] * n if isinstance(subjects, str) else list(subjects)
+        if len(subj) != n:
+            raise ValueError(f"{len(subj)} subjects for {n} chunks")
+        crc = checksum(blob)
+        size = memoryview(blob).nbytes
+        t_end = time.monotonic() + self.deadline
+        acks: list = [None] * n
+        window: list[tuple[int, asyncio.Future, dict]] = []
+
+        async def settle(i: int, fut: asyncio.Future, hdrs: dict) -> None:
+            try:
+                acks[i] = await asyncio.wait_for(fut, self.ack_timeout)
+            except Exception:
+                self.retries += 1
+                acks[i] = await self._publish_one(subj[i], parts[i], hdrs, t_end)
+
+        for i, part in enumerate(parts):
+            hdrs = chunk_headers(obj_id, i, n, size, crc, meta)
+            try:
+                fut = await self.js.publish_async(subj[i], part, headers=dict(hdrs), wait_stall=self.ack_timeout)
+            except Exception:
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_exception(TransportError("publish_async failed"))
+            window.append((i, fut, hdrs))
+            if len(window) >= self.inflight:
+                await settle(*window.pop(0))
+        for item in window:
+            await settle(*item)
+        for a in acks:
+            if getattr(a, "stream", None) is None:
+                raise TransportError(f"no ack for a chunk of {obj_id}")
+        self.bytes_sent += size
+        return acks
+
+
+@dataclass
+class ConsumerStats:
+    chunks: int = 0
+    objects: int = 0
+    bytes: int = 0
+    dropped: dict | None = None
+
+    def drop(self, reason: str) -> None:
+        self.dropped = self.dropped or {}
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+class ChunkConsumer:
+    """Pull chunks from a durable consumer and assemble them into objects.
+
+    Operational advice: ``ack_wait`` must exceed the longest time a caller holds an object before
+    acking (the aggregator holds contributions until their merge is persisted); ``max_ack_pending``
+    bounds how many chunks can be held unacked at once: raise it with many learners and big
+    fragments, or delivery silently stalls.
+    """
+
+    def __init__(self, js: JetStreamContext, stream: str, durable: str, filter_subjects: list[str],
+                 assembler: Assembler | None = None, batch: int = 16, ack_wait: float = 300.0,
+                 max_ack_pending: int = 100_000, deliver_new: bool = False):
+        self.js = js
+        self.stream = stream
+        self.durable = durable
+        self.filter_subjects = filter_subjects
+        self.assembler = assembler or Assembler()
+        self.batch = batch
+        self.ack_wait = ack_wait
+        self.max_ack_pending = max_ack_pending
+        self.deliver_new = deliver_new
+        self.stats = ConsumerStats()
+        self._sub = None
+
+    async def start(self) -> None:
+        cfg = ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait,
+            max_ack_pending=self.max_ack_pending,
+            deliver_policy=DeliverPolicy.NEW if self.deliver_new else DeliverPolicy.ALL,
+            max_deliver=-1,
+        )
+        if len(self.filter_subjects) == 1:
+            cfg.filter_subject = self.filter_subjects[0]
+        else:
+            cfg.filter_subjects = self.filter_subjects
+        try:
+            await self.js.consumer_info(self.stream, self.durable)
+        except NotFoundError:
+            await self.js.add_consumer(self.stream, cfg)
+        self._sub = await self.js.pull_subscribe_bind(
+            self.durable, self.stream, pending_bytes_limit=512 * 1024 * 1024
+        )
+
+    async def poll(self, timeout: float = 1.0) -> list[Assembled | Dropped]:
+        """Fetch one batch (waiting at most ``timeout``), feed the assembler, expire old partials."""
+        assert self._sub is not None, "call start() first"
+        out: list[Assembled | Dropped] = []
+        try:
+            msgs = await self._sub.fetch(self.batch, timeout=timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            msgs = []
+        except Exception as e:  # connection trouble: the client reconnects by itself
+            if "timeout" not in repr(e).lower():
+                await asyncio.sleep(min(timeout, 0.5))
+            msgs = []
+        now = time.monotonic()
+        for m in msgs:
+            self.stats.chunks += 1
+            try:
+                c = parse_chunk(m.headers, m.data, token=m)
+            except ValueError as e:
+                out.append(Dropped("?", "bad_header", str(e), [m]))
+                continue
+            r = self.assembler.add(c, now)
+            if r is not None:
+                out.append(r)
+        out.extend(self.assembler.expire(now))
+        for r in out:
+            if isinstance(r, Assembled):
+                self.stats.objects += 1
+                self.stats.bytes += len(r.blob)
+            else:
+                self.stats.drop(r.reason)
+        return out
+
+    async def unsubscribe(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+            self._sub = None
+
+
+async def ack_all(tokens: Iterable) -> None:
+    """Ack message handles (ignoring ones whose connection is gone: they will be redelivered)."""
+    for m in tokens:
+        if m is None:
+            continue
+        try:
+            await m.ack()
+        except Exception:
+            pass
+
+
+async def term_all(tokens: Iterable) -> None:
+    """Terminate handles of dropped chunks: never redeliver them."""
+    for m in tokens:
+        if m is None:
+            continue
+        try:
+            await m.term()
+        except Exception:
+            pass
+
+
+@dataclass(frozen=True)
+class Head:
+    fragment: int
+    version: int
+    count: int
+    size: int
+    crc: int
+    seqs: tuple[int, ...]
+    meta: dict
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps({"f": self.fragment, "v": self.version, "n": self.count, "s": self.size,
+                             "c": self.crc, "q": list(self.seqs), "m": self.meta})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Head":
+        try:
+            d = orjson.loads(data)
+            h = cls(int(d["f"]), int(d["v"]), int(d["n"]), int(d["s"]), int(d["c"]),
+                    tuple(int(x) for x in d["q"]), dict(d["m"]))
+        except Exception:
+            raise ValueError("bad_head: not a head record") from None
+        if h.count != len(h.seqs) or h.version < 0 or h.fragment < 0:
+            raise ValueError("bad_head: inconsistent head record")
+        return h
+
+
+class VersionedStore:
+    """Newest versions of each fragment of ``kind`` (``global`` or ``state``) of a run."""
+
+    def __init__(self, js: JetStreamContext, run: str, kind: str, publisher: ChunkPublisher | None = None,
+                 fetch_parallel: int = 8, attempts: int = 5):
+        self.js = js
+        self.s = Subjects(run)
+        self.kind = kind
+        self.stream = self.s.stream(kind)
+        self.publisher = publisher or ChunkPublisher(js)
+        self.fetch_parallel = fetch_parallel
+        self.attempts = attempts
+        self.bytes_received = 0
+
+    def obj_id(self, fragment: int, version: int) -> str:
+        return f"{self.s.run}.{self.kind}.{fragment}.v{version}"
+
+    async def put(self, fragment: int, version: int, blob, meta: dict | None = None) -> Head:
+        """Publish version ``version`` of ``fragment``: chunks first, then the head that commits it."""
+        meta = dict(meta or {})
+        n = len(split(blob, self.publisher.max_chunk))
+        subjects = [self.s.versioned_chunk(self.kind, fragment, i) for i in range(n)]
+        oid = self.obj_id(fragment, version)
+        acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})
+        head = Head(fragment, version, n, memoryview(blob).nbytes, checksum(blob), tuple(a.seq for a in acks), meta)
+        await self.publisher._publish_one(
+            self.s.versioned_head(self.kind, fragment), memoryview(head.to_bytes()),
+            {"Nats-Msg-Id": f"{oid}.head"}, time.monotonic() + self.publisher.deadline,
+        )
+        return head
+
+    async def head(self, fragment: int) -> Head | None:
+        """The newest committed head of ``fragment``, or None if it has none yet."""
+        try:
+            m = await self.js.get_msg(self.stream, subject=self.s.versioned_head(self.kind, fragment), direct=True)
+        except NotFoundError:
+            return None
+        return Head.from_bytes(m.data)
+
+    async def fetch(self, head: Head) -> bytes:
+        """The blob of ``head`` (chunks by sequence, crc32 checked). Raises NotFoundError if purged."""
+        sem = asyncio.Semaphore(self.fetch_parallel)
+
+        async def one(seq: int) -> Chunk:
+            async with sem:
+                m = await self.js.get_msg(self.stream, seq=seq, direct=True)
+                return parse_chunk(m.headers, m.data or b"")
+
+        chunks = await asyncio.gather(*(one(q) for q in head.seqs))
+        want = self.obj_id(head.fragment, head.version)
+        if any(c.obj_id != want or c.index != i for i, c in enumerate(chunks)):
+            raise NotFoundError  # the sequence now holds something else: a newer version replaced it
+        blob = b"".join(c.data for c in chunks)
+        if len(blob) != head.size or checksum(blob) != head.crc:
+            raise TransportError(f"{want}: assembled blob fails its size or crc32 check")
+        self.bytes_received += len(blob)
+        return blob
+
+    async def get(self, fragment: int) -> tuple[Head, bytes] | None:
+        """Newest complete version of ``fragment`` as (head, blob), or None if there is none."""
+        for attempt in range(self.attempts):
+            h = await self.head(fragment)
+            if h is None:
+                return None
+            try:
+                return h, await self.fetch(h)
+            except NotFoundError:
+                await asyncio.sleep(0.05 * (attempt + 1))  # raced by newer versions: read the head again
+        raise TransportError(f"{self.kind} fragment {fragment}: could not read a stable version")
+
+    async def watch(self, stop: asyncio.Event | None = None) -> AsyncIterator[Head]:
+        """Heads as they are committed: first the newest of every fragment, then live ones.
+
+        Versions are monotonic per fragment (an older or equal head than one already yielded is
+        skipped). Uses an ordered consumer, which re-creates itself after reconnects and gaps.
+        """
+        sub = await self.js.subscribe(self.s.versioned_heads(self.kind), ordered_consumer=True,
+                                      deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        newest: dict[int, int] = {}
+        try:
+            while stop is None or not stop.is_set():
+                try:
+                    m = await sub.next_msg(timeout=0.5)
+                except Exception:
+                    continue
+                try:
+                    h = Head.from_bytes(m.data)
+                except ValueError:
+                    continue
+                if h.version <= newest.get(h.fragment, -1):
+                    continue
+                newest[h.fragment] = h.version
+                yield h
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass

@@ -1,0 +1,246 @@
+"""Transport against a real nats-server: chunked fragments, assembly, versioned objects, restarts."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from bus import codec, quant
+from bus.chunks import Assembler, Assembled, Dropped, checksum, chunk_headers, split
+from bus.config import CommonConfig
+from bus.conn import connect
+from bus.streams import Limits, delete_run, ensure_run, inspect_run
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore, ack_all
+
+RUN = "t"
+S = Subjects(RUN)
+
+
+async def _setup(js, partial=2.0):
+    await ensure_run(js, RUN, Limits())
+    return ChunkConsumer(js, S.stream("grad"), "agg", [S.grad_all], Assembler(max_age=partial))
+
+
+async def _drain(consumer, want, timeout=20.0):
+    """Poll until ``want(results)`` is true or timeout; returns all results."""
+    out = []
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end and not want(out):
+        out += await consumer.poll(timeout=0.3)
+    return out
+
+
+def _done(rs):
+    return [r for r in rs if isinstance(r, Assembled)]
+
+
+async def test_provisioning_is_idempotent_and_inspectable(js):
+    await ensure_run(js, RUN)
+    await ensure_run(js, RUN)
+    info = await inspect_run(js, RUN)
+    assert info[S.stream("grad")]["messages"] == 0 and info[S.stream("grad")]["bytes"] == 0
+    assert info[f"KV_{S.bucket('members')}"] is not None
+    si = await js.stream_info(S.stream(GLOBAL))
+    assert si.config.max_msgs_per_subject == 2 and si.config.allow_direct
+    assert si.config.max_bytes > 0
+    deleted = await delete_run(js, RUN)
+    assert S.stream("grad") in deleted and S.bucket("members") in deleted
+    assert all(v is None for v in (await inspect_run(js, RUN)).values())
+
+
+@pytest.mark.parametrize("q", quant.QUANTISERS)
+async def test_fragment_round_trip_1k_to_64m(js, q):
+    cons = await _setup(js)
+    await cons.start()
+    pub = ChunkPublisher(js, max_chunk=1 << 20, inflight=16)
+    rng = np.random.default_rng(0)
+    sizes = [256, 1_000_003 // 4, 16 * 1024 * 1024]  # 1 KiB, ~1 MB, 64 MiB of float32
+    sent = {}
+    for i, n in enumerate(sizes):
+        x = rng.standard_normal(n).astype(np.float32)
+        blob = codec.encode_array(x, q)
+        await pub.publish(S.grad(i, "l0"), f"{RUN}.l0.{q}.{i}", blob, {"fragment": i})
+        sent[i] = quant.roundtrip(x, q)
+        del x
+    rs = await _drain(cons, lambda r: len(_done(r)) == len(sizes), timeout=60)
+    got = {r.meta["fragment"]: codec.decode_array(r.blob) for r in _done(rs)}
+    assert sorted(got) == list(range(len(sizes)))
+    for i in got:
+        assert np.array_equal(got[i], sent[i])
+    for r in _done(rs):
+        await ack_all(r.tokens)
+
+
+async def test_duplicated_reordered_and_missing_chunks(js):
+    cons = await _setup(js, partial=1.0)
+    await cons.start()
+    blob = bytes(codec.encode_array(np.arange(50_000, dtype=np.float32)))
+    parts = split(blob, 16 * 1024)
+    n = len(parts)
+    order = list(reversed(range(n))) + [0, 1]  # reordered, plus two duplicates (no Msg-Id: both stored)
+    for i in order:
+        h = chunk_headers("dup", i, n, len(blob), checksum(blob), {"k": 1})
+        h.pop("Nats-Msg-Id")
+        await js.publish(S.grad(0, "l0"), bytes(parts[i]), headers=h)
+    for i in range(n - 1):  # a second object with its last chunk missing
+        await js.publish(S.grad(1, "l0"), bytes(parts[i]), headers=chunk_headers("miss", i, n, len(blob), checksum(blob), {}))
+    rs = await _drain(cons, lambda r: any(isinstance(x, Dropped) and x.reason == "expired" for x in r))
+    done = _done(rs)
+    assert len(done) == 1 and done[0].obj_id == "dup" and done[0].blob == blob
+    assert cons.stats.dropped == {"duplicate": 2, "expired": 1}  # late duplicates after completion
+
+
+async def test_garbage_and_mismatched_messages_are_counted_not_fatal(js):
+    cons = await _setup(js)
+    await cons.start()
+    await js.publish(S.grad(0, "x"), os.urandom(500))  # no header at all
+    await js.publish(S.grad(0, "x"), b"1", headers={"Diloco-Chunk": "{{{"})
+    good = bytes(codec.encode_array(np.ones(100, np.float32)))
+    bad_crc = chunk_headers("badcrc", 0, 1, len(good), checksum(good) ^ 1, {})
+    await js.publish(S.grad(0, "x"), good, headers=bad_crc)
+    # a fragment that assembles fine but whose content has the wrong shape/dtype for its decoder
+    wrong = bytes(codec.encode_array(np.ones(7, np.float32)))[:-4]
+    await ChunkPublisher(js).publish(S.grad(0, "x"), "wrongshape", wrong, {})
+    await ChunkPublisher(js).publish(S.grad(0, "x"), "ok", good, {})
+    rs = await _drain(cons, lambda r: any(getattr(x, "obj_id", "") == "ok" for x in _done(r)))
+    assert cons.stats.dropped == {"bad_header": 2, "checksum": 1}
+    blobs = {r.obj_id: r.blob for r in _done(rs)}
+    with pytest.raises(codec.CodecError, match="needs exactly"):
+        codec.decode_array(blobs["wrongshape"])
+    assert np.array_equal(codec.decode_array(blobs["ok"]), np.ones(100, np.float32))
+
+
+async def test_publish_retry_is_deduplicated(js):
+    cons = await _setup(js)
+    await cons.start()
+    blob = b"q" * 3000
+    pub = ChunkPublisher(js, max_chunk=1000)
+    a1 = await pub.publish(S.grad(0, "l"), "same", blob, {})
+    a2 = await pub.publish(S.grad(0, "l"), "same", blob, {})
+    assert all(a.duplicate for a in a2) and [a.seq for a in a1] == [a.seq for a in a2]
+    info = await js.stream_info(S.stream("grad"))
+    assert info.state.messages == 3
+
+
+PUBLISHER = textwrap.dedent("""
+    import asyncio, sys
+    import numpy as np
+    from bus.config import CommonConfig
+    from bus.conn import connect
+    from bus.transport import ChunkPublisher
+    from bus.subjects import Subjects
+    from bus import codec
+    async def main():
+        nc = await connect(CommonConfig(nats_url=sys.argv[1], run="t"), name="killed-publisher")
+        js = nc.jetstream()
+        blob = codec.encode_array(np.ones(2_000_000, np.float32))
+        pub = ChunkPublisher(js, max_chunk=64 * 1024, inflight=1)
+        orig = pub._publish_one
+        n = 0
+        async def slow_publish(*a, **k):
+            return await orig(*a, **k)
+        # publish chunk by chunk, slowly, telling the test how far we got
+        import bus.transport as t
+        real = js.publish_async
+        async def paced(*a, **k):
+            nonlocal n
+            n += 1
+            if n == 5:
+                print("halfway", flush=True)
+            await asyncio.sleep(0.05)
+            return await real(*a, **k)
+        js.publish_async = paced
+        await pub.publish(Subjects("t").grad(0, "victim"), "victim-obj", blob, {})
+        print("finished", flush=True)
+    asyncio.run(main())
+""")
+
+
+async def test_publisher_killed_mid_fragment_never_delivers(js, nats_server):
+    cons = await _setup(js, partial=1.5)
+    await cons.start()
+    p = subprocess.Popen([sys.executable, "-c", PUBLISHER, nats_server.url], stdout=subprocess.PIPE, text=True)
+    line = await asyncio.get_running_loop().run_in_executor(None, p.stdout.readline)
+    assert line.strip() == "halfway"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    await ChunkPublisher(js).publish(S.grad(0, "alive"), "alive-obj", b"z" * 10, {})
+    rs = await _drain(cons, lambda r: any(isinstance(x, Dropped) and x.reason == "expired" for x in r))
+    assert [r.obj_id for r in _done(rs)] == ["alive-obj"]
+    assert cons.stats.dropped == {"expired": 1}
+
+
+async def test_server_killed_and_restarted_mid_stream_loses_nothing_acknowledged(nats_server):
+    cfg = CommonConfig(nats_url=nats_server.url, run=RUN)
+    nc = await connect(cfg, name="pub")
+    js = nc.jetstream(timeout=5)
+    await ensure_run(js, RUN)
+    pub = ChunkPublisher(js, max_chunk=256 * 1024, inflight=8, ack_timeout=2.0, deadline=60)
+    acked = []
+
+    async def publisher():
+        for k in range(30):
+            blob = codec.encode_array(np.full(300_000, k, np.float32))
+            await pub.publish(S.grad(0, "l0"), f"obj{k}", blob, {"k": k})
+            acked.append(k)
+            await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(publisher())
+    while len(acked) < 8:
+        await asyncio.sleep(0.01)
+    nats_server.kill()  # kill -9 mid-stream
+    await asyncio.sleep(1.0)
+    await asyncio.get_running_loop().run_in_executor(None, nats_server.start)
+    await asyncio.wait_for(task, 90)
+    assert acked == list(range(30))  # every publish was acknowledged (buffered or retried)
+    cons = ChunkConsumer(js, S.stream("grad"), "after", [S.grad_all])
+    await cons.start()
+    rs = await _drain(cons, lambda r: len({x.obj_id for x in _done(r)}) == 30, timeout=30)
+    got = {r.meta["k"]: codec.decode_array(r.blob) for r in _done(rs)}
+    assert sorted(got) == list(range(30))
+    assert all(float(v[0]) == k and float(v[-1]) == k for k, v in got.items())
+    await nc.close()
+
+
+async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
+    await ensure_run(js, RUN)
+    store = VersionedStore(js, RUN, GLOBAL, ChunkPublisher(js, max_chunk=100_000))
+    assert await store.get(0) is None
+    for v in range(3):
+        await store.put(0, v, codec.encode_array(np.full(60_000, v, np.float32)), {"note": v})
+    await store.put(1, 0, codec.encode_array(np.zeros(10, np.float32)))
+    head, blob = await store.get(0)
+    assert head.version == 2 and head.meta == {"note": 2} and head.count == 3
+    assert np.all(codec.decode_array(blob) == 2)
+    # a writer killed mid-version: chunks of v3 without a head, the newest complete version stays v2
+    partial = codec.encode_array(np.full(60_000, 3, np.float32))
+    parts = split(partial, 100_000)
+    await js.publish(S.versioned_chunk(GLOBAL, 0, 0), bytes(parts[0]),
+                     headers=chunk_headers(store.obj_id(0, 3), 0, len(parts), len(partial), checksum(partial), {}))
+    head, blob = await store.get(0)
+    assert head.version == 2 and np.all(codec.decode_array(blob) == 2)
+    # a late watcher first sees the newest of each fragment, then live ones, monotonic per fragment
+    stop = asyncio.Event()
+    seen = []
+
+    async def watcher():
+        async for h in store.watch(stop):
+            seen.append((h.fragment, h.version))
+            if (0, 5) in seen:
+                stop.set()
+
+    t = asyncio.create_task(watcher())
+    await asyncio.sleep(0.5)
+    await store.put(0, 4, codec.encode_array(np.full(10, 4, np.float32)))
+    # a stale writer republishing an older version is not delivered to watchers
+    await store.put(0, 1, codec.encode_array(np.full(10, 1, np.float32)))
+    await store.put(0, 5, codec.encode_array(np.full(10, 5, np.float32)))
+    await asyncio.wait_for(t, 10)
+    assert sorted(seen) == [(0, 2), (0, 4), (0, 5), (1, 0)]
