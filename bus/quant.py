@@ -89,13 +89,15 @@ def quantise(x: np.ndarray, name: str, block: int = DEFAULT_BLOCK) -> list[np.nd
             return [scale, q.astype(np.int8).reshape(-1)[: x.size]]
         codes = (q.astype(np.int8) + 8).astype(np.uint8).reshape(-1)
         return [scale, _pack_nibbles(codes)]
-    # e3m0: magnitude level k in 1..7 means s * 2**(k-7); k = 0 means zero.
+    # e3m0: magnitude level k in 1..7 means s * 2**(k-7); k = 0 means zero. With y = |x| / s in
+    # [0, 1] written as 1.m * 2**E, the nearest power of two in linear space is 2**(E+1) when the
+    # top mantissa bit is set (1.m >= 1.5), else 2**E: pure integer work on the float bits.
     inv = np.divide(np.float32(1.0), amax, out=np.zeros_like(amax), where=amax > 0)
-    y = np.abs(xb) * inv[:, None]  # in [0, 1]
-    m, e = np.frexp(y)  # y = m * 2**e, m in [0.5, 1)
-    k = e + np.where(m >= 0.75, 7, 6)
-    k = np.where(y > 0, k, 0)
+    y = np.abs(xb) * inv[:, None]
+    bits = y.view(np.uint32)
+    k = (bits >> 23).astype(np.int16) - np.int16(127 - 7) + ((bits >> 22) & 1).astype(np.int16)
     np.clip(k, 0, 7, out=k)
+    k[bits == 0] = 0
     codes = (k.astype(np.uint8) | (np.signbit(xb).astype(np.uint8) << 3)).reshape(-1)
     return [amax, _pack_nibbles(codes)]
 

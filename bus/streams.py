@@ -29,7 +29,7 @@ KV_KINDS = ("members", "lease", "run")
 @dataclass(frozen=True)
 class Limits:
     max_age: float = 3600.0
-    max_bytes: int = 4 * 1024**3
+    max_bytes: int = 2 * 1024**3
     global_history: int = 2
     max_msg_size: int = 8 * 1024 * 1024 + 64 * 1024
 

@@ -1,0 +1,42 @@
+"""Shared benchmark plumbing: --quick / --out arguments and the one-JSON-line-last convention."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import sys
+import time
+
+import orjson
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a run under a minute (fewer sizes/repetitions)")
+    p.add_argument("--out", default=None, help="write the results JSON to this file")
+    return p
+
+
+def machine() -> dict:
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def finish(results: dict, out: str | None) -> None:
+    """Write ``results`` to ``out`` (if given) and print them as one JSON line, last."""
+    results = {**results, "machine": machine()}
+    data = orjson.dumps(results, option=orjson.OPT_SERIALIZE_NUMPY)
+    if out:
+        with open(out, "wb") as f:
+            f.write(data)
+    print(data.decode(), flush=True)

@@ -1,0 +1,153 @@
+"""The ``diloco`` command: one entry point, one subcommand per job.
+
+Subcommands are looked up lazily (``COMMANDS`` maps a name to ``module:function``) so that
+``diloco nats`` does not import JAX. Each function takes the remaining argv and returns an exit
+code. Configuration comes from ``DILOCO_*`` environment variables (see ``diloco config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import signal
+import sys
+import time
+
+from bus.config import ROLE_CONFIGS, CommonConfig, ConfigError, from_env, markdown_table, sources
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "nats": ("bus.cli:cmd_nats", "run an embedded JetStream nats-server in the foreground"),
+    "run": ("bus.cli:cmd_run", "create, inspect or delete a run's streams and buckets"),
+    "config": ("bus.cli:cmd_config", "print a role's effective configuration and its sources"),
+    "learner": ("learner.service:main", "run one learner (island)"),
+    "aggregator": ("aggregator.service:main", "run the aggregator"),
+    "monitor": ("monitor.service:main", "run the membership monitor"),
+    "eval": ("learner.evaluator:main", "follow global versions and publish held-out loss"),
+    "metrics": ("monitor.cli:cmd_metrics", "live table of a run's metrics"),
+    "status": ("monitor.cli:cmd_status", "one snapshot of a run: membership, versions, streams"),
+    "up": ("bus.launcher:main", "start a whole local run: server, aggregator, monitor, evaluator, learners"),
+}
+
+ROLE_MODULES = ("learner.config", "aggregator.config", "monitor.config")
+
+
+def load_role_configs() -> dict[str, type]:
+    """Import every role's config module so that ``ROLE_CONFIGS`` lists all variables."""
+    for mod in ROLE_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    return ROLE_CONFIGS
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: diloco COMMAND [args]\n\ncommands:")
+        for name, (_, help_) in COMMANDS.items():
+            print(f"  {name:<11} {help_}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"diloco: unknown command {name!r} (see diloco --help)", file=sys.stderr)
+        return 2
+    target, _ = COMMANDS[name]
+    mod_name, fn_name = target.split(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except ModuleNotFoundError as e:
+        print(f"diloco {name}: not available in this build ({e})", file=sys.stderr)
+        return 2
+    try:
+        return int(fn(rest) or 0)
+    except ConfigError as e:
+        print(f"diloco {name}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_nats(argv: list[str]) -> int:
+    from bus.server import EmbeddedServer
+
+    p = argparse.ArgumentParser(prog="diloco nats", description=COMMANDS["nats"][1])
+    p.add_argument("--port", type=int, default=4222, help="client port (0: a free one)")
+    p.add_argument("--http-port", type=int, default=8222, help="monitoring port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (keep loopback unless auth is on)")
+    p.add_argument("--store-dir", default="./nats-data", help="JetStream file store")
+    p.add_argument("--max-payload", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--config-extra", default="", help="file whose text is appended to the config (auth, TLS)")
+    a = p.parse_args(argv)
+    extra = open(a.config_extra).read() if a.config_extra else ""
+    srv = EmbeddedServer(store_dir=a.store_dir, host=a.host, port=a.port, http_port=a.http_port,
+                         max_payload=a.max_payload, extra_config=extra)
+    srv.start()
+    print(f"nats-server ready: {srv.url} (monitoring {srv.monitor_url}, store {a.store_dir}); Ctrl-C stops it",
+          flush=True)
+    stop = {"flag": False}
+
+    def on_signal(*_: object) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        while not stop["flag"] and srv.proc is not None and srv.proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        srv.stop()
+    return 0
+
+
+def cmd_run(argv: list[str]) -> int:
+    import orjson
+
+    from bus.conn import connect
+    from bus.streams import Limits, delete_run, ensure_run, inspect_run
+
+    p = argparse.ArgumentParser(prog="diloco run", description=COMMANDS["run"][1])
+    p.add_argument("action", choices=["create", "inspect", "delete"])
+    a = p.parse_args(argv)
+    cfg = from_env(CommonConfig)
+
+    async def go() -> object:
+        nc = await connect(cfg, name=f"cli-run-{a.action}")
+        try:
+            js = nc.jetstream(timeout=10)
+            if a.action == "create":
+                await ensure_run(js, cfg.run, Limits.from_config(cfg))
+                return await inspect_run(js, cfg.run)
+            if a.action == "inspect":
+                return await inspect_run(js, cfg.run)
+            return {"deleted": await delete_run(js, cfg.run)}
+        finally:
+            await nc.close()
+
+    print(orjson.dumps(asyncio.run(go()), option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+def cmd_config(argv: list[str]) -> int:
+    roles = load_role_configs()
+    p = argparse.ArgumentParser(prog="diloco config", description=COMMANDS["config"][1])
+    p.add_argument("role", nargs="?", choices=sorted(roles), default="common")
+    p.add_argument("--markdown", action="store_true", help="print the table of every variable (for the README)")
+    a = p.parse_args(argv)
+    if a.markdown:
+        print(markdown_table())
+        return 0
+    rows = sources(CommonConfig) + ([] if a.role == "common" else sources(roles[a.role]))
+    seen = set()
+    for name, value, src in rows:
+        if name in seen:
+            continue
+        seen.add(name)
+        print(f"{name}={value}  # {src}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
