@@ -1,0 +1,54 @@
+"""One learner's outer gradient for one fragment, as the aggregator sees it.
+
+A contribution carries Delta_{m,p} = Theta_p(base_version) - theta_{m,p} (DESIGN.md section 3)
+for learner m and fragment p, already assembled from its chunks and decoded to a flat float32
+vector, together with the counters the weighting needs (inner steps and tokens since that
+learner's last sync of this fragment).
+
+Identity for de-duplication is ``key = (learner, incarnation, fragment, round)``: ``incarnation``
+is a random id drawn each time a learner process starts, ``round`` counts that incarnation's
+contributions to that fragment and only ever increases. A redelivered or replayed message has the
+same key; a restarted learner has a new incarnation and starts its rounds again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+ContributionKey = tuple[str, str, int, int]
+"""(learner, incarnation, fragment, round)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Contribution:
+    """An outer-gradient fragment from one learner (immutable metadata, flat float32 vector).
+
+    Nothing is checked here: :func:`aggregator.validate.validate` decides whether a contribution
+    is usable and names the reason when it is not. ``eq=False`` because comparing the vectors
+    element-wise is never what the caller wants; compare :attr:`key` instead.
+
+    The vector is not copied. The aggregator treats it as read-only; whoever decoded it owns the
+    buffer and must not reuse it while the contribution is buffered.
+    """
+
+    run: str
+    model_hash: str
+    learner: str
+    incarnation: str
+    fragment: int
+    round: int
+    base_version: int
+    inner_steps: int
+    tokens: int
+    vector: np.ndarray
+
+    @property
+    def key(self) -> ContributionKey:
+        """(learner, incarnation, fragment, round): the identity used for de-duplication."""
+        return (self.learner, self.incarnation, self.fragment, self.round)
+
+    def staleness(self, current_version: int) -> int:
+        """d = current_version - base_version (negative means the base is from the future)."""
+        return current_version - self.base_version

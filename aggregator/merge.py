@@ -1,0 +1,341 @@
+"""Merging M outer-gradient vectors of one fragment into one (numpy only, pure, fast).
+
+Notation: v_1..v_M are flat float32 vectors of length n (one per accepted contribution), w_i >= 0
+their weights (see :mod:`aggregator.weights`), W = sum_i w_i, |.| the Euclidean norm.
+
+- weighted mean:      mean = sum_i w_i v_i / W
+- radial-directional  rda  = (sum_i w_i |v_i| / W) * unit(sum_i w_i unit(v_i)),  unit(x) = x/|x|
+  averaging (RDA):    (unit(0) = 0: a zero vector adds weight to the magnitude, not the direction)
+- clip to median:     v_i <- v_i * min(1, median_j |v_j| / |v_i|)
+- trimmed mean:       per coordinate, drop the floor(f*M) smallest and largest values, then the
+                      weighted mean of the rest.
+
+Outer gradients of different learners are nearly orthogonal, so the plain mean of M of them has a
+norm about 1/sqrt(M) of theirs; RDA keeps the weighted mean norm and the weighted mean direction
+(DESIGN.md section 3, Decoupled DiLoCo). Use "mean" where the contributions point the same way
+(the published recipe kept plain averaging for the embedding fragment).
+
+Speed and memory. Merging is memory-bound, so every kernel reads each input once and never stacks
+copies of the inputs: the output is accumulated in place, block by block, so the block of ``out``
+and one scratch block stay in cache while each input streams through once.
+
+- ``weighted_mean`` / ``rda``: the output (n float32, pass ``out=`` to reuse a buffer) plus one
+  scratch block (``block`` float32 values, 1 MiB by default). ``rda`` also reads every input once
+  more to take its norm unless you pass ``norms=`` (validation already computed them: reuse them).
+- Fastest input layout: one C-contiguous (M, n) float32 matrix whose rows are the contributions
+  (decode messages straight into its rows); then the sum is a single BLAS matrix-vector product.
+- ``trimmed_mean`` sorts each coordinate: it is several times slower than the mean and holds an
+  (M, block) stack plus its argsort (about 20 bytes x M x block) per block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Literal, Union
+
+import numpy as np
+
+Vectors = Union[Sequence[np.ndarray], np.ndarray]
+"""A sequence of M flat float32 vectors of equal length, or an (M, n) float32 matrix."""
+
+DEFAULT_BLOCK = 1 << 18
+"""Elements per block for the streaming kernels (1 MiB of float32: fits in L2/L3 with ``out``)."""
+
+METHODS = ("mean", "rda")
+ROBUST = (None, "clip", "trim")
+
+
+def block_slices(n: int, block: int = DEFAULT_BLOCK) -> Iterator[slice]:
+    """Consecutive slices of length ``block`` (the last may be shorter) covering range(n)."""
+    if block <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    for start in range(0, n, block):
+        yield slice(start, min(start + block, n))
+
+
+def l2_norm(v: np.ndarray) -> float:
+    """|v| in one read pass (BLAS dot, float32 accumulation).
+
+    If the float32 sum of squares overflows (values above ~1e19) or the vector holds inf/nan, the
+    norm is recomputed blockwise in float64, so the result is inf or nan only if it truly is.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = float(np.dot(v, v))
+    if math.isfinite(s):
+        return math.sqrt(s)
+    total = 0.0
+    for sl in block_slices(v.size, 1 << 16):
+        blk = v[sl].astype(np.float64)
+        total += float(np.dot(blk, blk))
+    return math.sqrt(total)
+
+
+def _as_rows(vectors: Vectors) -> tuple[Sequence[np.ndarray], int]:
+    """Check the inputs: M >= 1 flat float32 vectors of one length n. Returns (rows, n).
+
+    ``rows`` is the matrix itself for a 2-D input (so the gemv path can see it), else a list.
+    """
+    if isinstance(vectors, np.ndarray):
+        if vectors.ndim != 2:
+            raise ValueError(f"a matrix of vectors must be 2-D (M, n), got shape {vectors.shape}")
+        rows: Sequence[np.ndarray] = vectors
+    else:
+        rows = list(vectors)
+    if len(rows) == 0:
+        raise ValueError("cannot merge zero vectors")
+    n = rows[0].shape[-1] if rows[0].ndim else -1
+    for i, v in enumerate(rows):
+        if not isinstance(v, np.ndarray) or v.ndim != 1:
+            raise ValueError(f"vector {i} is not a flat 1-D array")
+        if v.dtype != np.float32:
+            raise ValueError(f"vector {i} has dtype {v.dtype}, expected float32")
+        if v.size != n:
+            raise ValueError(f"vector {i} has length {v.size}, expected {n}")
+    return rows, n
+
+
+def _check_weights(w: np.ndarray | Sequence[float], m: int) -> np.ndarray:
+    """Weights as float64, length m, finite, >= 0, positive sum."""
+    arr = np.asarray(w, dtype=np.float64)
+    if arr.ndim != 1 or arr.size != m:
+        raise ValueError(f"expected {m} weights, got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"weights must be finite and >= 0, got {arr}")
+    if arr.sum() <= 0:
+        raise ValueError("weights sum to zero: nothing to merge")
+    return arr
+
+
+def _out_buffer(out: np.ndarray | None, n: int, rows: Sequence[np.ndarray]) -> np.ndarray:
+    """``out`` checked (contiguous float32, length n, not overlapping an input) or a new array."""
+    if out is None:
+        return np.empty(n, dtype=np.float32)
+    if out.dtype != np.float32 or out.shape != (n,) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous float32 array of shape ({n},)")
+    overlaps = (np.may_share_memory(out, rows) if isinstance(rows, np.ndarray)
+                else any(np.may_share_memory(out, v) for v in rows))
+    if overlaps:
+        raise ValueError("out must not overlap the input vectors")
+    return out
+
+
+def _combine(rows: Vectors, coeffs: np.ndarray, out: np.ndarray, block: int) -> np.ndarray:
+    """out = sum_i coeffs_i * rows_i, float32, each input read once.
+
+    A contiguous (M, n) float32 matrix goes through one BLAS gemv; a sequence is streamed
+    block by block so the output block and one scratch block stay in cache.
+    """
+    c32 = coeffs.astype(np.float32)
+    if isinstance(rows, np.ndarray) and rows.flags.c_contiguous:
+        np.dot(c32, rows, out=out)
+        return out
+    n = out.size
+    scratch = np.empty(min(block, max(n, 1)), dtype=np.float32)
+    for sl in block_slices(n, block):
+        o = out[sl]
+        s = scratch[: o.size]
+        np.multiply(rows[0][sl], c32[0], out=o)
+        for i in range(1, len(rows)):
+            np.multiply(rows[i][sl], c32[i], out=s)
+            np.add(o, s, out=o)
+    return out
+
+
+def _norms(rows: Sequence[np.ndarray], norms: np.ndarray | Sequence[float] | None) -> np.ndarray:
+    if norms is None:
+        return np.array([l2_norm(v) for v in rows], dtype=np.float64)
+    arr = np.asarray(norms, dtype=np.float64)
+    if arr.shape != (len(rows),) or not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"norms must be {len(rows)} finite values >= 0, got {arr}")
+    return arr
+
+
+def weighted_mean(
+    vectors: Vectors,
+    w: np.ndarray | Sequence[float],
+    *,
+    out: np.ndarray | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> np.ndarray:
+    """mean = sum_i w_i v_i / W, accumulated in float32 into ``out`` (allocated if None).
+
+    Weights need not be normalised. Memory: ``out`` plus one scratch block; inputs are not copied.
+    """
+    rows, n = _as_rows(vectors)
+    wt = _check_weights(w, len(rows))
+    buf = _out_buffer(out, n, rows)
+    return _combine(rows, wt / wt.sum(), buf, block)
+
+
+def _rda(
+    rows: Sequence[np.ndarray],
+    wt: np.ndarray,
+    norms: np.ndarray,
+    magnitudes: np.ndarray,
+    out: np.ndarray,
+    block: int,
+) -> np.ndarray:
+    """RDA with separate norms for the direction (unit(v_i) = v_i/norms_i) and the magnitude."""
+    target = float(np.dot(wt, magnitudes) / wt.sum())
+    safe = np.where(norms > 0, norms, 1.0)
+    coeffs = np.where(norms > 0, wt / safe, 0.0)
+    if not np.any(coeffs > 0):  # every vector is zero
+        out.fill(0.0)
+        return out
+    # Scale the coefficients so the largest is 1: keeps the float32 sum far from under/overflow.
+    coeffs = coeffs / coeffs.max()
+    _combine(rows, coeffs, out, block)
+    u = l2_norm(out)
+    if u == 0.0 or target == 0.0 or not math.isfinite(u):
+        out.fill(0.0)  # directions cancel exactly: no defined direction, so no step
+        return out
+    np.multiply(out, np.float32(target / u), out=out)
+    return out
+
+
+def rda(
+    vectors: Vectors,
+    w: np.ndarray | Sequence[float],
+    *,
+    norms: np.ndarray | Sequence[float] | None = None,
+    out: np.ndarray | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> np.ndarray:
+    """Radial-directional averaging: (sum_i w_i |v_i| / W) * unit(sum_i w_i unit(v_i)).
+
+    Computed as u = sum_i (w_i/|v_i|) v_i (one streaming pass), then out = u * target/|u|.
+    Zero vectors count in the magnitude average but carry no direction; if every vector is zero,
+    or the unit vectors cancel exactly, the result is the zero vector (no step).
+
+    Pass ``norms`` (|v_i|, e.g. from validation) to skip a full read of the inputs.
+    Memory: ``out`` plus one scratch block.
+    """
+    rows, n = _as_rows(vectors)
+    wt = _check_weights(w, len(rows))
+    nrm = _norms(rows, norms)
+    buf = _out_buffer(out, n, rows)
+    return _rda(rows, wt, nrm, nrm, buf, block)
+
+
+def clip_scales(norms: np.ndarray | Sequence[float]) -> np.ndarray:
+    """s_i = min(1, median_j |v_j| / |v_i|): the factor that clips v_i to the median norm."""
+    arr = np.asarray(norms, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("need at least one norm")
+    med = float(np.median(arr))
+    return np.where(arr > med, med / np.where(arr > 0, arr, 1.0), 1.0)
+
+
+def clip_to_median_norm(
+    vectors: Vectors, *, norms: np.ndarray | Sequence[float] | None = None
+) -> list[np.ndarray]:
+    """Scale each vector whose norm exceeds the median norm down to the median norm.
+
+    Returns a list: vectors at or below the median are returned as they are (same objects, not
+    copied), clipped ones are new arrays. :func:`merge` does not call this: it folds the same
+    factors into the weights and costs nothing extra. Against one poisoned learner this bounds
+    its influence to what an ordinary learner has; with M = 2 the median is the mean of the two.
+    """
+    rows, _ = _as_rows(vectors)
+    scales = clip_scales(_norms(rows, norms))
+    return [v if s >= 1.0 else v * np.float32(s) for v, s in zip(rows, scales)]
+
+
+def trimmed_mean(
+    vectors: Vectors,
+    w: np.ndarray | Sequence[float],
+    trim_fraction: float,
+    *,
+    out: np.ndarray | None = None,
+    block: int | None = None,
+) -> np.ndarray:
+    """Coordinate-wise trimmed weighted mean.
+
+    With k = floor(trim_fraction * M): for every coordinate j, sort v_1[j]..v_M[j], drop the k
+    smallest and the k largest, and return sum w_i v_i[j] / sum w_i over the values kept (each
+    value keeps its own learner's weight). trim_fraction must be in [0, 0.5). With fewer than
+    1/trim_fraction vectors, k = 0 and this is the weighted mean: trimming needs M >= 3 to act.
+
+    Memory: ``out`` plus an (M, block) float32 stack and its argsort per block (default block:
+    about 2**20 / M elements, i.e. ~20 MiB of temporaries at most).
+    """
+    rows, n = _as_rows(vectors)
+    m = len(rows)
+    wt = _check_weights(w, m)
+    if not 0.0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+    k = int(math.floor(trim_fraction * m))
+    buf = _out_buffer(out, n, rows)
+    if k == 0:
+        return _combine(rows, wt / wt.sum(), buf, DEFAULT_BLOCK)
+    blk = block if block is not None else max(1024, (1 << 20) // m)
+    equal = bool(np.all(wt == wt[0]))
+    w_col = wt.astype(np.float32)[:, None]
+    stack = np.empty((m, min(blk, n)), dtype=np.float32)
+    for sl in block_slices(n, blk):
+        size = sl.stop - sl.start
+        s = stack[:, :size]
+        for i, v in enumerate(rows):
+            s[i] = v[sl]
+        if equal:
+            s.sort(axis=0)
+            np.mean(s[k : m - k], axis=0, out=buf[sl])
+            continue
+        order = np.argsort(s, axis=0)
+        kept = order[k : m - k]
+        vals = np.take_along_axis(s, kept, axis=0)
+        ws = np.take_along_axis(np.broadcast_to(w_col, s.shape), kept, axis=0)
+        num = np.einsum("ij,ij->j", vals, ws)
+        den = ws.sum(axis=0)
+        # A coordinate whose kept values all have weight 0: fall back to their plain mean.
+        np.divide(num, den, out=buf[sl], where=den > 0)
+        zero = den <= 0
+        if np.any(zero):
+            buf[sl][zero] = vals[:, zero].mean(axis=0)
+    return buf
+
+
+def merge(
+    vectors: Vectors,
+    w: np.ndarray | Sequence[float],
+    method: Literal["mean", "rda"] = "rda",
+    robust: Literal["clip", "trim"] | None = None,
+    *,
+    trim_fraction: float = 0.2,
+    norms: np.ndarray | Sequence[float] | None = None,
+    out: np.ndarray | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> np.ndarray:
+    """Merge one fragment's contributions: ``method`` in {"mean", "rda"}, ``robust`` in
+    {None, "clip", "trim"}.
+
+    - robust="clip": every vector above the median norm is scaled down to it before merging
+      (folded into the weights: no extra pass, no copy). Works with both methods; with RDA the
+      directions are unchanged and only the magnitude average uses the clipped norms.
+    - robust="trim": coordinate-wise trimmed mean (``trim_fraction``); only with method="mean"
+      (RDA's magnitude/direction split has no coordinate-wise form). Slower, see trimmed_mean.
+
+    Turn on a robust mode when a broken or hostile learner may pass validation (norm outlier
+    rejection catches only norms above k x the running median). "clip" is nearly free; "trim"
+    also resists a few coordinates blown up while the norm stays plausible, but needs M >= 3 and
+    costs several times the mean.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown merge method {method!r}, expected one of {METHODS}")
+    if robust not in ROBUST:
+        raise ValueError(f"unknown robust mode {robust!r}, expected one of {ROBUST}")
+    if robust == "trim":
+        if method != "mean":
+            raise ValueError("robust='trim' is only defined for method='mean'")
+        return trimmed_mean(vectors, w, trim_fraction, out=out)
+    if robust is None and method == "mean":
+        return weighted_mean(vectors, w, out=out, block=block)
+    rows, n = _as_rows(vectors)
+    wt = _check_weights(w, len(rows))
+    nrm = _norms(rows, norms)  # needed by both RDA and clipping
+    buf = _out_buffer(out, n, rows)
+    if method == "mean":  # robust == "clip"
+        return _combine(rows, wt * clip_scales(nrm) / wt.sum(), buf, block)
+    mags = nrm * clip_scales(nrm) if robust == "clip" else nrm
+    return _rda(rows, wt, nrm, mags, buf, block)

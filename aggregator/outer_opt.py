@@ -1,0 +1,230 @@
+"""Outer optimizers for one fragment, in numpy: Nesterov SGD and Delayed Nesterov.
+
+The merged outer gradient g = merge(Delta_1..Delta_M) is treated as a gradient (DiLoCo; DESIGN.md
+section 3). With learning rate lr and momentum beta (DiLoCo defaults 0.7 and 0.9):
+
+Nesterov SGD, exactly ``optax.sgd(lr, momentum=beta, nesterov=True)`` followed by
+``optax.apply_updates``::
+
+    t <- g + beta * t                 (momentum trace, starts at 0)
+    u <- g + beta * t                 (Nesterov look-ahead)
+    theta <- theta + (-lr) * u
+
+Delayed Nesterov (Liu et al., arXiv 2401.09135, Algorithm "DN"), for merges that arrive one
+learner at a time. Applying Nesterov per arrival applies the momentum once per arrival; DN buffers
+the outer gradients and touches the momentum only every N-th merge::
+
+    Delta <- Delta + g;  n <- n + 1
+    if n % N == 0:   t <- beta * t + Delta / N;   Delta <- 0
+                     theta <- theta - lr * (g / N + beta * t)
+    else:            theta <- theta - lr * g / N
+
+Over N merges the parameters move by -lr * (mean(g) + beta * t), one Nesterov step on the mean
+outer gradient, while every merge still publishes a new version. N = 1 is ordinary Nesterov.
+Operational advice: with K = 1 (every merge holds one learner's gradient) set N near the number
+of active learners; with quorum merges of all learners N = 1 is right.
+
+Ownership: ``step(..., inplace=False)`` (default) never modifies its inputs and returns new
+arrays. ``inplace=True`` updates ``params`` and the state's arrays in place and returns those same
+objects (the old state object must not be used again); ``outer_grad`` is only ever read. In-place
+steps use one scratch block, no full-size temporaries. State serialises with ``to_dict`` to a dict
+of numpy arrays and ints (arrays are float32; encode them as bytes for msgpack).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from aggregator.merge import DEFAULT_BLOCK, block_slices
+
+
+def _check_float32(name: str, x: np.ndarray, n: int | None = None) -> None:
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1:
+        raise ValueError(f"{name} must be a flat float32 array")
+    if n is not None and x.size != n:
+        raise ValueError(f"{name} has {x.size} elements, expected {n}")
+
+
+def _check_hparams(lr: float, momentum: float) -> None:
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+
+
+@dataclass(frozen=True)
+class NesterovState:
+    """Momentum trace t (float32, like the fragment) and the number of steps taken."""
+
+    momentum: np.ndarray
+    count: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "nesterov", "momentum": self.momentum, "count": self.count}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NesterovState:
+        if data.get("kind") != "nesterov":
+            raise ValueError(f"not a Nesterov state: kind={data.get('kind')!r}")
+        return cls(np.asarray(data["momentum"], dtype=np.float32).copy(), int(data["count"]))
+
+
+@dataclass(frozen=True)
+class DelayedNesterovState:
+    """Momentum trace t, gradient buffer Delta (None when period == 1), merges counted n."""
+
+    momentum: np.ndarray
+    buffer: np.ndarray | None
+    count: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": "delayed_nesterov", "momentum": self.momentum,
+                             "count": self.count}
+        if self.buffer is not None:
+            d["buffer"] = self.buffer
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DelayedNesterovState:
+        if data.get("kind") != "delayed_nesterov":
+            raise ValueError(f"not a Delayed Nesterov state: kind={data.get('kind')!r}")
+        buf = data.get("buffer")
+        return cls(np.asarray(data["momentum"], dtype=np.float32).copy(),
+                   None if buf is None else np.asarray(buf, dtype=np.float32).copy(),
+                   int(data["count"]))
+
+
+class OuterOptimizer(Protocol):
+    """init(params) -> state; step(params, outer_grad, state, inplace=...) -> (params, state)."""
+
+    def init(self, params: np.ndarray) -> Any: ...
+
+    def step(self, params: np.ndarray, outer_grad: np.ndarray, state: Any, *,
+             inplace: bool = False) -> tuple[np.ndarray, Any]: ...
+
+
+@dataclass(frozen=True)
+class NesterovSGD:
+    """SGD with Nesterov momentum on one flat float32 fragment (see module docstring)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self) -> None:
+        _check_hparams(self.lr, self.momentum)
+
+    def init(self, params: np.ndarray) -> NesterovState:
+        """Zero momentum shaped like ``params``."""
+        _check_float32("params", params)
+        return NesterovState(np.zeros_like(params), 0)
+
+    def step(
+        self,
+        params: np.ndarray,
+        outer_grad: np.ndarray,
+        state: NesterovState,
+        *,
+        inplace: bool = False,
+    ) -> tuple[np.ndarray, NesterovState]:
+        """One outer step: returns (params + (-lr) * (g + beta * t_new), new state)."""
+        _check_float32("params", params)
+        n = params.size
+        _check_float32("outer_grad", outer_grad, n)
+        _check_float32("momentum", state.momentum, n)
+        p = params if inplace else params.copy()
+        t = state.momentum if inplace else state.momentum.copy()
+        beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
+        scratch = np.empty(min(self.block, max(n, 1)), dtype=np.float32)
+        for sl in block_slices(n, self.block):
+            g, tb, pb = outer_grad[sl], t[sl], p[sl]
+            s = scratch[: pb.size]
+            np.multiply(tb, beta, out=tb)
+            np.add(g, tb, out=tb)          # t = g + beta * t
+            np.multiply(tb, beta, out=s)
+            np.add(g, s, out=s)            # u = g + beta * t
+            np.multiply(s, neg_lr, out=s)  # u = -lr * u
+            np.add(pb, s, out=pb)          # theta = theta + u
+        return p, NesterovState(t, state.count + 1)
+
+
+@dataclass(frozen=True)
+class DelayedNesterov:
+    """Delayed Nesterov: momentum updated every ``period``-th merge (see module docstring)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    period: int = 1
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self) -> None:
+        _check_hparams(self.lr, self.momentum)
+        if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
+            raise ValueError(f"period must be an int >= 1, got {self.period!r}")
+
+    def init(self, params: np.ndarray) -> DelayedNesterovState:
+        """Zero momentum; a zero gradient buffer only when period > 1."""
+        _check_float32("params", params)
+        buf = np.zeros_like(params) if self.period > 1 else None
+        return DelayedNesterovState(np.zeros_like(params), buf, 0)
+
+    def step(
+        self,
+        params: np.ndarray,
+        outer_grad: np.ndarray,
+        state: DelayedNesterovState,
+        *,
+        inplace: bool = False,
+    ) -> tuple[np.ndarray, DelayedNesterovState]:
+        """One merge: buffer g; on every period-th merge also update and apply the momentum."""
+        _check_float32("params", params)
+        n = params.size
+        _check_float32("outer_grad", outer_grad, n)
+        _check_float32("momentum", state.momentum, n)
+        big_n = self.period
+        if big_n > 1:
+            if state.buffer is None:
+                raise ValueError("state has no gradient buffer: was it made with period 1?")
+            _check_float32("buffer", state.buffer, n)
+        p = params if inplace else params.copy()
+        t = state.momentum if inplace else state.momentum.copy()
+        buf = None
+        if state.buffer is not None and big_n > 1:
+            buf = state.buffer if inplace else state.buffer.copy()
+        count = state.count + 1
+        milestone = count % big_n == 0
+        beta, neg_lr, nf = np.float32(self.momentum), np.float32(-self.lr), np.float32(big_n)
+        scratch = np.empty((2, min(self.block, max(n, 1))), dtype=np.float32)
+        for sl in block_slices(n, self.block):
+            g, tb, pb = outer_grad[sl], t[sl], p[sl]
+            s, s2 = scratch[0, : pb.size], scratch[1, : pb.size]
+            if buf is not None:
+                np.add(buf[sl], g, out=buf[sl])           # Delta = Delta + g
+            np.divide(g, nf, out=s)                       # u = g / N
+            if milestone:
+                delta = g if buf is None else buf[sl]
+                np.multiply(tb, beta, out=tb)
+                np.divide(delta, nf, out=s2)
+                np.add(s2, tb, out=tb)                    # t = beta * t + Delta / N
+                if buf is not None:
+                    buf[sl] = 0.0                         # Delta = 0
+                np.multiply(tb, beta, out=s2)
+                np.add(s, s2, out=s)                      # u = g / N + beta * t
+            np.multiply(s, neg_lr, out=s)
+            np.add(pb, s, out=pb)                         # theta = theta - lr * u
+        return p, DelayedNesterovState(t, buf if big_n > 1 else state.buffer, count)
+
+
+def make_outer_optimizer(
+    kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1
+) -> NesterovSGD | DelayedNesterov:
+    """"nesterov" -> NesterovSGD(lr, momentum); "delayed_nesterov" -> DelayedNesterov(..., period)."""
+    if kind == "nesterov":
+        return NesterovSGD(lr, momentum)
+    if kind == "delayed_nesterov":
+        return DelayedNesterov(lr, momentum, period)
+    raise ValueError(f"unknown outer optimizer {kind!r}, expected nesterov or delayed_nesterov")

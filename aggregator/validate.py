@@ -1,0 +1,328 @@
+"""Validation of assembled outer-gradient fragments: accept, or name the reason to reject.
+
+:func:`validate` is pure: it reads a :class:`ValidationContext` snapshot and returns ``None``
+(accept) or the first :class:`Reason` that applies. Checks run cheapest first, so a message from
+another run never costs a pass over its vector:
+
+    1. wrong_run         c.run != ctx.run
+    2. wrong_model       c.model_hash != ctx.model_hash
+    3. unknown_learner   learner never admitted to the membership (not in ctx.known)
+    4. inactive_learner  known but not active now (suspect or evicted)
+    5. wrong_fragment    fragment not in the plan owned by this aggregator
+    6. bad_counters      inner_steps <= 0, tokens <= 0, tokens < steps, tokens/steps above
+                         max_tokens_per_step, steps above max_inner_steps, round < 0 or
+                         base_version < 0 (or any of them not an int)
+    7. future_version    base_version > current version of the fragment
+    8. too_stale         current - base_version > max_staleness
+    9. duplicate         key already applied (see AppliedSet) or buffered for the next merge
+   10. wrong_dtype       vector is not a float32 ndarray
+   11. wrong_shape       vector is not 1-D of the fragment's size
+   12. non_finite        any inf or nan                                  (one pass over vector)
+   13. norm_outlier      |v| > k * median of recent accepted norms of this fragment, once at
+                         least ``norm_min_history`` norms are known (one pass, shared with 12)
+
+After a merge the caller records each applied contribution in :class:`AppliedSet` and its norm in
+:class:`NormHistory`; both are small, bounded and serialise to plain lists for persistence.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import AbstractSet, Any
+
+import numpy as np
+
+from aggregator.contribution import Contribution, ContributionKey
+from aggregator.merge import l2_norm
+
+
+class Reason(str, Enum):
+    """Why a contribution was rejected (the value is the metric label)."""
+
+    wrong_run = "wrong_run"
+    wrong_model = "wrong_model"
+    unknown_learner = "unknown_learner"
+    inactive_learner = "inactive_learner"
+    wrong_fragment = "wrong_fragment"
+    bad_counters = "bad_counters"
+    future_version = "future_version"
+    too_stale = "too_stale"
+    duplicate = "duplicate"
+    wrong_dtype = "wrong_dtype"
+    wrong_shape = "wrong_shape"
+    non_finite = "non_finite"
+    norm_outlier = "norm_outlier"
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+class NormHistory:
+    """The last ``window`` accepted norms per fragment and their median.
+
+    The median is robust to a few bad values, but it follows the data: if many contributions
+    in a row are large, the reference grows with them. Raise ``window`` for a steadier reference,
+    lower it if legitimate norms drift quickly (for example during learning-rate warm-up) and you
+    see norm_outlier rejections of healthy learners.
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._norms: dict[int, deque[float]] = {}
+
+    def add(self, fragment: int, norm: float) -> None:
+        """Record the norm of an applied contribution (finite, >= 0)."""
+        if not (math.isfinite(norm) and norm >= 0):
+            raise ValueError(f"norm must be finite and >= 0, got {norm}")
+        self._norms.setdefault(fragment, deque(maxlen=self.window)).append(float(norm))
+
+    def count(self, fragment: int) -> int:
+        return len(self._norms.get(fragment, ()))
+
+    def median(self, fragment: int) -> float | None:
+        """Median of the recorded norms of ``fragment``, or None if none yet."""
+        d = self._norms.get(fragment)
+        return float(statistics.median(d)) if d else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, msgpack-friendly form: {"window": int, "norms": [[fragment, [norm, ...]], ...]}."""
+        return {"window": self.window,
+                "norms": [[f, list(d)] for f, d in sorted(self._norms.items())]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NormHistory:
+        h = cls(int(data["window"]))
+        for f, norms in data["norms"]:
+            for x in norms:
+                h.add(int(f), float(x))
+        return h
+
+
+class AppliedSet:
+    """Bounded record of applied contributions, to reject duplicates and replays.
+
+    Per (learner, incarnation, fragment) it keeps the highest applied round (and the highest base
+    version applied). A contribution is a duplicate when its round is <= that highest round: an
+    older round arriving after a newer one was applied cannot be told apart from a replay with
+    bounded state, so it is rejected too.
+
+    Per learner at most ``max_incarnations`` incarnations are kept, least recently applied first
+    out. When an incarnation is evicted, the highest base version it had applied per fragment is
+    folded into a per-(learner, fragment) floor: a contribution for which no (learner,
+    incarnation, fragment) entry is held is a duplicate if its base version is <= the floor. So a replay of an evicted
+    incarnation is still caught; the cost is that a brand-new incarnation whose base is older than
+    that floor is rejected (a learner restarting from very old parameters; it is also too_stale
+    in practice). Keep ``max_incarnations`` above the restarts a learner makes within
+    max_staleness versions.
+
+    Memory: O(learners x max_incarnations x fragments) small entries.
+    """
+
+    FORMAT = 1
+
+    def __init__(self, max_incarnations: int = 4) -> None:
+        if max_incarnations < 1:
+            raise ValueError(f"max_incarnations must be >= 1, got {max_incarnations}")
+        self.max_incarnations = max_incarnations
+        # learner -> incarnation (LRU order) -> fragment -> [highest round, highest base version]
+        self._seen: dict[str, OrderedDict[str, dict[int, list[int]]]] = {}
+        # (learner, fragment) -> highest base version applied by an evicted incarnation
+        self._floor: dict[tuple[str, int], int] = {}
+
+    def __len__(self) -> int:
+        """Number of (learner, incarnation, fragment) entries held."""
+        return sum(len(frags) for incs in self._seen.values() for frags in incs.values())
+
+    def incarnations(self, learner: str) -> list[str]:
+        """Incarnations held for ``learner``, least recently applied first."""
+        return list(self._seen.get(learner, {}))
+
+    def highest_round(self, learner: str, incarnation: str, fragment: int) -> int | None:
+        entry = self._seen.get(learner, {}).get(incarnation, {}).get(fragment)
+        return entry[0] if entry is not None else None
+
+    def is_duplicate(self, c: Contribution) -> bool:
+        """True if ``c`` (or a later round of its incarnation and fragment) was already applied."""
+        entry = self._seen.get(c.learner, {}).get(c.incarnation, {}).get(c.fragment)
+        if entry is not None:
+            return c.round <= entry[0]
+        # Not held: either new, or its entry was evicted (possibly its incarnation re-entered
+        # the set since, for another fragment). The floor covers evicted entries.
+        floor = self._floor.get((c.learner, c.fragment))
+        return floor is not None and c.base_version <= floor
+
+    def __contains__(self, c: Contribution) -> bool:
+        return self.is_duplicate(c)
+
+    def record(self, c: Contribution) -> None:
+        """Mark ``c`` applied. Raises ValueError if it is a duplicate (applying twice is a bug)."""
+        if self.is_duplicate(c):
+            raise ValueError(f"contribution {c.key} is already applied")
+        self._record(c.learner, c.incarnation, c.fragment, int(c.round), int(c.base_version))
+
+    def _record(self, learner: str, incarnation: str, fragment: int, rnd: int, base: int) -> None:
+        incs = self._seen.setdefault(learner, OrderedDict())
+        frags = incs.setdefault(incarnation, {})
+        incs.move_to_end(incarnation)
+        entry = frags.get(fragment)
+        if entry is None:
+            frags[fragment] = [rnd, base]
+        else:
+            entry[0] = max(entry[0], rnd)
+            entry[1] = max(entry[1], base)
+        while len(incs) > self.max_incarnations:
+            _, old = incs.popitem(last=False)
+            for f, (_, old_base) in old.items():
+                key = (learner, f)
+                self._floor[key] = max(self._floor.get(key, old_base), old_base)
+
+    def copy(self) -> AppliedSet:
+        return AppliedSet.from_dict(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, msgpack-friendly form (str keys only, ints, lists)::
+
+            {"format": 1, "max_incarnations": int,
+             "learners": [[learner, [[incarnation, [[fragment, round, base], ...]], ...]], ...],
+             "floors": [[learner, fragment, base], ...]}
+
+        Incarnations are listed least recently applied first, which restores the LRU order.
+        """
+        return {
+            "format": self.FORMAT,
+            "max_incarnations": self.max_incarnations,
+            "learners": [
+                [learner, [[inc, [[f, e[0], e[1]] for f, e in sorted(frags.items())]]
+                           for inc, frags in incs.items()]]
+                for learner, incs in sorted(self._seen.items())
+            ],
+            "floors": [[l, f, b] for (l, f), b in sorted(self._floor.items())],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AppliedSet:
+        if data.get("format") != cls.FORMAT:
+            raise ValueError(f"unknown AppliedSet format {data.get('format')!r}")
+        s = cls(int(data["max_incarnations"]))
+        for learner, incs in data["learners"]:
+            od: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
+            for inc, frags in incs:
+                od[str(inc)] = {int(f): [int(r), int(b)] for f, r, b in frags}
+            s._seen[str(learner)] = od
+        for learner, f, b in data["floors"]:
+            s._floor[(str(learner), int(f))] = int(b)
+        return s
+
+
+@dataclass(frozen=True)
+class ValidationContext:
+    """What validation needs to know, as of now. Build one per batch of arrivals.
+
+    ``applied`` and ``norms`` are read, never changed, by :func:`validate`. ``known`` should
+    contain ``active`` (a learner that is active but not known is reported unknown_learner).
+
+    Operational advice:
+    - max_staleness: raise it if you see many too_stale rejections from slow islands (their
+      work is then lost entirely; a staleness weight is a gentler discount). None = no limit.
+    - norm_outlier_factor (k): a poisoned or diverged learner usually shows up as a norm many
+      times the others; k = 10 leaves room for honest variation. None disables the check.
+    - norm_min_history: the check stays off until this many norms of the fragment were accepted.
+    - max_tokens_per_step: the largest batch (in tokens) a learner can have; catches corrupt
+      counters that would otherwise dominate the token weight. None = no limit.
+    """
+
+    run: str
+    model_hash: str
+    fragment_sizes: Mapping[int, int]
+    current_version: Mapping[int, int]
+    active: AbstractSet[str]
+    known: AbstractSet[str]
+    applied: AppliedSet = field(default_factory=AppliedSet)
+    pending: AbstractSet[ContributionKey] = frozenset()
+    norms: NormHistory = field(default_factory=NormHistory)
+    max_staleness: int | None = 16
+    norm_outlier_factor: float | None = 10.0
+    norm_min_history: int = 5
+    max_tokens_per_step: float | None = None
+    max_inner_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        missing = set(self.fragment_sizes) - set(self.current_version)
+        if missing:
+            raise ValueError(f"current_version lacks fragments {sorted(missing)}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.norm_outlier_factor is not None and not self.norm_outlier_factor > 0:
+            raise ValueError(f"norm_outlier_factor must be > 0, got {self.norm_outlier_factor}")
+        if self.norm_min_history < 1:
+            raise ValueError(f"norm_min_history must be >= 1, got {self.norm_min_history}")
+        if self.max_tokens_per_step is not None and not self.max_tokens_per_step >= 1:
+            raise ValueError(f"max_tokens_per_step must be >= 1, got {self.max_tokens_per_step}")
+        if self.max_inner_steps is not None and self.max_inner_steps < 1:
+            raise ValueError(f"max_inner_steps must be >= 1, got {self.max_inner_steps}")
+
+
+def _bad_counters(c: Contribution, ctx: ValidationContext) -> bool:
+    if not all(_is_int(x) for x in (c.inner_steps, c.tokens, c.round, c.base_version)):
+        return True
+    if c.inner_steps <= 0 or c.tokens <= 0 or c.round < 0 or c.base_version < 0:
+        return True
+    if c.tokens < c.inner_steps:  # every inner step consumes at least one token
+        return True
+    if ctx.max_inner_steps is not None and c.inner_steps > ctx.max_inner_steps:
+        return True
+    if ctx.max_tokens_per_step is not None and c.tokens / c.inner_steps > ctx.max_tokens_per_step:
+        return True
+    return False
+
+
+def validate(
+    c: Contribution, ctx: ValidationContext, *, norm: float | None = None
+) -> Reason | None:
+    """None if ``c`` may be merged, else the first Reason in the order of the module docstring.
+
+    ``norm`` may carry |c.vector| if the caller already computed it with :func:`l2_norm` (which
+    is inf/nan exactly when the vector holds inf/nan); keep it: :func:`aggregator.merge.rda` and :meth:`NormHistory.add` want it too). Without it the
+    norm is computed here, in the same pass that detects inf/nan.
+    """
+    if c.run != ctx.run:
+        return Reason.wrong_run
+    if c.model_hash != ctx.model_hash:
+        return Reason.wrong_model
+    if c.learner not in ctx.known:
+        return Reason.unknown_learner
+    if c.learner not in ctx.active:
+        return Reason.inactive_learner
+    if not _is_int(c.fragment) or c.fragment not in ctx.fragment_sizes:
+        return Reason.wrong_fragment
+    if _bad_counters(c, ctx):
+        return Reason.bad_counters
+    current = ctx.current_version[c.fragment]
+    if c.base_version > current:
+        return Reason.future_version
+    if ctx.max_staleness is not None and current - c.base_version > ctx.max_staleness:
+        return Reason.too_stale
+    if c.key in ctx.pending or ctx.applied.is_duplicate(c):
+        return Reason.duplicate
+    v = c.vector
+    if not isinstance(v, np.ndarray) or v.dtype != np.float32:
+        return Reason.wrong_dtype
+    if v.ndim != 1 or v.size != ctx.fragment_sizes[c.fragment]:
+        return Reason.wrong_shape
+    nrm = l2_norm(v) if norm is None else float(norm)
+    # A finite sum of squares proves every value finite; otherwise look (rare path).
+    if not math.isfinite(nrm) and not bool(np.isfinite(v).all()):
+        return Reason.non_finite
+    if ctx.norm_outlier_factor is not None and ctx.norms.count(c.fragment) >= ctx.norm_min_history:
+        med = ctx.norms.median(c.fragment)
+        if med is not None and nrm > ctx.norm_outlier_factor * med:
+            return Reason.norm_outlier
+    return None

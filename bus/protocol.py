@@ -1,0 +1,83 @@
+"""What the roles say to each other over the bus: message metadata and record formats (pure).
+
+* **Outer-gradient fragment** (learner -> aggregator), subject ``grad.<frag>.<learner>``: blob =
+  ``codec.encode_array(delta)`` (flat float32 vector of the fragment, quantised), chunk metadata =
+  :func:`grad_meta`, object id = :func:`grad_obj_id` (unique per learner process and round, so
+  a retry is deduplicated and a replay is recognisable).
+* **Global version** (aggregator -> learners), versioned object ``global.<frag>``: blob =
+  ``codec.encode_array(params_fragment)``, head metadata ``{"model": hash, "plan": plan hash}``.
+* **Heartbeat** (learner -> monitor), ``hb.<learner>``: JSON, see ``monitor.membership``.
+* **Membership** (monitor -> everyone): KV ``members``, key = learner id, JSON member record.
+* **Run manifest**: KV ``run``, key ``manifest``: JSON of :class:`Manifest` (model spec, seed,
+  fragment count, hashes), written once by the aggregator that creates version 0.
+* **Metrics**: ``metrics.<role>.<id>``: JSON with at least ``role``, ``run``, ``ts``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from bus.subjects import check_token
+
+GRAD_FIELDS = ("run", "model", "learner", "inc", "frag", "round", "base", "steps", "tokens", "region")
+MANIFEST_KEY = "manifest"
+
+
+def grad_obj_id(run: str, learner: str, incarnation: str, fragment: int, round_: int) -> str:
+    return f"{run}.{learner}.{incarnation}.{fragment}.{round_}"
+
+
+def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment: int, round_: int,
+              base_version: int, inner_steps: int, tokens: int, region: str) -> dict:
+    return {"run": run, "model": model, "learner": learner, "inc": incarnation, "frag": int(fragment),
+            "round": int(round_), "base": int(base_version), "steps": int(inner_steps), "tokens": int(tokens),
+            "region": region}
+
+
+def parse_grad_meta(meta: dict) -> dict:
+    """Type-check the metadata of a gradient object; ``ValueError('malformed: ...')`` if wrong.
+
+    Semantic checks (right run, active learner, staleness...) belong to the aggregator's validator.
+    """
+    if not isinstance(meta, dict) or set(meta) != set(GRAD_FIELDS):
+        raise ValueError(f"malformed: expected fields {', '.join(GRAD_FIELDS)}")
+    for k in ("run", "model", "learner", "inc", "region"):
+        if not isinstance(meta[k], str) or not meta[k] or len(meta[k]) > 128:
+            raise ValueError(f"malformed: field {k!r} must be a non-empty string")
+    for k in ("frag", "round", "base", "steps", "tokens"):
+        v = meta[k]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 2**62:
+            raise ValueError(f"malformed: field {k!r} must be an integer in 0..2**62")
+    try:
+        check_token("learner", meta["learner"])
+    except ValueError as e:
+        raise ValueError(f"malformed: {e}") from None
+    return meta
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The run's identity: every process checks it before it trains or merges."""
+
+    run: str
+    model_hash: str
+    spec: dict  # learner.spec.ModelSpec fields
+    seed: int
+    num_fragments: int
+    plan_hash: str
+    created_at: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        try:
+            m = cls(str(d["run"]), str(d["model_hash"]), dict(d["spec"]), int(d["seed"]), int(d["num_fragments"]),
+                    str(d["plan_hash"]), float(d["created_at"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed manifest: {e}") from None
+        if m.num_fragments < 1 or not math.isfinite(m.created_at):
+            raise ValueError("malformed manifest: num_fragments < 1 or bad created_at")
+        return m

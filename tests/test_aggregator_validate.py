@@ -1,0 +1,260 @@
+"""Validation: every Reason from a crafted contribution, the check order, AppliedSet, NormHistory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aggregator.contribution import Contribution
+from aggregator.merge import l2_norm
+from aggregator.validate import AppliedSet, NormHistory, Reason, ValidationContext, validate
+
+SIZE = 8
+
+
+def make(**kw) -> Contribution:
+    base = dict(run="r1", model_hash="h1", learner="a", incarnation="i1", fragment=0, round=3,
+                base_version=5, inner_steps=10, tokens=1000,
+                vector=np.full(SIZE, 0.5, dtype=np.float32))
+    base.update(kw)
+    return Contribution(**base)
+
+
+def context(**kw) -> ValidationContext:
+    norms = NormHistory(window=16)
+    for x in (1.0, 1.2, 0.9, 1.1, 1.0):
+        norms.add(0, x)
+    base = dict(run="r1", model_hash="h1", fragment_sizes={0: SIZE, 1: 4},
+                current_version={0: 6, 1: 0}, active={"a", "b"}, known={"a", "b", "gone"},
+                applied=AppliedSet(), norms=norms, max_staleness=3, norm_outlier_factor=10.0,
+                norm_min_history=5, max_tokens_per_step=4096)
+    base.update(kw)
+    return ValidationContext(**base)
+
+
+def test_good_contribution_is_accepted():
+    c = make()
+    assert validate(c, context()) is None
+    assert validate(c, context(), norm=l2_norm(c.vector)) is None
+    assert c.key == ("a", "i1", 0, 3)
+    assert c.staleness(6) == 1
+
+
+def _applied_with(c: Contribution) -> AppliedSet:
+    s = AppliedSet()
+    s.record(c)
+    return s
+
+
+NAN = np.full(SIZE, 0.5, dtype=np.float32)
+NAN[3] = np.nan
+INF = np.full(SIZE, 0.5, dtype=np.float32)
+INF[0] = -np.inf
+
+CASES = [
+    (Reason.wrong_run, dict(run="other"), {}),
+    (Reason.wrong_model, dict(model_hash="h2"), {}),
+    (Reason.unknown_learner, dict(learner="mallory"), {}),
+    (Reason.inactive_learner, dict(learner="gone"), {}),
+    (Reason.wrong_fragment, dict(fragment=7), {}),
+    (Reason.bad_counters, dict(inner_steps=0), {}),
+    (Reason.bad_counters, dict(tokens=0), {}),
+    (Reason.bad_counters, dict(tokens=5), {}),  # fewer tokens than steps
+    (Reason.bad_counters, dict(tokens=10 * 5000), {}),  # 5000 tokens/step > 4096
+    (Reason.bad_counters, dict(round=-1), {}),
+    (Reason.bad_counters, dict(base_version=-2), {}),
+    (Reason.bad_counters, dict(inner_steps=2.5), {}),
+    (Reason.bad_counters, dict(inner_steps=20), dict(max_inner_steps=16)),
+    (Reason.future_version, dict(base_version=7), {}),
+    (Reason.too_stale, dict(base_version=2), {}),  # 6 - 2 = 4 > 3
+    (Reason.duplicate, {}, dict(applied=_applied_with(make()))),
+    (Reason.duplicate, dict(round=2), dict(applied=_applied_with(make()))),  # older round
+    (Reason.duplicate, {}, dict(pending=frozenset({("a", "i1", 0, 3)}))),
+    (Reason.wrong_dtype, dict(vector=np.zeros(SIZE, dtype=np.float64)), {}),
+    (Reason.wrong_dtype, dict(vector=[0.0] * SIZE), {}),
+    (Reason.wrong_shape, dict(vector=np.zeros(SIZE + 1, dtype=np.float32)), {}),
+    (Reason.wrong_shape, dict(vector=np.zeros((2, SIZE // 2), dtype=np.float32)), {}),
+    (Reason.non_finite, dict(vector=NAN), {}),
+    (Reason.non_finite, dict(vector=INF), {}),
+    (Reason.norm_outlier, dict(vector=np.full(SIZE, 5.0, dtype=np.float32)), {}),  # |v|=14 > 10
+]
+
+
+@pytest.mark.parametrize("reason,change,ctx_change", CASES)
+def test_each_reason(reason, change, ctx_change):
+    assert validate(make(**change), context(**ctx_change)) is reason
+
+
+def test_every_reason_is_exercised():
+    assert {r for r, _, _ in CASES} == set(Reason)
+
+
+def test_cheap_checks_come_first():
+    # wrong run AND a non-finite vector: the cheap reason wins, the vector is never read
+    c = make(run="other", vector=NAN)
+    assert validate(c, context()) is Reason.wrong_run
+    # stale and duplicate and wrong shape: staleness is reported
+    c = make(base_version=1, vector=np.zeros(3, dtype=np.float32))
+    assert validate(c, context(applied=_applied_with(make(base_version=1)))) is Reason.too_stale
+
+
+def test_norm_outlier_needs_history_and_can_be_disabled():
+    big = make(vector=np.full(SIZE, 5.0, dtype=np.float32))
+    few = NormHistory()
+    for x in (1.0, 1.0):
+        few.add(0, x)
+    assert validate(big, context(norms=few)) is None  # only 2 norms known, min_history=5
+    assert validate(big, context(norms=few, norm_min_history=2)) is Reason.norm_outlier
+    assert validate(big, context(norm_outlier_factor=None)) is None
+    assert validate(big, context(norm_outlier_factor=20.0)) is None  # 14.1 < 20 * 1.0
+    # other fragments have no history: not checked
+    c = make(fragment=1, base_version=0, vector=np.full(4, 1e6, dtype=np.float32))
+    assert validate(c, context()) is None
+
+
+def test_limits_can_be_disabled():
+    c = make(base_version=0, tokens=10 * 100_000)
+    assert validate(c, context()) is Reason.bad_counters
+    assert validate(c, context(max_tokens_per_step=None)) is Reason.too_stale
+    assert validate(c, context(max_tokens_per_step=None, max_staleness=None)) is None
+
+
+def test_overflowing_norm_is_finite_and_an_outlier():
+    c = make(vector=np.full(SIZE, 1e30, dtype=np.float32))  # float32 sum of squares overflows
+    n = l2_norm(c.vector)
+    assert np.isfinite(n) and n == pytest.approx(1e30 * np.sqrt(SIZE), rel=1e-6)
+    assert validate(c, context()) is Reason.norm_outlier
+
+
+def test_context_rejects_bad_config():
+    with pytest.raises(ValueError):
+        context(max_staleness=-1)
+    with pytest.raises(ValueError):
+        context(norm_outlier_factor=0.0)
+    with pytest.raises(ValueError):
+        context(norm_min_history=0)
+    with pytest.raises(ValueError):
+        context(current_version={0: 1})  # fragment 1 has no version
+
+
+def test_reason_values_are_metric_labels():
+    assert Reason.too_stale == "too_stale"
+    assert Reason("norm_outlier") is Reason.norm_outlier
+
+
+# ---------------------------------------------------------------- AppliedSet
+
+
+def test_applied_set_rounds():
+    s = AppliedSet()
+    s.record(make(round=3))
+    assert s.is_duplicate(make(round=3))
+    assert s.is_duplicate(make(round=1))
+    assert not s.is_duplicate(make(round=4))
+    assert not s.is_duplicate(make(round=3, fragment=1))
+    assert not s.is_duplicate(make(round=3, incarnation="i2"))
+    assert not s.is_duplicate(make(round=3, learner="b"))
+    assert make(round=2) in s
+    with pytest.raises(ValueError):
+        s.record(make(round=3))  # applying twice is a bug
+    s.record(make(round=4))
+    assert s.highest_round("a", "i1", 0) == 4
+    assert len(s) == 1
+
+
+def test_applied_set_is_bounded_and_still_catches_evicted_replays():
+    s = AppliedSet(max_incarnations=2)
+    for k in range(10):
+        for f in range(3):
+            s.record(make(incarnation=f"inc{k}", fragment=f, round=0, base_version=10 * k))
+    assert s.incarnations("a") == ["inc8", "inc9"]
+    assert len(s) == 2 * 3
+    # a replay of an evicted incarnation is still a duplicate (base <= floor of 70)
+    assert s.is_duplicate(make(incarnation="inc3", round=0, base_version=30))
+    assert s.is_duplicate(make(incarnation="inc7", fragment=2, round=5, base_version=70))
+    # a new incarnation that starts from current parameters is accepted
+    assert not s.is_duplicate(make(incarnation="fresh", round=0, base_version=95))
+    # the floor is per learner
+    assert not s.is_duplicate(make(learner="b", incarnation="inc3", round=0, base_version=30))
+
+
+def test_applied_set_lru_keeps_the_incarnation_in_use():
+    s = AppliedSet(max_incarnations=2)
+    s.record(make(incarnation="x", round=0))
+    s.record(make(incarnation="y", round=0))
+    s.record(make(incarnation="x", round=1))  # x used again: y is now the oldest
+    s.record(make(incarnation="z", round=0))
+    assert s.incarnations("a") == ["x", "z"]
+
+
+def test_applied_set_msgpack_round_trip():
+    s = AppliedSet(max_incarnations=2)
+    for k in range(4):
+        s.record(make(incarnation=f"inc{k}", fragment=k % 2, round=k, base_version=k))
+    s.record(make(learner="b", incarnation="q", fragment=1, round=7, base_version=3))
+    blob = msgpack.packb(s.to_dict())
+    back = AppliedSet.from_dict(msgpack.unpackb(blob))  # default strict_map_key=True
+    assert back.to_dict() == s.to_dict()
+    assert back.incarnations("a") == s.incarnations("a")
+    probes = [make(incarnation=f"inc{k}", fragment=f, round=r, base_version=b)
+              for k in range(5) for f in range(2) for r in range(5) for b in range(4)]
+    assert [back.is_duplicate(c) for c in probes] == [s.is_duplicate(c) for c in probes]
+    # the copy is independent
+    back.record(make(learner="c", round=0))
+    assert not s.is_duplicate(make(learner="c", round=0))
+    with pytest.raises(ValueError):
+        AppliedSet.from_dict({**s.to_dict(), "format": 99})
+
+
+records = st.lists(
+    st.tuples(st.sampled_from("ab"), st.integers(0, 5), st.integers(0, 2), st.integers(0, 3)),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(records, st.integers(1, 3))
+def test_applied_set_never_forgets_an_applied_contribution(ops, max_inc):
+    """Whatever the eviction, every contribution once recorded stays a duplicate."""
+    s = AppliedSet(max_incarnations=max_inc)
+    applied: list[Contribution] = []
+    version = 0
+    for learner, inc, frag, bump in ops:
+        version += bump  # base versions only grow over time, like the real run
+        c = make(learner=learner, incarnation=f"i{inc}", fragment=frag,
+                 round=version, base_version=version)
+        if not s.is_duplicate(c):
+            s.record(c)
+            applied.append(c)
+        for learner_ in "ab":
+            assert len(s.incarnations(learner_)) <= max_inc
+    assert all(s.is_duplicate(c) for c in applied)
+    back = AppliedSet.from_dict(msgpack.unpackb(msgpack.packb(s.to_dict())))
+    assert all(back.is_duplicate(c) for c in applied)
+
+
+# ---------------------------------------------------------------- NormHistory
+
+
+def test_norm_history_window_median_and_round_trip():
+    h = NormHistory(window=3)
+    assert h.median(0) is None and h.count(0) == 0
+    for x in (1.0, 100.0, 2.0, 3.0):
+        h.add(0, x)
+    assert h.count(0) == 3
+    assert h.median(0) == 3.0  # window keeps 100, 2, 3
+    back = NormHistory.from_dict(msgpack.unpackb(msgpack.packb(h.to_dict())))
+    assert back.to_dict() == h.to_dict()
+    with pytest.raises(ValueError):
+        h.add(0, float("nan"))
+
+
+def test_contribution_is_frozen():
+    c = make()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.round = 4  # type: ignore[misc]

@@ -1,0 +1,63 @@
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from bus.cli import load_role_configs
+from bus.config import CommonConfig, ConfigError, all_variables, from_env, markdown_table, sources
+
+
+def test_defaults_and_env_values():
+    cfg = from_env(CommonConfig, {})
+    assert cfg.run == "default" and cfg.max_chunk_bytes == 1024 * 1024
+    cfg = from_env(CommonConfig, {"DILOCO_RUN": "exp-1", "DILOCO_INFLIGHT_CHUNKS": "4",
+                                  "DILOCO_NATS_URL": "nats://a:1, tls://b:2"})
+    assert cfg.run == "exp-1" and cfg.inflight_chunks == 4 and cfg.nats_url == "nats://a:1,tls://b:2"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run = "x"
+
+
+@pytest.mark.parametrize(
+    "var, value, expected",
+    [
+        ("DILOCO_RUN", "a.b", "letters, digits"),
+        ("DILOCO_RUN", "", "non-empty"),
+        ("DILOCO_INFLIGHT_CHUNKS", "zero", "an integer >= 1"),
+        ("DILOCO_INFLIGHT_CHUNKS", "0", "an integer >= 1"),
+        ("DILOCO_METRICS_INTERVAL", "nan", "a float"),
+        ("DILOCO_LOG_LEVEL", "loud", "one of debug"),
+        ("DILOCO_NATS_URL", "localhost:4222", "URLs like nats://"),
+        ("DILOCO_NATS_URL", "http://x:1", "schemes"),
+        ("DILOCO_GLOBAL_HISTORY", "1", ">= 2"),
+    ],
+)
+def test_bad_value_is_one_line_naming_variable_value_and_expectation(var, value, expected):
+    with pytest.raises(ConfigError) as e:
+        from_env(CommonConfig, {var: value})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{var}={value!r}:") and expected in msg
+
+
+def test_secrets_are_not_echoed():
+    rows = dict((n, v) for n, v, _ in sources(CommonConfig, {"DILOCO_NATS_PASSWORD": "hunter2"}))
+    assert rows["DILOCO_NATS_PASSWORD"] == "***"
+
+
+def test_every_role_variable_is_in_the_readme_table():
+    load_role_configs()
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    table = markdown_table()
+    assert table in readme, "README variable table is stale: regenerate it with `python docs/update_readme.py`"
+    names = [r[0] for r in all_variables()]
+    assert len(names) == len(set(names)) and all(n.startswith("DILOCO_") for n in names)
+
+
+def test_cli_config_reports_sources_and_bad_values():
+    exe = [sys.executable, "-m", "bus.cli"]
+    ok = subprocess.run(exe + ["config"], env={"DILOCO_RUN": "r1", "PATH": ""}, capture_output=True, text=True)
+    assert ok.returncode == 0 and "DILOCO_RUN=r1  # env" in ok.stdout and "DILOCO_REGION=local  # default" in ok.stdout
+    bad = subprocess.run(exe + ["config"], env={"DILOCO_MAX_CHUNK_BYTES": "1", "PATH": ""}, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "diloco config: DILOCO_MAX_CHUNK_BYTES='1': expected an integer >= 4096 <= 67108864"

@@ -1,0 +1,114 @@
+"""Inner loop: the schedule, clipping, masked weight decay and a loss that falls."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from learner.data import Corpus
+from learner.inner import make_eval_fn, make_optimizer, make_schedule, make_train_step
+from learner.model import loss_fn, to_jax
+from learner.spec import ModelSpec, init_params
+
+TINY = ModelSpec(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32)
+
+
+def test_warmup_then_cosine_values():
+    sched = make_schedule(1e-3, warmup_steps=10, total_steps=110, end_lr_fraction=0.1)
+    assert float(sched(0)) == 0.0
+    assert float(sched(5)) == pytest.approx(5e-4)
+    assert float(sched(10)) == pytest.approx(1e-3)
+    # halfway through the cosine: end + (peak - end) / 2
+    assert float(sched(60)) == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-5)
+    # a quarter through: end + (peak - end) * (1 + cos(pi / 4)) / 2
+    assert float(sched(35)) == pytest.approx(1e-4 + 9e-4 * (1 + math.cos(math.pi / 4)) / 2, rel=1e-5)
+    assert float(sched(110)) == pytest.approx(1e-4)
+    assert float(sched(500)) == pytest.approx(1e-4)
+    values = [float(sched(t)) for t in range(111)]
+    assert values[:11] == sorted(values[:11])
+    assert values[10:] == sorted(values[10:], reverse=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"lr": 0.0, "warmup_steps": 1, "total_steps": 10},
+        {"lr": 1e-3, "warmup_steps": 10, "total_steps": 10},
+        {"lr": 1e-3, "warmup_steps": -1, "total_steps": 10},
+        {"lr": 1e-3, "warmup_steps": 1, "total_steps": 10, "end_lr_fraction": 1.5},
+    ],
+)
+def test_bad_schedule_raises(kwargs):
+    with pytest.raises(ValueError):
+        make_schedule(**kwargs)
+
+
+def _first_moment(state) -> dict:
+    mus = optax.tree_utils.tree_get_all_with_path(state, "mu")
+    assert len(mus) == 1
+    return mus[0][1]
+
+
+def test_clipping_bounds_the_gradient_seen_by_adam():
+    params = {"w": jnp.zeros((3, 4)), "s": jnp.zeros((4,))}
+    grads = {"w": jnp.full((3, 4), 10.0), "s": jnp.full((4,), 10.0)}  # norm = 40
+    b1 = 0.9
+    for clip, want in [(1.0, 1.0), (None, 40.0), (100.0, 40.0)]:
+        opt = make_optimizer(1e-3, 1, 10, weight_decay=0.0, clip_norm=clip, b1=b1)
+        state = opt.init(params)
+        _, state = opt.update(grads, state, params)
+        # after one update, mu = (1 - b1) * g_clipped
+        assert float(optax.tree.norm(_first_moment(state))) == pytest.approx((1 - b1) * want, rel=1e-5)
+
+
+def test_weight_decay_skips_norm_scales():
+    params = {"w": jnp.ones((4, 4)), "norm": jnp.ones((4,))}
+    zero = jax.tree_util.tree_map(jnp.zeros_like, params)
+    opt = make_optimizer(0.1, 1, 10, weight_decay=0.5, clip_norm=None)
+    state = opt.init(params)
+    for _ in range(3):
+        updates, state = opt.update(zero, state, params)
+        params = optax.apply_updates(params, updates)
+    assert np.all(np.asarray(params["norm"]) == 1.0)
+    assert np.all(np.asarray(params["w"]) < 1.0)
+
+
+def _tiny_corpus() -> Corpus:
+    text = (
+        b"def add(a, b):\n    return a + b\n\n"
+        b"def mul(a, b):\n    return a * b\n\n"
+        b"class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    ) * 40
+    return Corpus(np.frombuffer(text, dtype=np.uint8), heldout_fraction=0.1, source="tiny")
+
+
+def test_training_loss_falls_and_eval_matches_loss_fn():
+    corpus = _tiny_corpus()
+    shard = corpus.shard(0, 1, TINY.seq_len, seed=0)
+    params = to_jax(init_params(TINY, 0))
+    opt = make_optimizer(3e-3, warmup_steps=5, total_steps=40, weight_decay=0.1, clip_norm=1.0)
+    opt_state = opt.init(params)
+    step = make_train_step(TINY, opt)
+    eval_fn = make_eval_fn(TINY)
+    held = corpus.heldout_batches(TINY.seq_len, batch_size=8, n_batches=2)
+
+    before = float(np.mean([eval_fn(params, jnp.asarray(b)) for b in held]))
+    assert before == pytest.approx(float(loss_fn(params, jnp.asarray(held[0]), TINY)), abs=0.05)
+    losses = []
+    for _ in range(30):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(shard.batch(8)))
+        losses.append(float(loss))
+    after = float(np.mean([eval_fn(params, jnp.asarray(b)) for b in held]))
+
+    assert all(np.isfinite(losses))
+    assert losses[0] == pytest.approx(math.log(256), abs=0.1)
+    assert np.mean(losses[-5:]) < losses[0] - 1.5
+    assert after < before - 1.5  # held-out loss falls too
+    assert float(eval_fn(params, jnp.asarray(held[0]))) == pytest.approx(
+        float(loss_fn(params, jnp.asarray(held[0]), TINY)), rel=1e-5
+    )
