@@ -222,9 +222,10 @@ class DelayedNesterov:
 def make_outer_optimizer(
     kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1
 ) -> NesterovSGD | DelayedNesterov:
-    """"nesterov" -> NesterovSGD(lr, momentum); "delayed_nesterov" -> DelayedNesterov(..., period)."""
+    """"nesterov" -> NesterovSGD(lr, momentum); "delayed_nesterov" (or "delayed") ->
+    DelayedNesterov(lr, momentum, period)."""
     if kind == "nesterov":
         return NesterovSGD(lr, momentum)
-    if kind == "delayed_nesterov":
+    if kind in ("delayed_nesterov", "delayed"):
         return DelayedNesterov(lr, momentum, period)
     raise ValueError(f"unknown outer optimizer {kind!r}, expected nesterov or delayed_nesterov")

@@ -5,7 +5,7 @@ reported, then waits a bounded grace window for more. A learner keeps training f
 steps after sending its fragment; the merged fragment should be back before then, so
 
     slack = tau * step_time - (quorum_time + sync_time)
-    grace = min(max_grace, gamma * slack),   0 < gamma < 1      (adaptive)
+    grace = min(max_grace, gamma * slack),   0 <= gamma < 1     (adaptive)
     grace = GracePolicy.grace                                     (fixed)
 
 where step_time is the inner-step time of the fastest active learner (the one that would notice a
@@ -58,8 +58,8 @@ class GracePolicy:
             raise ValueError(f"grace must be finite and >= 0, got {self.grace}")
         if not (math.isfinite(self.max_grace) and self.max_grace >= 0):
             raise ValueError(f"max_grace must be finite and >= 0, got {self.max_grace}")
-        if not 0 < self.gamma < 1:
-            raise ValueError(f"gamma must be in (0, 1), got {self.gamma}")
+        if not 0 <= self.gamma < 1:
+            raise ValueError(f"gamma must be in [0, 1), got {self.gamma}")
         if self.tau < 1:
             raise ValueError(f"tau must be >= 1, got {self.tau}")
 

@@ -93,7 +93,7 @@ class NormHistory:
         return float(statistics.median(d)) if d else None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain, msgpack-friendly form: {"window": int, "norms": [[fragment, [norm, ...]], ...]}."""
+        """Plain, msgpack-friendly: {"window": int, "norms": [[fragment, [norm, ...]], ...]}."""
         return {"window": self.window,
                 "norms": [[f, list(d)] for f, d in sorted(self._norms.items())]}
 
@@ -117,11 +117,12 @@ class AppliedSet:
     Per learner at most ``max_incarnations`` incarnations are kept, least recently applied first
     out. When an incarnation is evicted, the highest base version it had applied per fragment is
     folded into a per-(learner, fragment) floor: a contribution for which no (learner,
-    incarnation, fragment) entry is held is a duplicate if its base version is <= the floor. So a replay of an evicted
-    incarnation is still caught; the cost is that a brand-new incarnation whose base is older than
-    that floor is rejected (a learner restarting from very old parameters; it is also too_stale
-    in practice). Keep ``max_incarnations`` above the restarts a learner makes within
-    max_staleness versions.
+    incarnation, fragment) entry is held is a duplicate if its base version is <= the floor. So a
+    replay of an evicted incarnation is still caught. The price: a new incarnation's first
+    contribution to a fragment is rejected if its base is not newer than every base an evicted
+    incarnation applied there, which only happens if it started from parameters older than those
+    (a learner restarted from a stale copy). Keep ``max_incarnations`` above the number of
+    restarts a learner makes while its old messages can still be redelivered.
 
     Memory: O(learners x max_incarnations x fragments) small entries.
     """
@@ -289,9 +290,10 @@ def validate(
 ) -> Reason | None:
     """None if ``c`` may be merged, else the first Reason in the order of the module docstring.
 
-    ``norm`` may carry |c.vector| if the caller already computed it with :func:`l2_norm` (which
-    is inf/nan exactly when the vector holds inf/nan); keep it: :func:`aggregator.merge.rda` and :meth:`NormHistory.add` want it too). Without it the
-    norm is computed here, in the same pass that detects inf/nan.
+    ``norm`` may carry |c.vector| already computed with :func:`aggregator.merge.l2_norm` (inf or
+    nan exactly when the vector holds inf or nan). Compute it once and keep it: ``merge(...,
+    norms=)`` and :meth:`NormHistory.add` want it too. Without it the norm is computed here, in
+    the same pass that detects inf/nan.
     """
     if c.run != ctx.run:
         return Reason.wrong_run

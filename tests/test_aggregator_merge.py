@@ -40,6 +40,7 @@ def test_weighted_mean_by_hand():
     np.testing.assert_allclose(out, [2.5, 3.5])  # (1*[1,2] + 3*[3,4]) / 4
     assert out.dtype == np.float32
     np.testing.assert_allclose(weighted_mean([f32(1, 2), f32(3, 4)], [0.25, 0.75]), [2.5, 3.5])
+    np.testing.assert_allclose(merge([f32(1, 2), f32(3, 4)], [1, 3], "mean", "none"), [2.5, 3.5])
 
 
 def test_rda_by_hand():

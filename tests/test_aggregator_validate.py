@@ -1,4 +1,4 @@
-"""Validation: every Reason from a crafted contribution, the check order, AppliedSet, NormHistory."""
+"""Validation: every Reason from a crafted contribution, check order, AppliedSet, NormHistory."""
 
 from __future__ import annotations
 

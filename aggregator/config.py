@@ -1,0 +1,61 @@
+"""Settings of the aggregator, from ``DILOCO_*`` environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus import quant
+from bus.config import boolean, choice, integer, number, register, token, var
+
+
+def fragment_range(s: str) -> str:
+    """'all', 'N' or 'A-B' (inclusive)."""
+    if s == "all":
+        return s
+    parts = s.split("-")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError("expected 'all', a fragment index N or a range A-B") from None
+    if len(nums) not in (1, 2) or any(n < 0 for n in nums) or (len(nums) == 2 and nums[0] > nums[1]):
+        raise ValueError("expected 'all', a fragment index N or a range A-B with A <= B")
+    return s
+
+
+def parse_fragments(spec: str, num_fragments: int) -> range:
+    if spec == "all":
+        return range(num_fragments)
+    a, _, b = spec.partition("-")
+    lo, hi = int(a), int(b or a)
+    if hi >= num_fragments:
+        raise ValueError(f"DILOCO_AGG_FRAGMENTS={spec!r}: the run has only {num_fragments} fragments")
+    return range(lo, hi + 1)
+
+
+@register("aggregator")
+@dataclass(frozen=True)
+class AggregatorConfig:
+    aggregator_id: str = var("agg-0", token(), "this aggregator's id (metrics, consumer name)")
+    agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
+    quorum: int = var(1, integer(1, 100_000), "K: merge a fragment once K active learners contributed")
+    grace: str = var("adaptive", choice("fixed", "adaptive"), "how long to wait for more after the quorum")
+    grace_seconds: float = var(1.0, number(0.0, 3600), "fixed grace window, and the cap of the adaptive one")
+    grace_gamma: float = var(0.5, number(0.0, 0.999), "adaptive grace = min(cap, gamma x slack)")
+    tau: int = var(2, integer(1, 1000), "steps of overlap a learner tolerates (for the adaptive grace)")
+    merge: str = var("rda", choice("mean", "rda"), "merge of outer gradients: weighted mean or radial-directional")
+    robust: str = var("none", choice("none", "clip", "trim"), "robust merge: clip norms to the median, or trimmed mean")
+    trim_fraction: float = var(0.1, number(0.0, 0.49), "fraction trimmed at each end (robust=trim)")
+    outer_lr: float = var(0.7, number(0.0, 100.0, lo_open=True), "outer Nesterov learning rate")
+    outer_momentum: float = var(0.9, number(0.0, 0.999), "outer Nesterov momentum")
+    outer_optimizer: str = var("nesterov", choice("nesterov", "delayed"),
+                               "nesterov, or delayed Nesterov (momentum every N-th merge) for fully async arrivals")
+    delay_n: int = var(1, integer(1, 1000), "N of delayed Nesterov")
+    staleness: str = var("polynomial", choice("constant", "polynomial", "hinge"), "staleness discount s(d)")
+    staleness_a: float = var(0.5, number(0.0, 100.0), "a of (1+d)^-a, and slope of the hinge")
+    staleness_b: int = var(4, integer(0), "b of the hinge: no discount up to b versions")
+    max_staleness: int = var(16, integer(0), "reject contributions more than this many versions behind")
+    norm_outlier_factor: float = var(10.0, number(1.0, lo_open=False), "reject norms above k x median of accepted")
+    require_membership: bool = var(True, boolean(),
+                                   "accept only learners the monitor lists as active (false: anyone is active)")
+    downlink_quantiser: str = var("fp32", choice(*quant.QUANTISERS), "quantiser of published global versions")
+    ack_wait: float = var(300.0, number(5.0), "seconds a held gradient chunk stays unacked before redelivery")

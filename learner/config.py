@@ -1,0 +1,90 @@
+"""Settings of the model (shared by every role of a run) and of a learner, from ``DILOCO_*``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus import quant
+from bus.config import boolean, choice, integer, number, register, text, token, var
+
+
+@register("model")
+@dataclass(frozen=True)
+class ModelConfig:
+    """The run's architecture and fragmentation. Every process of a run must agree on these:
+    the aggregator creates version 0 from them, learners refuse to start when their hash differs."""
+
+    d_model: int = var(128, integer(8, 65536), "model width")
+    n_layers: int = var(4, integer(1, 1024), "transformer blocks")
+    n_heads: int = var(4, integer(1, 1024), "attention heads (must divide DILOCO_D_MODEL)")
+    d_ff: int = var(512, integer(8, 1 << 20), "MLP hidden width")
+    seq_len: int = var(128, integer(8, 1 << 16), "context length in tokens")
+    tied_embeddings: bool = var(True, boolean(), "share input embedding and output projection")
+    seed: int = var(0, integer(0, 2**31 - 1), "seed of the initial parameters (version 0)")
+    num_fragments: int = var(8, integer(1, 4096), "fragments P the parameters are split into")
+    max_imbalance: float = var(1.1, number(1.0, 2.0), "largest fragment over the ideal size (<= 4/3)")
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"DILOCO_D_MODEL={self.d_model} must be divisible by DILOCO_N_HEADS={self.n_heads}")
+
+    def spec(self):
+        from learner.spec import ModelSpec
+
+        return ModelSpec(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads, d_ff=self.d_ff,
+                         seq_len=self.seq_len, tied_embeddings=self.tied_embeddings)
+
+
+@register("learner")
+@dataclass(frozen=True)
+class LearnerConfig:
+    learner_id: str = var("learner-0", token(), "this learner's id (unique in the run; a subject token)")
+    mode: str = var("async", choice("async", "sync", "synthetic"),
+                    "async: Decoupled DiLoCo; sync: wait for the version with our contribution; "
+                    "synthetic: sleep DILOCO_STEP_TIME per step with pseudo-gradients (system tests)")
+    sync_every: int = var(24, integer(1, 1_000_000), "H: inner steps between two syncs of the same fragment")
+    mix_alpha: float = var(0.0, number(0.0, 0.999), "theta <- a*local + (1-a)*global on arrival (0 overwrites)")
+    quantiser: str = var("int8", choice(*quant.QUANTISERS), "outer-gradient quantiser")
+    error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
+    batch_size: int = var(16, integer(1, 1 << 20), "sequences per inner step")
+    inner_lr: float = var(1e-3, number(0.0, 10.0, lo_open=True), "peak AdamW learning rate")
+    warmup_steps: int = var(50, integer(0), "linear warm-up steps")
+    total_steps: int = var(1000, integer(1), "steps of the cosine schedule (and the run, unless DILOCO_MAX_STEPS)")
+    max_steps: int = var(0, integer(0), "stop after this many inner steps (0: DILOCO_TOTAL_STEPS)")
+    weight_decay: float = var(0.1, number(0.0, 10.0), "AdamW weight decay")
+    clip_norm: float = var(1.0, number(0.0), "global gradient-norm clip (0: off)")
+    data: str = var("", text(), "corpus: empty = Python stdlib sources; a text file/folder; or a uint16 .bin")
+    data_max_bytes: int = var(8 * 1024 * 1024, integer(1024), "bytes of the corpus to load")
+    data_seed: int = var(0, integer(0, 2**31 - 1), "seed of this learner's batch sampling")
+    shard_index: int = var(-1, integer(-1), "this learner's data shard (-1: derived from DILOCO_LEARNER_ID)")
+    num_shards: int = var(0, integer(0), "data shards (0: DILOCO_NUM_LEARNERS)")
+    num_learners: int = var(4, integer(1, 100_000), "learners expected in the run (for data sharding)")
+    heartbeat_interval: float = var(1.0, number(0.05, 60), "seconds between heartbeats")
+    step_time: float = var(0.05, number(0.0, 3600), "synthetic mode: seconds per inner step")
+    slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer")
+    sync_timeout: float = var(120.0, number(0.1), "sync mode: seconds to wait for the merged version")
+    manifest_timeout: float = var(300.0, number(0.1), "seconds to wait at start for the run manifest (an aggregator)")
+
+    def __post_init__(self) -> None:
+        if self.mode != "synthetic" and self.warmup_steps >= self.total_steps:
+            raise ValueError(f"DILOCO_WARMUP_STEPS={self.warmup_steps} must be < DILOCO_TOTAL_STEPS={self.total_steps}")
+
+    @property
+    def steps_to_run(self) -> int:
+        """Inner steps this process runs before it stops: DILOCO_MAX_STEPS, else DILOCO_TOTAL_STEPS."""
+        return self.max_steps or self.total_steps
+
+
+@register("eval")
+@dataclass(frozen=True)
+class EvalConfig:
+    """The evaluator (``diloco eval``): held-out loss of the newest global model.
+
+    It reads the corpus settings of the learners (``DILOCO_DATA``, ``DILOCO_DATA_MAX_BYTES``), so
+    its held-out split is the one no learner trains on: give it the same values as the learners.
+    """
+
+    eval_id: str = var("eval-0", token(), "the evaluator's id (metrics subject token)")
+    eval_interval: float = var(10.0, number(0.05, 86400), "seconds between evaluations (only when versions changed)")
+    eval_batches: int = var(4, integer(1, 100_000), "held-out batches per evaluation")
+    eval_batch_size: int = var(16, integer(1, 1 << 20), "sequences per held-out batch")

@@ -1,0 +1,196 @@
+"""Outer optimizers: numpy Nesterov against optax, Delayed Nesterov by hand, ownership, state."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from aggregator.outer_opt import (
+    DelayedNesterov,
+    DelayedNesterovState,
+    NesterovSGD,
+    NesterovState,
+    make_outer_optimizer,
+)
+
+N = 1000
+STEPS = 10
+
+
+def data(seed: int = 0, n: int = N, steps: int = STEPS):
+    rng = np.random.default_rng(seed)
+    params = rng.standard_normal(n).astype(np.float32)
+    grads = [(0.1 * rng.standard_normal(n)).astype(np.float32) for _ in range(steps)]
+    return params, grads
+
+
+def optax_reference(params: np.ndarray, grads: list[np.ndarray], lr: float, momentum: float):
+    import jax.numpy as jnp
+    import optax
+
+    opt = optax.sgd(lr, momentum=momentum, nesterov=True)
+    p = jnp.asarray(params)
+    state = opt.init(p)
+    for g in grads:
+        updates, state = opt.update(jnp.asarray(g), state, p)
+        p = optax.apply_updates(p, updates)
+    trace = state[0].trace
+    return np.asarray(p), np.asarray(trace)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("lr,momentum", [(0.7, 0.9), (0.1, 0.5)])
+def test_nesterov_matches_optax(inplace, lr, momentum):
+    params, grads = data()
+    ref_p, ref_t = optax_reference(params, grads, lr, momentum)
+    opt = NesterovSGD(lr, momentum, block=128)  # small blocks: exercise the block loop
+    p, state = params.copy(), opt.init(params)
+    for g in grads:
+        p, state = opt.step(p, g, state, inplace=inplace)
+    assert state.count == STEPS
+    np.testing.assert_allclose(p, ref_p, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(state.momentum, ref_t, rtol=1e-6, atol=1e-6)
+    # the tolerance discriminates: heavy-ball momentum (no look-ahead) is far from optax
+    q, t = params.astype(np.float64), np.zeros(N)
+    for g in grads:
+        t = g + momentum * t
+        q = q - lr * t
+    assert not np.allclose(q, ref_p, rtol=1e-4, atol=1e-4)
+
+
+def test_delayed_nesterov_period_1_is_nesterov():
+    params, grads = data(1)
+    ref_p, _ = optax_reference(params, grads, 0.7, 0.9)
+    a, b = NesterovSGD(), DelayedNesterov(period=1)
+    pa, sa = params.copy(), a.init(params)
+    pb, sb = params.copy(), b.init(params)
+    assert sb.buffer is None  # no gradient buffer needed
+    for g in grads:
+        pa, sa = a.step(pa, g, sa)
+        pb, sb = b.step(pb, g, sb)
+    np.testing.assert_array_equal(pa, pb)
+    np.testing.assert_array_equal(sa.momentum, sb.momentum)
+    np.testing.assert_allclose(pb, ref_p, rtol=1e-6, atol=1e-6)
+
+
+def delayed_reference(params, grads, lr, beta, period):
+    """Delayed Nesterov (Liu et al. 2401.09135) written plainly in float64."""
+    p = params.astype(np.float64)
+    m = np.zeros_like(p)
+    delta = np.zeros_like(p)
+    for i, g in enumerate(grads, start=1):
+        g = g.astype(np.float64)
+        delta += g
+        if i % period == 0:
+            m = beta * m + delta / period
+            delta[:] = 0
+            p = p - lr * (g / period + beta * m)
+        else:
+            p = p - lr * g / period
+    return p, m
+
+
+@pytest.mark.parametrize("period", [2, 3, 5])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_delayed_nesterov_matches_reference(period, inplace):
+    params, grads = data(2, steps=11)
+    ref_p, ref_m = delayed_reference(params, grads, 0.7, 0.9, period)
+    opt = DelayedNesterov(0.7, 0.9, period, block=100)
+    p, s = params.copy(), opt.init(params)
+    for g in grads:
+        p, s = opt.step(p, g, s, inplace=inplace)
+    np.testing.assert_allclose(p, ref_p, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s.momentum, ref_m, rtol=1e-5, atol=1e-6)
+    assert s.count == 11
+    # it really is different from applying Nesterov at every merge
+    q, t = params.copy(), NesterovSGD().init(params)
+    for g in grads:
+        q, t = NesterovSGD().step(q, g, t)
+    assert np.abs(p - q).max() > 1e-3
+
+
+def test_delayed_nesterov_by_hand():
+    """N=2, two merges from zero momentum: one Nesterov step on the mean gradient."""
+    opt = DelayedNesterov(lr=0.5, momentum=0.5, period=2)
+    p0 = np.array([1.0, 1.0], dtype=np.float32)
+    g1 = np.array([1.0, 0.0], dtype=np.float32)
+    g2 = np.array([3.0, 2.0], dtype=np.float32)
+    s = opt.init(p0)
+    p1, s = opt.step(p0, g1, s)
+    np.testing.assert_allclose(p1, [0.75, 1.0])  # p0 - 0.5 * g1 / 2; momentum untouched
+    np.testing.assert_array_equal(s.momentum, [0, 0])
+    np.testing.assert_array_equal(s.buffer, [1, 0])
+    p2, s = opt.step(p1, g2, s)
+    # m = 0.5*0 + (g1+g2)/2 = [2, 1];  p2 = p1 - 0.5*(g2/2 + 0.5*m) = p1 - 0.5*[2.5, 1.5]
+    np.testing.assert_allclose(s.momentum, [2.0, 1.0])
+    np.testing.assert_array_equal(s.buffer, [0, 0])
+    np.testing.assert_allclose(p2, [-0.5, 0.25])
+    # total move = -lr * (mean(g) + beta * m) = -0.5 * ([2, 1] + [1, 0.5])
+    np.testing.assert_allclose(p2 - p0, -0.5 * np.array([3.0, 1.5]))
+
+
+def test_ownership():
+    params, grads = data(3, steps=1)
+    g = grads[0]
+    for opt in (NesterovSGD(), DelayedNesterov(period=2)):
+        s0 = opt.init(params)
+        p_before, g_before = params.copy(), g.copy()
+        p, s = opt.step(params, g, s0)
+        np.testing.assert_array_equal(params, p_before)  # inputs untouched
+        np.testing.assert_array_equal(g, g_before)
+        assert not np.shares_memory(p, params)
+        assert not np.shares_memory(s.momentum, s0.momentum)
+        assert not np.any(s0.momentum)
+        mine = params.copy()
+        p2, s2 = opt.step(mine, g, s0, inplace=True)
+        assert p2 is mine and s2.momentum is s0.momentum  # updated in place, same buffers
+        np.testing.assert_array_equal(p2, p)
+        np.testing.assert_array_equal(g, g_before)  # the outer gradient is only read
+
+
+def test_state_round_trip_through_msgpack():
+    params, grads = data(4)
+    for opt in (NesterovSGD(), DelayedNesterov(period=3), DelayedNesterov(period=1)):
+        p, s = params.copy(), opt.init(params)
+        for g in grads[:4]:
+            p, s = opt.step(p, g, s)
+        d = s.to_dict()
+        blob = msgpack.packb({k: (v.tobytes() if isinstance(v, np.ndarray) else v)
+                              for k, v in d.items()})
+        raw = msgpack.unpackb(blob)
+        restored = {k: (np.frombuffer(v, dtype=np.float32) if isinstance(v, bytes) else v)
+                    for k, v in raw.items()}
+        cls = NesterovState if d["kind"] == "nesterov" else DelayedNesterovState
+        s2 = cls.from_dict(restored)
+        assert s2.count == s.count
+        pa, pb = p.copy(), p.copy()
+        sa = s
+        for g in grads[4:]:
+            pa, sa = opt.step(pa, g, sa)
+            pb, s2 = opt.step(pb, g, s2, inplace=True)  # restored arrays are writable copies
+        np.testing.assert_array_equal(pa, pb)
+    with pytest.raises(ValueError):
+        NesterovState.from_dict({"kind": "delayed_nesterov", "momentum": [], "count": 0})
+
+
+def test_validation():
+    with pytest.raises(ValueError):
+        NesterovSGD(lr=0.0)
+    with pytest.raises(ValueError):
+        NesterovSGD(momentum=1.0)
+    with pytest.raises(ValueError):
+        DelayedNesterov(period=0)
+    opt = NesterovSGD()
+    p = np.zeros(3, dtype=np.float32)
+    with pytest.raises(ValueError):
+        opt.step(p, np.zeros(4, dtype=np.float32), opt.init(p))
+    with pytest.raises(ValueError):
+        opt.step(p, np.zeros(3, dtype=np.float64), opt.init(p))
+    with pytest.raises(ValueError):
+        DelayedNesterov(period=2).step(p, p, DelayedNesterov(period=1).init(p))
+    assert isinstance(make_outer_optimizer("nesterov"), NesterovSGD)
+    assert make_outer_optimizer("delayed_nesterov", period=4).period == 4
+    assert make_outer_optimizer("delayed", period=2, lr=0.5) == DelayedNesterov(0.5, 0.9, 2)
+    with pytest.raises(ValueError):
+        make_outer_optimizer("adam")

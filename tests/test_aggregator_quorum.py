@@ -1,0 +1,175 @@
+"""Quorum and grace: decisions and reasons, adaptive window, ArrivalStats, invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aggregator.quorum import ArrivalStats, Decision, GracePolicy, decide, grace_window
+
+ACTIVE4 = {"a", "b", "c", "d"}
+FIXED1 = GracePolicy("fixed", grace=1.0)
+
+
+def test_quorum_reached_then_grace():
+    d = decide(0.2, 0.0, {"a": 0.0}, ACTIVE4, K=1, grace=FIXED1)
+    assert d == Decision(False, 1.0, "quorum 1/4 reached (K=1), grace 0.8s left", 1.0)
+    d = decide(1.0, 0.0, {"a": 0.0}, ACTIVE4, K=1, grace=FIXED1)
+    assert d.merge and d.wait_until is None
+    assert d.reason == "quorum 1/4 reached (K=1), grace 1.0s expired"
+
+
+def test_all_active_contributed_merges_at_once():
+    d = decide(0.01, 0.0, {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.01}, ACTIVE4, K=1, grace=FIXED1)
+    assert d.merge and d.wait_until is None
+    assert d.reason == "all 4 active contributed"
+
+
+def test_waiting_for_quorum_has_no_deadline():
+    d = decide(5.0, 0.0, {"a": 0.0}, ACTIVE4, K=2, grace=FIXED1)
+    assert d == Decision(False, None, "waiting for quorum 1/2 (4 active)")
+    d = decide(5.0, 0.0, {}, {"a"}, K=1, grace=FIXED1)
+    assert d.reason == "waiting for quorum 0/1 (1 active)" and not d.merge
+    d = decide(5.0, 0.0, {"x": 0.0}, set(), K=1, grace=FIXED1)
+    assert not d.merge and d.wait_until is None  # nobody active: nothing counts
+
+
+def test_evicted_learners_neither_count_nor_are_waited_for():
+    # "gone" contributed but is evicted: it does not count towards the quorum of 2
+    d = decide(5.0, 0.0, {"a": 0.0, "gone": 0.0}, {"a", "b"}, K=2, grace=FIXED1)
+    assert not d.merge and d.reason.startswith("waiting for quorum 1/2")
+    # the only active learner contributed: merge now, never wait for the evicted one
+    d = decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=1, grace=FIXED1)
+    assert d.merge and d.reason == "all 1 active contributed"
+    # K above the number of active learners is capped: no deadlock after evictions
+    d = decide(0.0, 0.0, {"a": 0.0, "b": 0.0}, {"a", "b"}, K=3, grace=FIXED1)
+    assert d.merge
+
+
+def test_grace_starts_when_quorum_is_reached():
+    arrivals = {"a": 0.0, "b": 0.5}
+    d = decide(1.0, 0.0, arrivals, ACTIVE4, K=2, grace=FIXED1)
+    assert not d.merge and d.wait_until == pytest.approx(1.5)
+    # with only a set of contributors, the window starts at the first arrival (never longer)
+    d = decide(1.0, 0.0, {"a", "b"}, ACTIVE4, K=2, grace=FIXED1)
+    assert d.merge
+
+
+def test_zero_grace_merges_at_quorum():
+    d = decide(0.0, 0.0, {"a": 0.0}, ACTIVE4, K=1, grace=GracePolicy("fixed", grace=0.0))
+    assert d.merge
+
+
+def stats_with(step_time: float, sync_time: float | None) -> ArrivalStats:
+    s = ArrivalStats(alpha=1.0)
+    s = s.observe_arrival("a", "i", 0.0, 10)
+    s = s.observe_arrival("a", "i", 10 * step_time, 10)
+    if sync_time is not None:
+        s = s.observe_sync(sync_time)
+    return s
+
+
+def test_adaptive_grace_from_slack():
+    pol = GracePolicy("adaptive", grace=3.0, max_grace=10.0, gamma=0.5, tau=2)
+    st_ = stats_with(step_time=1.0, sync_time=0.2)
+    # slack = 2 * 1.0 - (0 + 0.2) = 1.8 -> grace = 0.9
+    assert grace_window(pol, st_, quorum_time=0.0) == pytest.approx(0.9)
+    d = decide(0.5, 0.0, {"a": 0.0}, ACTIVE4, K=1, grace=pol, stats=st_)
+    assert d.grace == pytest.approx(0.9) and d.wait_until == pytest.approx(0.9)
+    assert d.reason == "quorum 1/4 reached (K=1), grace 0.4s left"
+    # the time spent reaching quorum eats the slack: quorum_time 0.8 -> slack 1.0 -> 0.5
+    d = decide(0.9, 0.0, {"a": 0.0, "b": 0.8}, ACTIVE4, K=2, grace=pol, stats=st_)
+    assert d.grace == pytest.approx(0.5) and d.wait_until == pytest.approx(1.3)
+    # capped by max_grace
+    pol_cap = GracePolicy("adaptive", max_grace=2.0, gamma=0.9, tau=2)
+    assert grace_window(pol_cap, stats_with(100.0, 0.0), 0.0) == pytest.approx(2.0)
+    # no slack left: merge at quorum
+    assert grace_window(pol, stats_with(0.05, 0.5), 0.0) == 0.0
+    d = decide(0.0, 0.0, {"a": 0.0}, ACTIVE4, K=1, grace=pol, stats=stats_with(0.05, 0.5))
+    assert d.merge
+    # nothing observed yet: the fallback window, capped by max_grace
+    assert grace_window(pol, None, 0.0) == 3.0
+    assert grace_window(pol, ArrivalStats(), 0.0) == 3.0
+    assert grace_window(GracePolicy("adaptive", grace=3.0, max_grace=1.0), None, 0.0) == 1.0
+
+
+def test_adaptive_grace_follows_the_fastest_active_learner():
+    s = ArrivalStats(alpha=1.0)
+    for learner, st_time in (("fast", 1.0), ("slow", 3.0)):
+        s = s.observe_arrival(learner, "i", 0.0, 10).observe_arrival(learner, "i", 10 * st_time, 10)
+    pol = GracePolicy("adaptive", max_grace=100.0, gamma=0.5, tau=2)
+    assert grace_window(pol, s, 0.0) == pytest.approx(1.0)  # 0.5 * 2 * 1.0
+    assert grace_window(pol, s, 0.0, active={"slow"}) == pytest.approx(3.0)  # fast evicted
+    assert grace_window(pol, s.forget("fast"), 0.0) == pytest.approx(3.0)
+
+
+def test_grace_policy_validation():
+    assert GracePolicy("adaptive", gamma=0.0).gamma == 0.0  # never wait beyond the quorum
+    for bad in (1.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError):
+            GracePolicy("adaptive", gamma=bad)
+    with pytest.raises(ValueError):
+        GracePolicy("sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        GracePolicy(grace=-1.0)
+    with pytest.raises(ValueError):
+        GracePolicy(max_grace=float("inf"))
+    with pytest.raises(ValueError):
+        GracePolicy(tau=0)
+    with pytest.raises(ValueError):
+        decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=0, grace=FIXED1)
+
+
+def test_arrival_stats_ema_and_restarts():
+    s = ArrivalStats(alpha=0.5)
+    s = s.observe_arrival("a", "i1", 0.0, 10)
+    assert s.fastest_step_time() is None
+    s = s.observe_arrival("a", "i1", 20.0, 10)  # 2.0 s/step
+    assert s.step_time["a"] == pytest.approx(2.0)
+    s = s.observe_arrival("a", "i1", 30.0, 10)  # 1.0 s/step -> EMA 0.5*2 + 0.5*1
+    assert s.step_time["a"] == pytest.approx(1.5)
+    # a restart: the downtime is not a step time
+    s2 = s.observe_arrival("a", "i2", 500.0, 10)
+    assert s2.step_time["a"] == pytest.approx(1.5)
+    s2 = s2.observe_arrival("a", "i2", 505.0, 10)
+    assert s2.step_time["a"] == pytest.approx(0.5 * 1.5 + 0.5 * 0.5)
+    assert s.step_time["a"] == pytest.approx(1.5)  # immutable: the old object is unchanged
+    s = s.observe_sync(1.0).observe_sync(3.0)
+    assert s.sync_time == pytest.approx(2.0)
+    assert s.slack(tau=2, quorum_time=0.5) == pytest.approx(2 * 1.5 - (0.5 + 2.0))
+    with pytest.raises(ValueError):
+        s.observe_sync(-1.0)
+    with pytest.raises(ValueError):
+        ArrivalStats(alpha=0.0)
+
+
+learners = st.sampled_from(["a", "b", "c", "d", "e", "f"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    active=st.sets(learners),
+    arrivals=st.dictionaries(learners, st.floats(0, 10)),
+    evicted_extra=st.dictionaries(st.sampled_from(["x", "y"]), st.floats(0, 10)),
+    K=st.integers(1, 7),
+    grace=st.floats(0, 5),
+    dt=st.floats(0, 20),
+)
+def test_decision_invariants(active, arrivals, evicted_extra, K, grace, dt):
+    first = min(arrivals.values(), default=0.0)
+    now = max(arrivals.values(), default=0.0) + dt
+    pol = GracePolicy("fixed", grace=grace)
+    d = decide(now, first, arrivals, active, K, pol)
+    counted = set(arrivals) & active
+    if active and counted == active:
+        assert d.merge  # everyone active is in: never wait
+    if d.merge:
+        assert len(counted) >= min(K, len(active)) and counted
+    else:
+        assert d.wait_until is None or d.wait_until > now
+        assert d.reason
+    # contributions from learners that are not active change nothing
+    both = {**evicted_extra, **arrivals}
+    d2 = decide(now, min(both.values(), default=first), both, active, K, pol)
+    assert (d2.merge, d2.wait_until) == (d.merge, d.wait_until)
