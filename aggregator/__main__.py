@@ -1,0 +1,7 @@
+"""``python -m aggregator`` == ``diloco aggregator``."""
+
+import sys
+
+from aggregator.service import main
+
+sys.exit(main())

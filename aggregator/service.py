@@ -1,0 +1,372 @@
+"""The aggregator service: pull outer gradients, validate, merge on quorum + grace, persist, publish.
+
+Order of a merge of fragment p (what makes a kill -9 at any instant safe):
+
+1. ``merge_step`` (pure) computes state v+1 and the global blob;
+2. the state record v+1 is committed to the STATE stream (write-ahead: params, optimizer state,
+   applied-set);
+3. the contributions' chunk messages are acknowledged;
+4. global version v+1 is published (chunks, then head), and a ``merge`` event records which
+   contributions it holds.
+
+A crash before 2 leaves everything unacked: JetStream redelivers and the merge is redone. A crash
+after 2 is finished on restart: the state (v+1) is ahead of the global head (v), so version v+1 is
+republished from the state; redelivered contributions are already in the applied-set and are
+rejected as ``duplicate``. Nothing acknowledged is lost, nothing is applied twice.
+
+Several aggregators can share a run, each owning a disjoint fragment range
+(``DILOCO_AGG_FRAGMENTS``), each with its own durable consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+from nats.js.errors import KeyNotFoundError
+
+from aggregator.bootstrap import RunMismatch, bootstrap_run, make_plan
+from aggregator.config import AggregatorConfig, parse_fragments
+from aggregator.contribution import Contribution
+from aggregator.merge import l2_norm
+from aggregator.quorum import ArrivalStats, GracePolicy, decide
+from aggregator.step import FragmentState, MergeSettings, merge_step
+from aggregator.validate import ValidationContext, validate
+from bus import codec
+from bus.chunks import Assembled, Dropped
+from bus.config import CommonConfig, from_env
+from bus.conn import connect
+from bus.log import get_logger, setup
+from bus.protocol import parse_grad_meta
+from bus.streams import Limits, ensure_run
+from bus.subjects import GLOBAL, STATE, Subjects
+from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore, ack_all, term_all
+from learner.config import ModelConfig
+from learner.spec import spec_hash
+
+
+@dataclass
+class Pending:
+    c: Contribution
+    norm: float
+    tokens: list
+    arrived: float
+
+
+@dataclass
+class Stats:
+    merges: int = 0
+    accepted: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    staleness: Counter = field(default_factory=Counter)
+    merge_latency: list = field(default_factory=list)  # seconds, first arrival -> published
+    quorum_wait: float = 0.0
+    contributions: Counter = field(default_factory=Counter)  # per learner, applied
+
+    def to_metrics(self) -> dict:
+        lat = sorted(self.merge_latency[-200:])
+        return {
+            "merges": self.merges, "accepted": self.accepted, "rejected": dict(self.rejected),
+            "staleness_hist": {str(k): v for k, v in sorted(self.staleness.items())},
+            "merge_latency_p50": lat[len(lat) // 2] if lat else None,
+            "merge_latency_max": lat[-1] if lat else None,
+            "quorum_wait_s": round(self.quorum_wait, 3), "contributions": dict(self.contributions),
+        }
+
+
+class AggregatorService:
+    def __init__(self, common: CommonConfig, model: ModelConfig, cfg: AggregatorConfig):
+        self.common, self.model, self.cfg = common, model, cfg
+        self.s = Subjects(common.run)
+        self.spec = model.spec()
+        self.model_hash = spec_hash(self.spec)
+        self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
+        self.owned = parse_fragments(cfg.agg_fragments, self.plan.num_fragments)
+        self.settings = MergeSettings.from_config(cfg)
+        self.grace = GracePolicy(mode=cfg.grace, grace=cfg.grace_seconds, max_grace=cfg.grace_seconds,
+                                 gamma=cfg.grace_gamma, tau=cfg.tau)
+        self.log = get_logger(role="aggregator", aggregator=cfg.aggregator_id)
+        self.states: dict[int, FragmentState] = {}
+        self.buffers: dict[int, list[Pending]] = {p: [] for p in self.owned}
+        self.unpublished: set[int] = set()
+        self.members: dict[str, str] = {}  # learner -> membership state
+        self.seen: set[str] = set()
+        self.arrivals = ArrivalStats()
+        self.stats = Stats()
+        self.nc = None
+
+    # -- membership -------------------------------------------------------------------------------
+
+    def active(self) -> set[str]:
+        if not self.cfg.require_membership:
+            return set(self.seen)
+        return {k for k, st in self.members.items() if st == "active"}
+
+    def known(self) -> set[str]:
+        return set(self.seen) if not self.cfg.require_membership else set(self.members)
+
+    async def _follow_membership(self, js, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                kv = await js.key_value(self.s.bucket("members"))
+                w = await kv.watchall()
+                async for e in w:
+                    if stop.is_set():
+                        break
+                    if e is None:
+                        continue
+                    if e.operation in ("DEL", "PURGE") or e.value is None:
+                        self.members.pop(e.key, None)
+                        continue
+                    try:
+                        self.members[e.key] = str(orjson.loads(e.value).get("state", ""))
+                    except Exception:
+                        self.log.warning("bad_member_record", key=e.key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.warning("membership_watch_error", error=repr(e))
+                await asyncio.sleep(1.0)
+
+    # -- start-up and recovery --------------------------------------------------------------------
+
+    async def _recover(self, js) -> None:
+        gstore, sstore = self.gstore, self.sstore
+        for p in self.owned:
+            got = await sstore.get(p)
+            gh = await gstore.head(p)
+            if got is None:
+                if gh is None:
+                    raise RuntimeError(f"fragment {p} has neither state nor global version after bootstrap")
+                _, blob = await gstore.get(p)
+                st = FragmentState.initial(p, gh.version, np.array(codec.decode_array(blob)), self.settings)
+                await sstore.put(p, st.version, st.to_bytes(), {"model": self.model_hash})
+                self.log.info("fragment_initialised", fragment=p, version=st.version)
+            else:
+                st = FragmentState.from_bytes(got[1])
+                if gh is not None and gh.version > st.version:
+                    raise RunMismatch(f"fragment {p}: global version {gh.version} is ahead of our state "
+                                      f"{st.version}: is another aggregator owning it?")
+                if gh is None or gh.version < st.version:
+                    self.unpublished.add(p)
+                self.log.info("fragment_recovered", fragment=p, version=st.version,
+                              republish=p in self.unpublished)
+            self.states[p] = st
+
+    # -- contributions ----------------------------------------------------------------------------
+
+    def _reject(self, reason: str, **kw) -> None:
+        self.stats.rejected[reason] += 1
+        self.log.warning("contribution_rejected", reason=reason, **kw)
+
+    async def _handle(self, r: Assembled | Dropped, now: float) -> None:
+        if isinstance(r, Dropped):
+            if r.reason == "duplicate":
+                return  # a redelivery of something held or done: its original handle settles it
+            self._reject(f"transport_{r.reason}", obj=r.obj_id, detail=r.detail)
+            await term_all(r.tokens)
+            return
+        try:
+            meta = parse_grad_meta(r.meta)
+            vec = np.asarray(codec.decode_array(r.blob)).reshape(-1)
+        except (ValueError, codec.CodecError) as e:
+            self._reject("malformed", obj=r.obj_id, detail=str(e)[:200])
+            await term_all(r.tokens)
+            return
+        c = Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
+                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
+                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec)
+        p = c.fragment
+        if not self.cfg.require_membership and c.run == self.common.run:
+            self.seen.add(c.learner)
+        st = self.states.get(p)
+        pending = {x.c.key for x in self.buffers.get(p, [])}
+        ctx = ValidationContext(
+            run=self.common.run, model_hash=self.model_hash,
+            fragment_sizes={q: self.plan.sizes[q] for q in self.owned},
+            current_version={q: self.states[q].version for q in self.owned},
+            active=self.active(), known=self.known(),
+            applied=st.applied if st else None, pending=pending,
+            norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
+            norm_outlier_factor=self.cfg.norm_outlier_factor,
+        ) if st else None
+        norm = l2_norm(vec) if vec.dtype == np.float32 else float("nan")
+        reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=norm)
+        if reason is not None:
+            self._reject(str(getattr(reason, "value", reason)), learner=c.learner, fragment=p, round=c.round,
+                         base=c.base_version, version=st.version if st else None)
+            await term_all(r.tokens)
+            return
+        self.buffers[p].append(Pending(c, norm, r.tokens, now))
+        self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps)
+        self.stats.accepted += 1
+
+    # -- merging ----------------------------------------------------------------------------------
+
+    async def _maybe_merge(self, p: int, now: float) -> float | None:
+        """Merge fragment p if the quorum rule says so; else the time to look again (or None)."""
+        buf = self.buffers[p]
+        if not buf:
+            return None
+        contributors: dict[str, float] = {}
+        for x in buf:
+            contributors[x.c.learner] = min(contributors.get(x.c.learner, x.arrived), x.arrived)
+        first = min(x.arrived for x in buf)
+        d = decide(now, first, contributors, self.active(), self.cfg.quorum, self.grace, self.arrivals)
+        reason = d.reason
+        if not d.merge and not self.active():
+            # nobody is active any more (all evicted while their contributions were buffered):
+            # merge what we hold after the grace window rather than holding it forever
+            if now < first + self.cfg.grace_seconds:
+                return first + self.cfg.grace_seconds
+            reason = "no active learner: merging what is buffered after the grace window"
+        elif not d.merge:
+            return d.wait_until
+        await self._merge(p, now, first, reason)
+        return None
+
+    async def _merge(self, p: int, now: float, first: float, reason: str) -> None:
+        items = self.buffers[p]
+        self.buffers[p] = []
+        st = self.states[p]
+        t0 = time.monotonic()
+        new, blob = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items])
+        try:
+            await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
+        except Exception as e:  # state not committed: keep the contributions, try again later
+            self.log.error("state_persist_failed", fragment=p, error=repr(e))
+            self.buffers[p] = items + self.buffers[p]
+            return
+        self.states[p] = new
+        for x in items:
+            await ack_all(x.tokens)
+        await self._publish_global(p, blob)
+        self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
+        self.stats.merges += 1
+        self.stats.merge_latency.append(time.monotonic() - first)
+        for x in items:
+            self.stats.staleness[st.version - x.c.base_version] += 1
+            self.stats.contributions[x.c.learner] += 1
+        self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
+                      learners=sorted({x.c.learner for x in items}))
+
+    async def _publish_global(self, p: int, blob=None) -> None:
+        st = self.states[p]
+        if blob is None:
+            blob = codec.encode_array(st.params, self.settings.downlink_quantiser)
+        applied = [list(k) for k in st.last_merge]
+        try:
+            await self.gstore.put(p, st.version, blob, {"model": self.model_hash, "plan": self.plan.plan_hash(),
+                                                       "applied": applied})
+            await self.js.publish(self.s.event("merge"), orjson.dumps(
+                {"fragment": p, "version": st.version, "applied": applied, "ts": time.time()}),
+                headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
+            self.unpublished.discard(p)
+        except Exception as e:
+            self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
+            self.unpublished.add(p)
+
+    # -- main loop --------------------------------------------------------------------------------
+
+    async def _metrics(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                msg = {"role": "aggregator", "run": self.common.run, "ts": time.time(),
+                       "id": self.cfg.aggregator_id,
+                       "versions": {str(p): st.version for p, st in self.states.items()},
+                       "buffered": {str(p): len(b) for p, b in self.buffers.items() if b},
+                       "active": len(self.active()), **self.stats.to_metrics(),
+                       "transport_dropped": dict(self.consumer.stats.dropped or {})}
+                await self.nc.publish(self.s.metrics("aggregator", self.cfg.aggregator_id), codec.dumps_json(msg))
+            except Exception as e:
+                self.log.warning("metrics_failed", error=repr(e))
+            try:
+                await asyncio.wait_for(stop.wait(), self.common.metrics_interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _keep_alive_held(self) -> None:
+        """Tell JetStream we still work on held chunks so they are not redelivered while buffered."""
+        now = time.monotonic()
+        for buf in self.buffers.values():
+            for x in buf:
+                if now - x.arrived > self.cfg.ack_wait / 3:
+                    for m in x.tokens:
+                        try:
+                            await m.in_progress()
+                        except Exception:
+                            pass
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}")
+        js = self.js = self.nc.jetstream(timeout=30)
+        await ensure_run(js, self.common.run, Limits.from_config(self.common))
+        pub = ChunkPublisher(js, self.common.max_chunk_bytes, self.common.inflight_chunks)
+        self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
+        self.sstore = VersionedStore(js, self.common.run, STATE, pub)
+        await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
+                            fragments=self.owned)
+        await self._recover(js)
+        lo, hi = self.owned.start, self.owned.stop - 1
+        self.consumer = ChunkConsumer(
+            js, self.s.stream("grad"), f"agg_{lo}_{hi}", [self.s.grad_fragment_filter(p) for p in self.owned],
+            batch=32, ack_wait=self.cfg.ack_wait,
+        )
+        self.consumer.assembler.max_age = self.common.partial_timeout
+        await self.consumer.start()
+        tasks = [asyncio.create_task(self._follow_membership(js, stop)), asyncio.create_task(self._metrics(stop))]
+        self.log.info("aggregator_started", fragments=f"{lo}-{hi}",
+                      versions={p: s.version for p, s in self.states.items()})
+        last_keepalive = time.monotonic()
+        try:
+            wake = None
+            while not stop.is_set():
+                now = time.monotonic()
+                timeout = 0.2 if wake is None else max(0.01, min(0.2, wake - now))
+                for r in await self.consumer.poll(timeout=timeout):
+                    await self._handle(r, time.monotonic())
+                wake = None
+                for p in self.owned:
+                    if p in self.unpublished:
+                        await self._publish_global(p)
+                    w = await self._maybe_merge(p, time.monotonic())
+                    if w is not None:
+                        wake = w if wake is None else min(wake, w)
+                if time.monotonic() - last_keepalive > 5:
+                    await self._keep_alive_held()
+                    last_keepalive = time.monotonic()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.consumer.unsubscribe()
+            await self.nc.close()
+            self.log.info("aggregator_stopped", versions={p: s.version for p, s in self.states.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    common = from_env(CommonConfig)
+    model = from_env(ModelConfig)
+    cfg = from_env(AggregatorConfig)
+    setup(common.log_level, run=common.run, role="aggregator", island=common.region)
+    svc = AggregatorService(common, model, cfg)
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await svc.run(stop)
+
+    try:
+        asyncio.run(go())
+    except RunMismatch as e:
+        print(f"diloco aggregator: {e}", file=sys.stderr)
+        return 3
+    return 0

@@ -1,0 +1,115 @@
+"""One fragment's durable state and the pure merge step that moves it from version v to v+1.
+
+:class:`FragmentState` is everything the aggregator must not lose for a fragment: version,
+parameters, outer-optimizer state, the applied-set (for exactly-once) and the accepted-norm
+history (for outlier checks), plus the keys merged into the current version. It serialises to one
+msgpack blob (arrays as :mod:`bus.codec` fp32 blobs) that the service persists in the STATE stream
+*before* publishing the global version and acknowledging the contributions.
+
+:func:`merge_step` is deterministic: the crash-loop test replays the recorded merges with it and
+must land on exactly the published parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from aggregator.contribution import Contribution, ContributionKey
+from aggregator.merge import l2_norm, merge
+from aggregator.outer_opt import DelayedNesterovState, NesterovState, make_outer_optimizer
+from aggregator.validate import AppliedSet, NormHistory
+from aggregator.weights import StalenessPolicy, contribution_weights
+from bus import codec
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    method: str = "rda"
+    robust: str | None = None
+    trim_fraction: float = 0.1
+    staleness: StalenessPolicy = field(default_factory=StalenessPolicy)
+    optimizer: str = "nesterov"
+    lr: float = 0.7
+    momentum: float = 0.9
+    delay_n: int = 1
+    downlink_quantiser: str = "fp32"
+
+    def make_optimizer(self):
+        return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n)
+
+    @classmethod
+    def from_config(cls, cfg) -> "MergeSettings":  # AggregatorConfig
+        return cls(method=cfg.merge, robust=None if cfg.robust == "none" else cfg.robust,
+                   trim_fraction=cfg.trim_fraction,
+                   staleness=StalenessPolicy(cfg.staleness, cfg.staleness_a, cfg.staleness_b),
+                   optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                   delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink_quantiser)
+
+
+@dataclass
+class FragmentState:
+    fragment: int
+    version: int
+    params: np.ndarray
+    opt: NesterovState | DelayedNesterovState
+    applied: AppliedSet
+    norms: NormHistory
+    last_merge: list[ContributionKey] = field(default_factory=list)
+
+    @classmethod
+    def initial(cls, fragment: int, version: int, params: np.ndarray, settings: MergeSettings) -> "FragmentState":
+        p = np.array(params, dtype=np.float32).reshape(-1)
+        return cls(fragment, version, p, settings.make_optimizer().init(p), AppliedSet(), NormHistory())
+
+    def to_bytes(self) -> bytes:
+        opt = self.opt.to_dict()
+        opt_arrays = {k: bytes(codec.encode_array(v)) for k, v in opt.items() if isinstance(v, np.ndarray)}
+        opt_other = {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}
+        return msgpack.packb({
+            "f": self.fragment, "v": self.version, "params": bytes(codec.encode_array(self.params)),
+            "opt_kind": type(self.opt).__name__, "opt_arrays": opt_arrays, "opt_other": opt_other,
+            "applied": self.applied.to_dict(), "norms": self.norms.to_dict(),
+            "last": [list(k) for k in self.last_merge],
+        }, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "FragmentState":
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        opt = dict(d["opt_other"])
+        opt.update({k: np.array(codec.decode_array(v)) for k, v in d["opt_arrays"].items()})
+        opt_cls = {"NesterovState": NesterovState, "DelayedNesterovState": DelayedNesterovState}[d["opt_kind"]]
+        return cls(int(d["f"]), int(d["v"]), np.array(codec.decode_array(d["params"])), opt_cls.from_dict(opt),
+                   AppliedSet.from_dict(d["applied"]), NormHistory.from_dict(d["norms"]),
+                   [tuple(k) for k in d["last"]])
+
+
+def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
+               norms: list[float] | None = None) -> tuple[FragmentState, bytearray]:
+    """Version v -> v+1: weight (tokens x staleness), merge, outer step, quantise for the downlink.
+
+    Returns the new state and the blob of the global version to publish; the new state's params
+    are exactly what a learner decodes from that blob. ``state`` is not modified. ``contribs``
+    must already be validated (and not duplicates).
+    """
+    if not contribs:
+        raise ValueError("merge_step needs at least one contribution")
+    if norms is None:
+        norms = [l2_norm(c.vector) for c in contribs]
+    w = contribution_weights(contribs, state.version, settings.staleness)
+    g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
+              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64))
+    params, opt = settings.make_optimizer().step(state.params, g, state.opt)
+    blob = codec.encode_array(params, settings.downlink_quantiser)
+    if settings.downlink_quantiser != "fp32":
+        # everyone (learners, evaluator, our own next step) holds exactly the published values
+        params = np.array(codec.decode_array(blob))
+    applied = state.applied.copy()
+    hist = NormHistory.from_dict(state.norms.to_dict())
+    for c, n in zip(contribs, norms):
+        applied.record(c)
+        hist.add(state.fragment, float(n))
+    new = FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs])
+    return new, blob

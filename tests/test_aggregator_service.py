@@ -1,0 +1,141 @@
+"""The aggregator service against a real nats-server: rejections, merges, slow learners."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from aggregator.config import AggregatorConfig
+from aggregator.service import AggregatorService
+from bus import codec
+from bus.config import CommonConfig
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import VersionedStore
+from tests.agg_helpers import MODEL, PLAN, FakeLearner, set_members
+
+RUN = "agg"
+
+
+async def _start(nats_server, **cfg):
+    common = CommonConfig(nats_url=nats_server.url, run=RUN, metrics_interval=0.2, partial_timeout=1.0)
+    svc = AggregatorService(common, MODEL, AggregatorConfig(**cfg))
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    for _ in range(200):
+        if svc.states and hasattr(svc, "consumer"):
+            break
+        await asyncio.sleep(0.05)
+    assert svc.states, "aggregator did not start"
+    return svc, stop, task
+
+
+async def _until(pred, timeout=10.0):
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchanged(nats_server, js):
+    svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.1, max_staleness=2,
+                                   norm_outlier_factor=5.0)
+    n = PLAN.sizes[0]
+    await set_members(js, RUN, {"good": "active", "sleepy": "evicted"})
+    await _until(lambda: svc.members.get("good") == "active")
+    store = VersionedStore(js, RUN, GLOBAL)
+    before = {p: (await store.get(p)) for p in range(PLAN.num_fragments)}
+    good = FakeLearner(js, RUN, "good")
+    # 5 honest contributions first, so the norm history of fragment 0 exists: versions 1..5
+    for v in range(5):
+        await good.send(0, base=v)
+        assert await _until(lambda: svc.states[0].version == v + 1)
+    snapshot = {p: (svc.states[p].version, svc.states[p].params.copy()) for p in svc.states}
+    bad = FakeLearner(js, RUN, "good")
+    crafted = [
+        dict(run="other"),  # wrong_run
+        dict(model="0" * 16),  # wrong_model
+        dict(base=99),  # future_version
+        dict(base=2),  # too_stale (5 - 2 > 2)
+        dict(steps=0),  # bad_counters
+        dict(tokens=1),  # bad_counters (fewer tokens than steps)
+        dict(frag=7),  # wrong_fragment
+    ]
+    for over in crafted:
+        await bad.send(0, base=over.pop("base", 5), **over)
+    await FakeLearner(js, RUN, "stranger").send(0, base=5)  # unknown_learner
+    await FakeLearner(js, RUN, "sleepy").send(0, base=5)  # inactive_learner
+    await bad.send(0, base=5, vector=np.full(n, np.nan, np.float32))  # non_finite
+    await bad.send(0, base=5, vector=np.full(n, 1e3, np.float32))  # norm_outlier
+    await bad.send(0, base=5, vector=np.zeros(n + 1, np.float32))  # wrong_shape
+    # replay of an already-applied contribution (same learner, incarnation, fragment, round) after
+    # the bus's dedupe window (simulated by a new message id)
+    replay = FakeLearner(js, RUN, "good")
+    replay.inc, replay.round = good.inc, {0: 0, 1: 0}
+    await replay.send(0, base=4, obj_suffix=".again")
+    # garbage on the gradient subject: random bytes, and a chunk set that never completes
+    await js.publish(Subjects(RUN).grad(0, "good"), b"\x00garbage")
+    want = {"wrong_run": 1, "wrong_model": 1, "future_version": 1, "too_stale": 1, "bad_counters": 2,
+            "wrong_fragment": 1, "unknown_learner": 1, "inactive_learner": 1, "non_finite": 1, "norm_outlier": 1,
+            "wrong_shape": 1, "duplicate": 1, "transport_bad_header": 1}
+    ok = await _until(lambda: dict(svc.stats.rejected) == want, 15)
+    assert ok, dict(svc.stats.rejected)
+    for p, (v, params) in snapshot.items():
+        assert svc.states[p].version == v and np.array_equal(svc.states[p].params, params)
+    head, blob = await store.get(0)
+    assert head.version == 5 and np.array_equal(codec.decode_array(blob), snapshot[0][1])
+    stop.set()
+    await task
+    assert before[0][0].version == 0
+
+
+async def test_merge_publishes_version_with_applied_keys_and_nesterov_step(nats_server, js):
+    svc, stop, task = await _start(nats_server, grace="fixed", grace_seconds=0.2, merge="mean", quorum=2)
+    await set_members(js, RUN, {"a": "active", "b": "active"})
+    await _until(lambda: len(svc.active()) == 2)
+    store = VersionedStore(js, RUN, GLOBAL)
+    _, blob0 = await store.get(0)
+    theta0 = np.array(codec.decode_array(blob0))
+    a, b = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2)
+    va = np.full(PLAN.sizes[0], 0.01, np.float32)
+    vb = np.full(PLAN.sizes[0], 0.03, np.float32)
+    ka = await a.send(0, base=0, vector=va)
+    kb = await b.send(0, base=0, vector=vb)
+    assert await _until(lambda: svc.states[0].version == 1)
+    head, blob = await store.get(0)
+    assert head.version == 1 and sorted(map(tuple, head.meta["applied"])) == sorted([ka, kb])
+    # equal tokens and staleness: mean 0.02; Nesterov from zero momentum: u = g + 0.9 g = 1.9 g
+    expect = theta0 - np.float32(0.7) * np.float32(1.9) * np.float32(0.02)
+    np.testing.assert_allclose(codec.decode_array(blob), expect, rtol=1e-5, atol=1e-7)
+    stop.set()
+    await task
+
+
+async def test_slow_learner_does_not_hold_back_versions_and_still_counts(nats_server, js):
+    svc, stop, task = await _start(nats_server, require_membership=False, grace="fixed", grace_seconds=0.05,
+                                   quorum=1, max_staleness=50)
+    fast, slow = FakeLearner(js, RUN, "fast", 1), FakeLearner(js, RUN, "slow", 2)
+    fast_sent = slow_sent = 0
+    t_end = time.monotonic() + 4.0
+
+    async def run(learner, period):
+        nonlocal fast_sent, slow_sent
+        base = svc.states[0].version
+        while time.monotonic() < t_end:
+            await asyncio.sleep(period)
+            await learner.send(0, base=base)
+            if learner is fast:
+                fast_sent += 1
+            else:
+                slow_sent += 1
+            base = svc.states[0].version  # take the newest version, as a learner would
+    await asyncio.gather(run(fast, 0.1), run(slow, 0.3))
+    await _until(lambda: sum(svc.stats.contributions.values()) == fast_sent + slow_sent, 5)
+    v = svc.states[0].version
+    # versions advance at the fast learner's pace (K=1), not the slow one's
+    assert v >= 0.8 * fast_sent, (v, fast_sent, slow_sent)
+    assert svc.stats.contributions["slow"] == slow_sent and slow_sent >= 5
+    stop.set()
+    await task
