@@ -58,4 +58,4 @@ class AggregatorConfig:
     require_membership: bool = var(True, boolean(),
                                    "accept only learners the monitor lists as active (false: anyone is active)")
     downlink_quantiser: str = var("fp32", choice(*quant.QUANTISERS), "quantiser of published global versions")
-    ack_wait: float = var(300.0, number(5.0), "seconds a held gradient chunk stays unacked before redelivery")
+    ack_wait: float = var(30.0, number(1.0), "seconds before JetStream redelivers an unacked chunk (crash recovery time)")

@@ -153,10 +153,11 @@ class AggregatorService:
                 if gh is not None and gh.version > st.version:
                     raise RunMismatch(f"fragment {p}: global version {gh.version} is ahead of our state "
                                       f"{st.version}: is another aggregator owning it?")
-                if gh is None or gh.version < st.version:
-                    self.unpublished.add(p)
+                # republish what a crash may have cut short: the global version (if behind) and
+                # the merge event of the newest version (deduplicated by its message id)
+                self.unpublished.add(p)
                 self.log.info("fragment_recovered", fragment=p, version=st.version,
-                              republish=p in self.unpublished)
+                              global_behind=gh is None or gh.version < st.version)
             self.states[p] = st
 
     # -- contributions ----------------------------------------------------------------------------
@@ -257,16 +258,20 @@ class AggregatorService:
                       learners=sorted({x.c.learner for x in items}))
 
     async def _publish_global(self, p: int, blob=None) -> None:
+        """Publish the global version of the state (unless already there) and its merge event."""
         st = self.states[p]
-        if blob is None:
-            blob = codec.encode_array(st.params, self.settings.downlink_quantiser)
         applied = [list(k) for k in st.last_merge]
         try:
-            await self.gstore.put(p, st.version, blob, {"model": self.model_hash, "plan": self.plan.plan_hash(),
-                                                       "applied": applied})
-            await self.js.publish(self.s.event("merge"), orjson.dumps(
-                {"fragment": p, "version": st.version, "applied": applied, "ts": time.time()}),
-                headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
+            head = await self.gstore.head(p) if blob is None else None
+            if head is None or head.version < st.version:
+                if blob is None:
+                    blob = codec.encode_array(st.params, self.settings.downlink_quantiser)
+                await self.gstore.put(p, st.version, blob, {"model": self.model_hash, "plan": self.plan.plan_hash(),
+                                                           "applied": applied})
+            if st.version > 0:
+                await self.js.publish(self.s.event("merge"), orjson.dumps(
+                    {"fragment": p, "version": st.version, "applied": applied, "ts": time.time()}),
+                    headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
             self.unpublished.discard(p)
         except Exception as e:
             self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))

@@ -109,10 +109,14 @@ class NormHistory:
 class AppliedSet:
     """Bounded record of applied contributions, to reject duplicates and replays.
 
-    Per (learner, incarnation, fragment) it keeps the highest applied round (and the highest base
-    version applied). A contribution is a duplicate when its round is <= that highest round: an
-    older round arriving after a newer one was applied cannot be told apart from a replay with
-    bounded state, so it is rejected too.
+    Per (learner, incarnation, fragment) it keeps a round *floor* (every round <= floor counts as
+    applied) and the exact set of applied rounds above it (and the highest base version applied).
+    Rounds can arrive out of order (after an aggregator crash, a chunk set that was mid-assembly is
+    redelivered only after ``ack_wait``, when later rounds were already applied), so a round below
+    the highest applied one is NOT a duplicate unless it was applied itself. The floor rises over
+    contiguous applied rounds; when more than ``max_gaps`` rounds sit above it (rounds that were
+    rejected and will never be applied), the floor jumps to the oldest of them, so state stays
+    bounded and only a round older than ``max_gaps`` newer applied ones could be lost.
 
     Per learner at most ``max_incarnations`` incarnations are kept, least recently applied first
     out. When an incarnation is evicted, the highest base version it had applied per fragment is
@@ -127,14 +131,15 @@ class AppliedSet:
     Memory: O(learners x max_incarnations x fragments) small entries.
     """
 
-    FORMAT = 1
+    FORMAT = 2
+    max_gaps = 256
 
     def __init__(self, max_incarnations: int = 4) -> None:
         if max_incarnations < 1:
             raise ValueError(f"max_incarnations must be >= 1, got {max_incarnations}")
         self.max_incarnations = max_incarnations
-        # learner -> incarnation (LRU order) -> fragment -> [highest round, highest base version]
-        self._seen: dict[str, OrderedDict[str, dict[int, list[int]]]] = {}
+        # learner -> incarnation (LRU order) -> fragment -> [round floor, highest base, {rounds > floor}]
+        self._seen: dict[str, OrderedDict[str, dict[int, list]]] = {}
         # (learner, fragment) -> highest base version applied by an evicted incarnation
         self._floor: dict[tuple[str, int], int] = {}
 
@@ -148,15 +153,15 @@ class AppliedSet:
 
     def highest_round(self, learner: str, incarnation: str, fragment: int) -> int | None:
         entry = self._seen.get(learner, {}).get(incarnation, {}).get(fragment)
-        return entry[0] if entry is not None else None
+        return max([entry[0], *entry[2]]) if entry is not None else None
 
     def is_duplicate(self, c: Contribution) -> bool:
-        """True if ``c`` (or a later round of its incarnation and fragment) was already applied."""
+        """True if round ``c.round`` of its incarnation and fragment was already applied."""
         entry = self._seen.get(c.learner, {}).get(c.incarnation, {}).get(c.fragment)
-        if entry is not None:
-            return c.round <= entry[0]
-        # Not held: either new, or its entry was evicted (possibly its incarnation re-entered
-        # the set since, for another fragment). The floor covers evicted entries.
+        if entry is not None and (c.round <= entry[0] or c.round in entry[2]):
+            return True
+        # Not held (new, or its entry was evicted; possibly its incarnation re-entered the set
+        # since): the floor of evicted incarnations' base versions covers evicted entries.
         floor = self._floor.get((c.learner, c.fragment))
         return floor is not None and c.base_version <= floor
 
@@ -175,13 +180,21 @@ class AppliedSet:
         incs.move_to_end(incarnation)
         entry = frags.get(fragment)
         if entry is None:
-            frags[fragment] = [rnd, base]
-        else:
-            entry[0] = max(entry[0], rnd)
-            entry[1] = max(entry[1], base)
+            entry = frags[fragment] = [-1, base, set()]
+        entry[1] = max(entry[1], base)
+        entry[2].add(rnd)
+        while entry[0] + 1 in entry[2]:  # contiguous applied rounds raise the floor
+            entry[0] += 1
+            entry[2].discard(entry[0])
+        while len(entry[2]) > self.max_gaps:  # give up on the oldest gap: bounded state
+            entry[0] = min(entry[2])
+            entry[2].discard(entry[0])
+            while entry[0] + 1 in entry[2]:
+                entry[0] += 1
+                entry[2].discard(entry[0])
         while len(incs) > self.max_incarnations:
             _, old = incs.popitem(last=False)
-            for f, (_, old_base) in old.items():
+            for f, (_, old_base, _) in old.items():
                 key = (learner, f)
                 self._floor[key] = max(self._floor.get(key, old_base), old_base)
 
@@ -192,7 +205,7 @@ class AppliedSet:
         """Plain, msgpack-friendly form (str keys only, ints, lists)::
 
             {"format": 1, "max_incarnations": int,
-             "learners": [[learner, [[incarnation, [[fragment, round, base], ...]], ...]], ...],
+             "learners": [[learner, [[incarnation, [[fragment, floor, base, [rounds]], ...]], ...]], ...],
              "floors": [[learner, fragment, base], ...]}
 
         Incarnations are listed least recently applied first, which restores the LRU order.
@@ -201,7 +214,7 @@ class AppliedSet:
             "format": self.FORMAT,
             "max_incarnations": self.max_incarnations,
             "learners": [
-                [learner, [[inc, [[f, e[0], e[1]] for f, e in sorted(frags.items())]]
+                [learner, [[inc, [[f, e[0], e[1], sorted(e[2])] for f, e in sorted(frags.items())]]
                            for inc, frags in incs.items()]]
                 for learner, incs in sorted(self._seen.items())
             ],
@@ -214,9 +227,9 @@ class AppliedSet:
             raise ValueError(f"unknown AppliedSet format {data.get('format')!r}")
         s = cls(int(data["max_incarnations"]))
         for learner, incs in data["learners"]:
-            od: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
+            od: OrderedDict[str, dict[int, list]] = OrderedDict()
             for inc, frags in incs:
-                od[str(inc)] = {int(f): [int(r), int(b)] for f, r, b in frags}
+                od[str(inc)] = {int(f): [int(r), int(b), {int(x) for x in rs}] for f, r, b, rs in frags}
             s._seen[str(learner)] = od
         for learner, f, b in data["floors"]:
             s._floor[(str(learner), int(f))] = int(b)

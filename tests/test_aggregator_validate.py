@@ -73,7 +73,6 @@ CASES = [
     (Reason.future_version, dict(base_version=7), {}),
     (Reason.too_stale, dict(base_version=2), {}),  # 6 - 2 = 4 > 3
     (Reason.duplicate, {}, dict(applied=_applied_with(make()))),
-    (Reason.duplicate, dict(round=2), dict(applied=_applied_with(make()))),  # older round
     (Reason.duplicate, {}, dict(pending=frozenset({("a", "i1", 0, 3)}))),
     (Reason.wrong_dtype, dict(vector=np.zeros(SIZE, dtype=np.float64)), {}),
     (Reason.wrong_dtype, dict(vector=[0.0] * SIZE), {}),
@@ -154,17 +153,32 @@ def test_applied_set_rounds():
     s = AppliedSet()
     s.record(make(round=3))
     assert s.is_duplicate(make(round=3))
+    # an older round arriving late (redelivered after a crash) was never applied: not a duplicate
+    assert not s.is_duplicate(make(round=1))
+    s.record(make(round=1))
     assert s.is_duplicate(make(round=1))
     assert not s.is_duplicate(make(round=4))
     assert not s.is_duplicate(make(round=3, fragment=1))
     assert not s.is_duplicate(make(round=3, incarnation="i2"))
     assert not s.is_duplicate(make(round=3, learner="b"))
-    assert make(round=2) in s
+    assert make(round=2) not in s
     with pytest.raises(ValueError):
         s.record(make(round=3))  # applying twice is a bug
     s.record(make(round=4))
     assert s.highest_round("a", "i1", 0) == 4
     assert len(s) == 1
+    s.record(make(round=2))
+    s.record(make(round=0))  # rounds 0..4 all applied: the floor absorbs them
+    assert s.to_dict()["learners"][0][1][0][1] == [[0, 4, 5, []]]  # fragment 0, floor 4, base 5
+
+
+def test_applied_set_gaps_are_bounded():
+    s = AppliedSet()
+    for r in range(1, 2 + 2 * AppliedSet.max_gaps, 2):  # every other round never arrives
+        s.record(make(round=r))
+    (entry,) = s.to_dict()["learners"][0][1][0][1]
+    assert len(entry[3]) <= AppliedSet.max_gaps
+    assert all(s.is_duplicate(make(round=r)) for r in range(1, 2 + 2 * AppliedSet.max_gaps, 2))
 
 
 def test_applied_set_is_bounded_and_still_catches_evicted_replays():
