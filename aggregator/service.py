@@ -251,6 +251,8 @@ class AggregatorService:
         self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
         self.stats.merges += 1
         self.stats.merge_latency.append(time.monotonic() - first)
+        firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
+        self.stats.quorum_wait += firsts[min(self.cfg.quorum, len(firsts)) - 1] - first
         for x in items:
             self.stats.staleness[st.version - x.c.base_version] += 1
             self.stats.contributions[x.c.learner] += 1

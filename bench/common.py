@@ -24,7 +24,18 @@ def machine() -> dict:
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process (Linux reports KiB)."""
+    """Peak resident set size of this process in MiB.
+
+    Reads VmHWM from /proc (reset by exec), not ``ru_maxrss``, which a child started with
+    fork+exec inherits from its parent on Linux.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
