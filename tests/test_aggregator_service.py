@@ -139,3 +139,22 @@ async def test_slow_learner_does_not_hold_back_versions_and_still_counts(nats_se
     assert svc.stats.contributions["slow"] == slow_sent and slow_sent >= 5
     stop.set()
     await task
+
+
+async def test_two_aggregators_own_disjoint_fragments(nats_server, js):
+    a, stop_a, task_a = await _start(nats_server, require_membership=False, aggregator_id="agg-a",
+                                     agg_fragments="0", grace="fixed", grace_seconds=0.05)
+    b, stop_b, task_b = await _start(nats_server, require_membership=False, aggregator_id="agg-b",
+                                     agg_fragments="1", grace="fixed", grace_seconds=0.05)
+    assert set(a.states) == {0} and set(b.states) == {1}
+    fl = FakeLearner(js, RUN, "l")
+    for v in range(3):
+        await fl.send(0, base=v)
+        await fl.send(1, base=v)
+        assert await _until(lambda: a.states[0].version == v + 1 and b.states[1].version == v + 1)
+    store = VersionedStore(js, RUN, GLOBAL)
+    assert (await store.head(0)).version == 3 and (await store.head(1)).version == 3
+    assert a.stats.accepted == 3 and b.stats.accepted == 3 and not a.stats.rejected and not b.stats.rejected
+    for stop, task in ((stop_a, task_a), (stop_b, task_b)):
+        stop.set()
+        await task
