@@ -1,0 +1,170 @@
+"""Pure bookkeeping of the learner (learner.loop): schedule, counters, versions, decisions."""
+
+import numpy as np
+import pytest
+
+from aggregator.bootstrap import make_plan
+from learner import loop as lp
+from learner.fragments import gather_all
+from learner.spec import ModelSpec, count_params, init_params
+
+SPEC = ModelSpec(d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=32)
+
+
+def test_derive_shard_from_trailing_number_hash_or_config():
+    assert [lp.derive_shard(f"learner-{i}", 4) for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert lp.derive_shard("eu-12", 8) == 4
+    assert lp.derive_shard("anything", 3, configured=5) == 2
+    h = lp.derive_shard("alpha", 7)
+    assert 0 <= h < 7 and h == lp.derive_shard("alpha", 7)  # deterministic
+    with pytest.raises(ValueError):
+        lp.derive_shard("x", 0)
+
+
+def test_batch_seed_differs_per_incarnation_and_learner():
+    a = lp.batch_seed(0, "l0", "inc1")
+    assert a == lp.batch_seed(0, "l0", "inc1")
+    assert len({a, lp.batch_seed(0, "l0", "inc2"), lp.batch_seed(0, "l1", "inc1"), lp.batch_seed(1, "l0", "inc1")}) == 4
+    assert 0 <= a < 2**31
+
+
+def test_schedule_counters_and_rounds():
+    b = lp.Bookkeeper(num_fragments=4, H=4, tokens_per_step=10)
+    for p in range(4):
+        b.on_merged(p, 0)
+    assert b.offsets == (0, 1, 2, 3)
+    due = [b.on_step(0.5) for _ in range(8)]
+    # step t: fragment p due when (t - p) % 4 == 0
+    assert due == [[1], [2], [3], [0], [1], [2], [3], [0]]
+    assert b.step == 8 and b.tokens == 80 and b.step_seconds_total == pytest.approx(4.0)
+    c = b.begin_sync(0)
+    assert c == lp.Contribution(fragment=0, round=0, base_version=0, steps=8, tokens=80)
+    assert b.frags[0].steps == 0 and b.frags[0].inflight
+    b.end_sync(c, ok=True)
+    assert b.contributions == 1 and b.steps_sent == 8 and b.frags[0].next_round == 1 and not b.frags[0].inflight
+    b.on_step()
+    c2 = b.begin_sync(0)
+    assert (c2.round, c2.steps, c2.tokens) == (1, 1, 10)
+
+
+def test_unstaggered_schedule_syncs_every_fragment_together():
+    b = lp.Bookkeeper(num_fragments=3, H=2, tokens_per_step=1, staggered=False)
+    assert b.offsets == (0, 0, 0)
+    assert [b.on_step() for _ in range(4)] == [[], [0, 1, 2], [], [0, 1, 2]]
+
+
+def test_busy_fragment_is_skipped_and_failed_publish_returns_counters():
+    b = lp.Bookkeeper(2, H=1, tokens_per_step=5)
+    b.on_merged(0, 3)
+    b.on_step()
+    c = b.begin_sync(0)
+    b.on_step()
+    assert b.begin_sync(0) is None  # still in flight: skip, counters keep running
+    assert b.frags[0].skipped == 1 and b.frags[0].steps == 1
+    assert b.inflight() == [0]
+    b.end_sync(c, ok=False)  # failed: its work is still in theta, give the counters back
+    assert b.frags[0].steps == 2 and b.frags[0].tokens == 10 and b.frags[0].failed == 1
+    c3 = b.begin_sync(0)
+    assert (c3.round, c3.steps, c3.base_version) == (1, 2, 3)  # round numbers are never reused
+    assert b.counters() == {"sent": 0, "skipped": 1, "failed": 1}
+
+
+def test_versions_wants_merge_staleness():
+    b = lp.Bookkeeper(2, H=2, tokens_per_step=1)
+    b.on_merged(0, 5)
+    b.on_merged(1, 5)
+    assert b.versions() == {0: 5, 1: 5}
+    assert not b.wants(0, 5) and b.wants(0, 6)
+    b.on_downloaded(0, 7)
+    assert not b.wants(0, 6) and not b.wants(0, 7) and b.wants(0, 8)  # 7 queued already
+    b.on_step()
+    c = b.begin_sync(0)
+    b.end_sync(c, ok=True)
+    assert b.staleness() == 2  # known 7, contribution based on 5
+    b.on_merged(0, 7)
+    assert b.versions()[0] == 7 and b.frags[0].pending_version == -1
+    b.on_head(0, 9)
+    assert b.staleness() == 4 and b.wants(0, 9)
+
+
+def test_resync_overwrites_versions_and_drops_counters():
+    b = lp.Bookkeeper(3, H=3, tokens_per_step=2)
+    for p in range(3):
+        b.on_merged(p, 1)
+    for _ in range(2):
+        b.on_step()
+    b.on_downloaded(2, 4)
+    b.on_resync({0: 6, 1: 6, 2: 3})
+    assert b.resyncs == 1 and b.versions() == {0: 6, 1: 6, 2: 3}
+    assert all(f.steps == 0 and f.tokens == 0 for f in b.frags)
+    assert b.frags[2].pending_version == 4 and not b.wants(2, 4) and b.wants(2, 5)  # newer queued version kept
+
+
+def test_sync_decisions_and_applied_list():
+    meta = {"applied": [["l0", "abc", 3], ["l1", "x", 0], ["l0", "abc", 5], ["l0", "old", 4], ["l0", "abc", True],
+                        "junk", ["l0", "abc"], ["l0", "abc", 2, 7], ["l0", "abc", 1, 8]]}
+    # short form [learner, inc, round]; long form [learner, inc, fragment, round] (aggregator's key)
+    assert lp.applied_rounds(meta, "l0", "abc", 2) == [3, 5, 7]
+    assert lp.applied_rounds(meta, "l0", "abc", 1) == [3, 5, 8]
+    assert lp.applied_rounds(meta, "l0", "zzz", 2) == []
+    assert lp.applied_rounds({}, "l0", "abc", 0) == [] and lp.applied_rounds({"applied": "no"}, "l0", "a", 0) == []
+    assert not lp.sync_satisfied(None, 10)
+    assert not lp.sync_satisfied(5, 4) and lp.sync_satisfied(5, 5) and lp.sync_satisfied(5, 6)
+
+
+def test_should_resync_only_for_this_incarnation_when_evicted():
+    assert lp.should_resync("evicted", "me", "me")
+    assert not lp.should_resync("evicted", "old-life", "me")
+    for s in ("joining", "active", "suspect", "rejoining"):
+        assert not lp.should_resync(s, "me", "me")
+
+
+def test_synthetic_step_is_deterministic_descent():
+    sizes = [100, 57]
+    frags = [np.full(n, 0.5, np.float32) for n in sizes]
+    dirs = lp.synthetic_directions(sizes, seed=3)
+    again = lp.synthetic_directions(sizes, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(dirs, again))
+    loss0 = lp.synthetic_step(frags, dirs, lr=0.1, scales=[0.0, 0.0])
+    assert loss0 == pytest.approx(0.5 * 0.25)
+    assert np.allclose(frags[0], 0.45)  # pure pull toward zero with zero noise scale
+    before = [f.copy() for f in frags]
+    lp.synthetic_step(frags, dirs, lr=0.1, scales=[1.0, -2.0])
+    expect = (1 - 0.1) * before[1] - 0.1 * lp.SYNTHETIC_NOISE * -2.0 * dirs[1]
+    assert np.allclose(frags[1], expect, atol=1e-6)
+    losses = [lp.synthetic_step(frags, dirs, 0.1, [0.1, 0.1]) for _ in range(50)]
+    assert losses[-1] < losses[0]
+
+
+def test_params_from_fragments_round_trips_the_plan():
+    plan = make_plan(SPEC, 4, 1.1)
+    params = init_params(SPEC, 0)
+    vectors = gather_all(plan, params)
+    rebuilt = lp.params_from_fragments(plan, vectors)
+    assert set(rebuilt) == set(params)
+    assert all(np.array_equal(rebuilt[k], params[k]) for k in params)
+    new = np.arange(plan.sizes[2], dtype=np.float32)
+    lp.write_fragment(plan, rebuilt, 2, new)
+    assert np.array_equal(gather_all(plan, rebuilt)[2], new)
+    assert np.array_equal(gather_all(plan, rebuilt)[1], vectors[1])
+    assert set(lp.fragment_paths(plan, 2)) == {s.path for s in plan.fragments[2].slices}
+    with pytest.raises(ValueError):
+        lp.write_fragment(plan, rebuilt, 2, new[:-1])
+
+
+def test_extra_sleep_rate_meter_and_memory_formula():
+    assert lp.extra_sleep(0.2, 1.0) == 0.0 and lp.extra_sleep(0.2, 3.0) == pytest.approx(0.4)
+    m = lp.RateMeter(window=10.0)
+    assert m.rate(0.0) == 0.0
+    for i in range(11):
+        m.add(float(i), 100)
+    assert m.rate(10.0) == pytest.approx(100.0)
+    assert m.rate(100.0) == 0.0  # everything is older than the window
+    n = count_params(SPEC)
+    plan = make_plan(SPEC, 4, 1.1)
+    mem = lp.memory_bytes(n, plan.sizes, error_feedback=True)
+    assert mem["params"] == 4 * n and mem["optimizer"] == 8 * n and mem["base"] == 4 * n
+    assert mem["residual"] == 4 * n and mem["inflight"] == 2 * 4 * max(plan.sizes)
+    assert mem["total"] == 4 * n * 5 + mem["inflight"]
+    assert lp.memory_bytes(n, plan.sizes, error_feedback=False)["residual"] == 0
+    assert lp.rss_mib(2048) == 2.0

@@ -1,0 +1,501 @@
+"""The learner service and the evaluator against a real nats-server.
+
+Version 0 and the manifest come from ``aggregator.bootstrap.bootstrap_run`` (no aggregator
+process); the test itself plays the aggregator where one is needed (publishing newer global
+versions with ``VersionedStore.put``). Learners run as real subprocesses (``python -m learner``)
+unless a test needs to look inside one, then in-process. Tiny model: d_model 32, 2 layers,
+seq 32, P = 4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from aggregator.bootstrap import bootstrap_run, make_plan
+from bus import codec
+from bus.chunks import CHUNK_HEADER
+from bus.config import CommonConfig
+from bus.protocol import parse_grad_meta
+from bus.streams import ensure_run
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import Assembled, ChunkConsumer, VersionedStore, ack_all
+from learner.config import EvalConfig, LearnerConfig, ModelConfig
+from learner.fragments import gather_all
+from learner.spec import init_params, spec_hash
+from monitor.membership import Member, State, member_to_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = "lt"
+S = Subjects(RUN)
+MC = ModelConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=32, num_fragments=4)
+SPEC = MC.spec()
+PLAN = make_plan(SPEC, MC.num_fragments, MC.max_imbalance)
+V0 = gather_all(PLAN, init_params(SPEC, 0))
+MODEL_ENV = {"DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "4", "DILOCO_D_FF": "64",
+             "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4"}
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+async def bootstrap(js):
+    await ensure_run(js, RUN)
+    return await bootstrap_run(js, RUN, SPEC, 0, PLAN)
+
+
+def learner_env(server, **kw) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env.update(MODEL_ENV)
+    env.update(DILOCO_NATS_URL=server.url, DILOCO_RUN=RUN, DILOCO_MODE="synthetic", DILOCO_BATCH_SIZE="4",
+               DILOCO_DATA_MAX_BYTES="200000", DILOCO_HEARTBEAT_INTERVAL="0.2", DILOCO_METRICS_INTERVAL="0.3",
+               DILOCO_MANIFEST_TIMEOUT="20", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.update({f"DILOCO_{k.upper()}": str(v) for k, v in kw.items()})
+    return env
+
+
+def configs(server, **kw) -> tuple[CommonConfig, ModelConfig, LearnerConfig]:
+    common = CommonConfig(nats_url=server.url, run=RUN, metrics_interval=0.3)
+    base = dict(mode="synthetic", batch_size=4, heartbeat_interval=0.2, manifest_timeout=20.0)
+    base.update(kw)
+    return common, MC, LearnerConfig(**base)
+
+
+class Proc:
+    """A child process (``python -m <module>``) whose output lines are collected."""
+
+    def __init__(self, env: dict, module: str = "learner", args: tuple = ()):
+        self.env, self.module, self.args = env, module, args
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.proc = None
+        self._readers: list[asyncio.Task] = []
+
+    async def start(self) -> "Proc":
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", self.module, *self.args, env=self.env, cwd=str(ROOT),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        self._readers = [asyncio.create_task(self._read(self.proc.stdout, self.out)),
+                         asyncio.create_task(self._read(self.proc.stderr, self.err))]
+        return self
+
+    @staticmethod
+    async def _read(stream, into: list[str]) -> None:
+        async for line in stream:
+            into.append(line.decode(errors="replace").rstrip("\n"))
+
+    async def wait(self, timeout: float) -> int:
+        rc = await asyncio.wait_for(self.proc.wait(), timeout)
+        await asyncio.gather(*self._readers)
+        return rc
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return await self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.err:
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                pass
+        return out
+
+
+class Sniff:
+    """Collects (receive time, decoded JSON) of a core NATS subject."""
+
+    def __init__(self):
+        self.msgs: list[tuple[float, dict]] = []
+
+    async def start(self, nc, subject: str) -> "Sniff":
+        async def cb(m):
+            self.msgs.append((time.monotonic(), orjson.loads(m.data)))
+
+        await nc.subscribe(subject, cb=cb)
+        return self
+
+    async def wait_for(self, pred, timeout: float = 15.0) -> dict:
+        t_end = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < t_end:
+            for _, m in self.msgs[seen:]:
+                if pred(m):
+                    return m
+            seen = len(self.msgs)
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no matching message in {timeout}s; last: {self.msgs[-1:]}")
+
+
+class GradSniff:
+    """Outer-gradient chunks seen on the grad subjects (core subscription: survives restarts)."""
+
+    def __init__(self):
+        self.metas: list[dict] = []
+
+    async def start(self, nc) -> "GradSniff":
+        async def cb(m):
+            h = orjson.loads(m.headers[CHUNK_HEADER])
+            if h["i"] == 0:
+                self.metas.append(h["m"])
+
+        await nc.subscribe(S.grad_all, cb=cb)
+        return self
+
+    async def wait_count(self, n: int, pred=lambda m: True, timeout: float = 15.0) -> list[dict]:
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            got = [m for m in self.metas if pred(m)]
+            if len(got) >= n:
+                return got
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"only {len([m for m in self.metas if pred(m)])} of {n} gradients in {timeout}s")
+
+
+async def consume_grads(js, n: int, timeout: float = 15.0) -> list[Assembled]:
+    cons = ChunkConsumer(js, S.stream("grad"), "test", [S.grad_all])
+    await cons.start()
+    got: list[Assembled] = []
+    t_end = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < t_end:
+        for r in await cons.poll(timeout=0.3):
+            assert isinstance(r, Assembled), r
+            got.append(r)
+            await ack_all(r.tokens)
+    await cons.unsubscribe()
+    return got
+
+
+async def put_version(js, p: int, version: int, vec: np.ndarray, **meta) -> None:
+    store = VersionedStore(js, RUN, GLOBAL)
+    await store.put(p, version, codec.encode_array(np.asarray(vec, np.float32)),
+                    {"model": spec_hash(SPEC), "plan": PLAN.plan_hash(), **meta})
+
+
+def versions_of(hb: dict) -> dict[int, int]:
+    return {int(k): v for k, v in hb["versions"].items()}
+
+
+# -- (a) real JAX learner publishes outer-gradient fragments --------------------------------------
+
+
+async def test_jax_learner_publishes_outer_gradients(nats_server, js):
+    await bootstrap(js)
+    metrics = await Sniff().start(js._nc, S.metrics("learner", "learner-1"))
+    proc = await Proc(learner_env(nats_server, mode="async", learner_id="learner-1", sync_every=4, max_steps=12,
+                                  quantiser="int8", error_feedback=1, warmup_steps=0, total_steps=100)).start()
+    try:
+        assert await proc.wait(60) == 0, "\n".join(proc.err[-20:])
+    finally:
+        proc.kill()
+    grads = await consume_grads(js, 12)
+    assert len(grads) == 12  # 12 steps, H = 4, P = 4: one fragment per step
+    incs = set()
+    by_frag: dict[int, list] = {}
+    for g in grads:
+        meta = parse_grad_meta(g.meta)
+        assert meta["run"] == RUN and meta["model"] == spec_hash(SPEC) and meta["learner"] == "learner-1"
+        assert meta["base"] == 0  # nobody merged: every contribution is against version 0
+        assert meta["tokens"] == meta["steps"] * 4 * 32
+        incs.add(meta["inc"])
+        by_frag.setdefault(meta["frag"], []).append(meta)
+        delta = codec.decode_array(g.blob)
+        assert delta.shape == (PLAN.sizes[meta["frag"]],)
+        assert np.all(np.isfinite(delta)) and np.abs(delta).max() > 0
+        assert np.abs(delta).max() < 1.0  # a few AdamW steps of lr <= 1e-3 from the global params
+        assert g.obj_id == f"{RUN}.learner-1.{meta['inc']}.{meta['frag']}.{meta['round']}"
+    assert len(incs) == 1 and len(next(iter(incs))) == 12
+    for p, metas in by_frag.items():
+        metas.sort(key=lambda m: m["round"])
+        assert [m["round"] for m in metas] == [0, 1, 2]
+        # fragment p first syncs at step offset_p = p (p = 0: at step H = 4), then every 4 steps
+        assert [m["steps"] for m in metas] == [p or 4, 4, 4]
+    last = metrics.msgs[-1][1]
+    assert last["step"] == 12 and last["contributions"] == 12 and last["mode"] == "async"
+    assert last["bytes_sent"] == sum(len(g.blob) for g in grads)
+    assert last["bytes_received"] > 0 and last["rss_mib"] > 0 and last["loss"] < 5.6
+    assert 0 < last["quant_error"] < 0.1 and last["step_seconds_total"] > 0
+
+
+async def test_delta_is_base_minus_theta_exactly(nats_server, js):
+    """In-process, fp32 and H = 1: the last contribution of every fragment is v0 - theta_final."""
+    from learner.service import Learner
+
+    await bootstrap(js)
+    # step_time leaves every publish time to finish: a fragment still in flight when due is skipped
+    common, model, cfg = configs(nats_server, sync_every=1, max_steps=5, step_time=0.1, quantiser="fp32",
+                                 error_feedback=False)
+    learner = Learner(common, model, cfg)
+    assert await learner.run() == 0
+    grads = await consume_grads(js, 20)
+    assert len(grads) == 20
+    last = {}
+    for g in grads:
+        m = g.meta
+        assert m["steps"] == 1 and m["base"] == 0
+        if m["round"] == 4:
+            last[m["frag"]] = codec.decode_array(g.blob)
+    assert sorted(last) == [0, 1, 2, 3]
+    for p in range(4):
+        np.testing.assert_array_equal(last[p], V0[p] - learner.backend.frags[p])
+    assert learner.book.contributions == 20 and learner.quant_error == 0.0
+    assert learner.book.counters()["skipped"] == 0
+
+
+# -- (b) heartbeats keep flowing during long steps; SIGTERM stops a learner promptly ---------------
+
+
+async def test_heartbeats_flow_during_a_long_step_and_sigterm_stops(nats_server, js):
+    await bootstrap(js)
+    hbs = await Sniff().start(js._nc, S.heartbeat("learner-2"))
+    proc = await Proc(learner_env(nats_server, learner_id="learner-2", step_time=1.0, slowdown=3.0,
+                                  heartbeat_interval=0.25)).start()
+    try:
+        await hbs.wait_for(lambda m: True, timeout=15)
+        t0 = time.monotonic()
+        await asyncio.sleep(2.4)
+        window = [(t, m) for t, m in hbs.msgs if t >= t0 - 0.3]
+        assert all(m["step"] == 0 for _, m in window)  # still inside the first step (1 s x slowdown 3)
+        gaps = np.diff([t for t, _ in window])
+        assert len(window) >= 9 and gaps.max() < 0.5, gaps
+        hb = window[-1][1]
+        assert hb["learner"] == "learner-2" and hb["region"] == "local" and versions_of(hb) == {0: 0, 1: 0, 2: 0, 3: 0}
+        t_stop = time.monotonic()
+        assert await proc.stop(10) == 0
+        assert time.monotonic() - t_stop < 3.0  # the synthetic step is interruptible
+        assert any(e.get("event") == "stop_requested" for e in proc.events())
+    finally:
+        proc.kill()
+
+
+# -- (c) a learner survives a NATS restart and carries on -----------------------------------------
+
+
+async def test_learner_survives_nats_restart(nats_server, js):
+    await bootstrap(js)
+    grads = await GradSniff().start(js._nc)
+    hbs = await Sniff().start(js._nc, S.heartbeat("learner-3"))
+    proc = await Proc(learner_env(nats_server, learner_id="learner-3", step_time=0.02, sync_every=2)).start()
+    try:
+        before = await grads.wait_count(4)
+        inc = before[0]["inc"]
+        nats_server.kill()
+        await asyncio.sleep(1.0)
+        nats_server.start()
+        mark = len(grads.metas)
+        after = await grads.wait_count(6, pred=lambda m: grads.metas.index(m) >= mark, timeout=20)
+        assert {m["inc"] for m in after} == {inc}  # the same process carried on
+        rounds = {}
+        for m in grads.metas:
+            rounds.setdefault(m["frag"], []).append(m["round"])
+        assert max(max(r) for r in rounds.values()) > max(m["round"] for m in before)
+        # it still follows global versions after the restart
+        js2 = js._nc.jetstream(timeout=10)
+        await put_version(js2, 0, 1, V0[0])
+        hb = await hbs.wait_for(lambda m: versions_of(m).get(0) == 1, timeout=20)
+        assert hb["incarnation"] == inc
+        assert proc.proc.returncode is None
+        assert await proc.stop() == 0
+        events = [e.get("event") for e in proc.events()]
+        assert "nats_disconnected" in events and "nats_reconnected" in events
+    finally:
+        proc.kill()
+
+
+# -- (d) late start from the newest versions, (f) newer versions are mixed in ----------------------
+
+
+async def test_late_learner_starts_from_newest_and_mixes_in_new_versions(nats_server, js):
+    await bootstrap(js)
+    for p in range(4):
+        await put_version(js, p, 5, V0[p] + 1.0)
+    grads = await GradSniff().start(js._nc)
+    hbs = await Sniff().start(js._nc, S.heartbeat("learner-4"))
+    proc = await Proc(learner_env(nats_server, learner_id="learner-4", step_time=0.03, sync_every=4,
+                                  quantiser="fp32")).start()
+    try:
+        hb = await hbs.wait_for(lambda m: True)
+        assert versions_of(hb) == {0: 5, 1: 5, 2: 5, 3: 5}
+        first = (await grads.wait_count(1))[0]
+        assert first["base"] == 5
+        # a newer global version of fragment 1, far from the learner's parameters
+        await put_version(js, 1, 6, np.full(PLAN.sizes[1], 3.0, np.float32))
+        hb = await hbs.wait_for(lambda m: versions_of(m).get(1) == 6)
+        assert versions_of(hb)[0] == 5
+        await grads.wait_count(1, pred=lambda m: m["frag"] == 1 and m["base"] == 6)
+        assert await proc.stop() == 0
+    finally:
+        proc.kill()
+    # deltas are small against their base: the learner trained from v5 (v0 + 1) and from v6 (all 3.0),
+    # not from its own init or a mix of old and new (mix_alpha = 0 overwrites)
+    cons = await consume_grads(js, len(grads.metas))
+    assert cons
+    for g in cons:
+        d = codec.decode_array(g.blob)
+        assert g.meta["base"] in (5, 6) and np.abs(d).max() < 0.2, (g.meta, np.abs(d).max())
+
+
+# -- (e) a learner of another model refuses to start --------------------------------------------
+
+
+@pytest.mark.parametrize("env,needle", [({"d_model": 64}, "model spec hash"),
+                                        ({"num_fragments": 3}, "fragment plan")])
+async def test_run_mismatch_exits_with_one_clear_line(nats_server, js, env, needle):
+    await bootstrap(js)
+    proc = await Proc(learner_env(nats_server, learner_id="learner-5", **env)).start()
+    try:
+        assert await proc.wait(20) == 3
+    finally:
+        proc.kill()
+    plain = [line for line in proc.err if not line.startswith("{")]
+    assert len(plain) == 1, proc.err
+    assert plain[0].startswith("diloco learner learner-5: refusing to start:") and needle in plain[0]
+
+
+# -- (g) evicted while alive: resynchronise -------------------------------------------------------
+
+
+async def test_eviction_triggers_resync(nats_server, js):
+    from learner.service import Learner
+
+    await bootstrap(js)
+    common, model, cfg = configs(nats_server, learner_id="learner-6", step_time=0.02, sync_every=2,
+                                 quantiser="int8", error_feedback=True, mix_alpha=0.5, max_steps=100000)
+    learner = Learner(common, model, cfg)
+    seen: dict = {}
+    orig = learner._resync
+
+    async def spy():
+        await orig()
+        seen.update(residual=list(learner.residual), frags=[f.copy() for f in learner.backend.frags],
+                    versions=learner.book.versions())
+
+    learner._resync = spy
+    metrics = await Sniff().start(js._nc, S.metrics("learner", "learner-6"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(learner.run(stop))
+    try:
+        t_end = time.monotonic() + 15
+        while not all(r is not None for r in learner.residual) and time.monotonic() < t_end:
+            await asyncio.sleep(0.05)
+        assert all(r is not None for r in learner.residual)
+        newest = [V0[p] + 0.5 for p in range(4)]
+        for p in range(4):
+            await put_version(js, p, 2, newest[p])
+        kv = await js.key_value(S.bucket("members"))
+
+        def record(inc: str) -> bytes:
+            now = time.time()
+            return orjson.dumps(member_to_dict(Member("learner-6", "local", State.EVICTED, now, now, "silent", inc)))
+
+        await kv.put("learner-6", record("previous-life"))  # a record of an earlier process: no resync
+        await asyncio.sleep(0.6)
+        assert learner.book.resyncs == 0 and learner.member_state == "evicted"
+        await kv.put("learner-6", record(learner.incarnation))
+        while "versions" not in seen and time.monotonic() < t_end + 10:
+            await asyncio.sleep(0.02)
+        assert seen["versions"] == {0: 2, 1: 2, 2: 2, 3: 2}
+        assert all(r is None for r in seen["residual"])
+        for p in range(4):  # overwritten with the newest version, not mixed (alpha 0.5)
+            np.testing.assert_array_equal(seen["frags"][p], newest[p])
+        m = await metrics.wait_for(lambda m: m["resyncs"] == 1)
+        assert m["state"] == "evicted" and m["incarnation"] == learner.incarnation
+        assert learner.book.resyncs == 1
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
+# -- synchronous mode: wait for the merged version listing our contribution ----------------------
+
+
+async def test_sync_mode_waits_for_the_merged_version(nats_server, js):
+    from learner.service import Learner
+
+    await bootstrap(js)
+    common, model, cfg = configs(nats_server, learner_id="learner-7", mode="sync", compute="synthetic", sync_every=2,
+                                 step_time=0.0, sync_timeout=1.5, quantiser="fp32", max_steps=100000)
+    learner = Learner(common, model, cfg)
+    grads = await GradSniff().start(js._nc)
+    stop = asyncio.Event()
+    task = asyncio.create_task(learner.run(stop))
+    versions = {p: 0 for p in range(4)}
+    try:
+        # play the aggregator for 2 rounds: sync mode sends every fragment every H = 2 steps, then
+        # waits until each one is applied by a global version
+        for rnd in range(2):
+            metas = (await grads.wait_count(4 * (rnd + 1)))[4 * rnd:]
+            assert sorted(m["frag"] for m in metas) == [0, 1, 2, 3] and {m["round"] for m in metas} == {rnd}
+            for i, m in enumerate(metas):
+                await asyncio.sleep(0.1)
+                assert learner.book.step == 2 * (rnd + 1)  # blocked until all four are merged
+                p = m["frag"]
+                versions[p] += 1
+                # the aggregator's form [learner, inc, fragment, round]; the short form works too
+                key = [m["learner"], m["inc"], p, m["round"]] if i % 2 else [m["learner"], m["inc"], m["round"]]
+                await put_version(js, p, versions[p], V0[p], applied=[["other", "x", p, 0], key])
+        await grads.wait_count(9)  # the third round started
+        assert learner.book.versions() == versions and learner.sync_timeouts == 0
+        assert learner.blocked_s >= 8 * 0.1
+        # nobody answers: the learner waits sync_timeout, then goes on
+        t0 = time.monotonic()
+        await grads.wait_count(16, timeout=10)
+        assert time.monotonic() - t0 >= 1.0 and learner.sync_timeouts == 4
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
+# -- evaluator -------------------------------------------------------------------------------------
+
+
+async def test_eval_once_prints_heldout_loss_of_version_0(nats_server, js):
+    await bootstrap(js)
+    proc = await Proc(learner_env(nats_server, eval_batches=2, eval_batch_size=4), module="learner.evaluator",
+                      args=("--once",)).start()
+    try:
+        assert await proc.wait(60) == 0, "\n".join(proc.err[-10:])
+    finally:
+        proc.kill()
+    assert len(proc.out) == 1
+    rec = orjson.loads(proc.out[0])
+    assert rec["role"] == "evaluator" and rec["run"] == RUN and rec["version"] == 0
+    assert rec["versions"] == {"0": 0, "1": 0, "2": 0, "3": 0}
+    assert abs(rec["eval_loss"] - np.log(256)) < 0.1  # a fresh init ignores its input
+
+
+async def test_evaluator_publishes_when_versions_change(nats_server, js):
+    from learner.evaluator import Evaluator
+
+    await bootstrap(js)
+    metrics = await Sniff().start(js._nc, S.metrics("evaluator", "ev"))
+    common, model, lcfg = configs(nats_server, data_max_bytes=200000)
+    ev = Evaluator(common, model, lcfg, EvalConfig(eval_id="ev", eval_interval=0.2, eval_batches=1,
+                                                   eval_batch_size=4))
+    stop = asyncio.Event()
+    task = asyncio.create_task(ev.run(stop))
+    try:
+        first = await metrics.wait_for(lambda m: True, timeout=30)
+        assert first["version"] == 0 and first["eval_id"] == "ev" and np.isfinite(first["eval_loss"])
+        await asyncio.sleep(0.6)
+        assert ev.evaluations == 1  # nothing changed: no new evaluation
+        await put_version(js, 2, 1, np.zeros(PLAN.sizes[2], np.float32))
+        m = await metrics.wait_for(lambda m: m["version"] == 1)
+        assert m["versions"]["2"] == 1 and m["version_min"] == 0 and m["eval_loss"] != first["eval_loss"]
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
