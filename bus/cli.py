@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "metrics": ("monitor.cli:cmd_metrics", "live table of a run's metrics"),
     "status": ("monitor.cli:cmd_status", "one snapshot of a run: membership, versions, streams"),
     "up": ("bus.launcher:main", "start a whole local run: server, aggregator, monitor, evaluator, learners"),
+    "auth": ("bus.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),
 }
 
 ROLE_MODULES = ("learner.config", "aggregator.config", "monitor.config")
