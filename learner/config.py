@@ -42,6 +42,9 @@ class LearnerConfig:
     mode: str = var("async", choice("async", "sync", "synthetic"),
                     "async: Decoupled DiLoCo; sync: wait for the version with our contribution; "
                     "synthetic: sleep DILOCO_STEP_TIME per step with pseudo-gradients (system tests)")
+    compute: str = var("model", choice("model", "synthetic"),
+                       "model: the JAX transformer; synthetic: sleep DILOCO_STEP_TIME per step with pseudo-gradients "
+                       "(any mode; DILOCO_MODE=synthetic is async + synthetic)")
     sync_every: int = var(24, integer(1, 1_000_000), "H: inner steps between two syncs of the same fragment")
     mix_alpha: float = var(0.0, number(0.0, 0.999), "theta <- a*local + (1-a)*global on arrival (0 overwrites)")
     quantiser: str = var("int8", choice(*quant.QUANTISERS), "outer-gradient quantiser")
@@ -66,8 +69,13 @@ class LearnerConfig:
     manifest_timeout: float = var(300.0, number(0.1), "seconds to wait at start for the run manifest (an aggregator)")
 
     def __post_init__(self) -> None:
-        if self.mode != "synthetic" and self.warmup_steps >= self.total_steps:
+        if not self.synthetic and self.warmup_steps >= self.total_steps:
             raise ValueError(f"DILOCO_WARMUP_STEPS={self.warmup_steps} must be < DILOCO_TOTAL_STEPS={self.total_steps}")
+
+    @property
+    def synthetic(self) -> bool:
+        """Synthetic compute (no JAX): DILOCO_MODE=synthetic or DILOCO_COMPUTE=synthetic."""
+        return self.mode == "synthetic" or self.compute == "synthetic"
 
     @property
     def steps_to_run(self) -> int:

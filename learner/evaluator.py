@@ -1,0 +1,243 @@
+"""The evaluator (``diloco eval``): held-out loss of the newest global model, the quality figure of a run.
+
+It follows the global heads (a watch plus a slow poll), keeps the newest version of every
+fragment, and every ``DILOCO_EVAL_INTERVAL`` seconds, if any version changed since the last
+evaluation, computes the mean next-token loss of the global model on fixed held-out batches
+(``Corpus.heldout_batches``: the split no learner trains on) and publishes
+
+    {"role": "evaluator", "run", "ts", "eval_id", "eval_loss", "version", "version_min", "versions",
+     "tokens", "eval_seconds"}
+
+on ``diloco.<run>.metrics.evaluator.<eval_id>``. ``version`` is the *sum* of the fragment versions
+(it grows by one with every merge of any fragment; ``version_min`` is the oldest fragment's).
+
+``diloco eval --once`` evaluates the current global model once, prints that JSON as one line on
+stdout and exits. The corpus settings (``DILOCO_DATA``, ``DILOCO_DATA_MAX_BYTES``) must be the
+learners', or the held-out split is a different one. Exit codes as for the learner (3: model or
+plan mismatch, 4: timed out waiting for the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import sys
+import time
+
+import numpy as np
+import orjson
+
+from bus import codec
+from bus.config import CommonConfig, from_env
+from bus.log import get_logger, setup
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import Head, VersionedStore
+from learner import loop as lp
+from learner.config import EvalConfig, LearnerConfig, ModelConfig
+from learner.service import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, StartupError, close_quietly, connect_until,
+                             decode_fragment, fetch_newest, join_run, peak_rss_mib)
+from learner.spec import spec_hash
+
+
+class Evaluator:
+    """Follows a run's global versions and evaluates them. ``await run(stop, once=...)`` -> exit code."""
+
+    def __init__(self, common: CommonConfig, model: ModelConfig, lcfg: LearnerConfig, ecfg: EvalConfig):
+        from aggregator.bootstrap import make_plan
+
+        self.common, self.lcfg, self.ecfg = common, lcfg, ecfg
+        self.spec = model.spec()
+        self.model_hash = spec_hash(self.spec)
+        self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
+        self.s = Subjects(common.run)
+        self.log = get_logger(component="evaluator")
+        self.vectors: list[np.ndarray] = []
+        self.versions: dict[int, int] = {}
+        self.evaluated: dict[int, int] | None = None
+        self.last: dict | None = None
+        self.evaluations = 0
+        self.nc = None
+        self.store: VersionedStore | None = None
+        self._halt = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
+        self._eval_fn = None
+        self._batches = None
+
+    async def _in_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _prepare(self) -> None:
+        """Worker thread: load the held-out batches and jit the loss (imports JAX)."""
+        from learner.data import load_corpus
+        from learner.inner import make_eval_fn
+
+        corpus = load_corpus(self.lcfg.data or None, max_bytes=self.lcfg.data_max_bytes)
+        self._batches = corpus.heldout_batches(self.spec.seq_len, self.ecfg.eval_batch_size, self.ecfg.eval_batches)
+        self._eval_fn = make_eval_fn(self.spec)
+        self.log.info("heldout", source=corpus.source, fingerprint=corpus.fingerprint(),
+                      heldout_tokens=int(corpus.n_heldout),
+                      batches=self.ecfg.eval_batches, batch_size=self.ecfg.eval_batch_size)
+
+    def _evaluate(self, vectors: list[np.ndarray]) -> float:
+        """Worker thread: mean held-out loss of the model made of ``vectors``."""
+        from learner.model import to_jax
+
+        params = to_jax(lp.params_from_fragments(self.plan, vectors))
+        losses = [float(self._eval_fn(params, b)) for b in self._batches]
+        return float(np.mean(losses))
+
+    async def evaluate_now(self) -> dict:
+        """Evaluate the versions held now; returns (and remembers) the metrics record."""
+        versions = dict(self.versions)
+        vectors = list(self.vectors)
+        t0 = time.monotonic()
+        loss = await self._in_worker(self._evaluate, vectors)
+        self.evaluated = versions
+        self.evaluations += 1
+        self.last = {
+            "role": "evaluator", "run": self.common.run, "ts": time.time(), "eval_id": self.ecfg.eval_id,
+            "eval_loss": loss, "version": sum(versions.values()), "version_min": min(versions.values()),
+            "versions": {str(p): v for p, v in sorted(versions.items())},
+            "tokens": int(self._batches.shape[0] * self._batches.shape[1] * self.spec.seq_len),
+            "eval_seconds": round(time.monotonic() - t0, 4), "rss_mib": peak_rss_mib(),
+        }
+        self.log.info("evaluated", eval_loss=loss, version=self.last["version"], versions=versions)
+        return self.last
+
+    async def _start(self) -> None:
+        deadline = time.monotonic() + self.lcfg.manifest_timeout
+        prep = asyncio.create_task(self._in_worker(self._prepare))  # JAX import and corpus load overlap I/O
+        try:
+            self.nc = await connect_until(self.common, f"eval-{self.ecfg.eval_id}", deadline, self.log)
+            js = self.nc.jetstream(timeout=10)
+            self.store = VersionedStore(js, self.common.run, GLOBAL)
+            await join_run(js, self.common, self.spec, self.plan, deadline)
+            self.vectors, self.versions = await fetch_newest(self.store, self.plan, self.model_hash, deadline,
+                                                             self.log)
+        finally:
+            await prep
+
+    async def _on_head(self, head: Head) -> None:
+        p = head.fragment
+        async with self._lock:
+            if not 0 <= p < self.plan.num_fragments or head.version <= self.versions.get(p, -1):
+                return
+            try:
+                vec = decode_fragment(self.plan, head, await self.store.fetch(head), self.model_hash)
+            except Exception as e:  # replaced meanwhile (its successor follows) or unusable
+                self.log.debug("global_fetch_skipped", fragment=p, version=head.version, error=repr(e))
+                return
+            self.vectors[p] = vec
+            self.versions[p] = head.version
+
+    async def _follow(self) -> None:
+        while not self._halt.is_set():
+            try:
+                async for head in self.store.watch(self._halt):
+                    await self._on_head(head)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.warning("global_watch_error", error=repr(e))
+                await self._sleep(1.0)
+
+    async def _poll(self) -> None:
+        while not self._halt.is_set():
+            await self._sleep(HEAD_POLL_INTERVAL)
+            for p in range(self.plan.num_fragments):
+                try:
+                    head = await self.store.head(p)
+                except Exception:
+                    break
+                if head is not None and head.version > self.versions.get(p, -1):
+                    await self._on_head(head)
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._halt.wait(), max(0.0, seconds))
+        except asyncio.TimeoutError:
+            pass
+
+    async def _publish(self, record: dict) -> None:
+        try:
+            await self.nc.publish(self.s.metrics("evaluator", self.ecfg.eval_id), codec.dumps_json(record))
+        except Exception as e:
+            self.log.debug("metrics_failed", error=repr(e))
+
+    async def run(self, stop: asyncio.Event | None = None, once: bool = False) -> int:
+        tasks: list[asyncio.Task] = []
+        if stop is not None:
+            async def relay() -> None:
+                await stop.wait()
+                self._halt.set()
+            tasks.append(asyncio.create_task(relay()))
+        try:
+            start = asyncio.create_task(self._start())
+            halted = asyncio.create_task(self._halt.wait())
+            await asyncio.wait({start, halted}, return_when=asyncio.FIRST_COMPLETED)
+            halted.cancel()
+            if not start.done():
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                return EXIT_OK
+            try:
+                start.result()
+            except StartupError as e:
+                self.log.error("startup_failed", reason=str(e), code=e.code)
+                print(f"diloco eval: {e}", file=sys.stderr, flush=True)
+                return e.code
+            if once:
+                record = await self.evaluate_now()
+                await self._publish(record)
+                print(orjson.dumps(record).decode(), flush=True)
+                return EXIT_OK
+            tasks += [asyncio.create_task(self._follow()), asyncio.create_task(self._poll())]
+            while not self._halt.is_set():
+                if self.versions != self.evaluated:
+                    await self._publish(await self.evaluate_now())
+                await self._sleep(self.ecfg.eval_interval)
+            return EXIT_OK
+        except Exception as e:
+            self.log.exception("evaluator_failed")
+            print(f"diloco eval: failed: {e!r}", file=sys.stderr, flush=True)
+            return EXIT_ERROR
+        finally:
+            self._halt.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await close_quietly(self.nc)
+            self._executor.shutdown(wait=False)
+
+
+async def _amain(once: bool) -> int:
+    import signal
+
+    common = from_env(CommonConfig)
+    ev = Evaluator(common, from_env(ModelConfig), from_env(LearnerConfig), from_env(EvalConfig))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await ev.run(stop, once=once)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="diloco eval",
+        description="Follow a run's global versions and publish the held-out loss of the global model. "
+                    "Configured by DILOCO_* variables (see `diloco config eval`).")
+    p.add_argument("--once", action="store_true", help="evaluate the current global model once, print JSON, exit")
+    a = p.parse_args(argv if argv is not None else sys.argv[1:])
+    common = from_env(CommonConfig)
+    from_env(ModelConfig), from_env(LearnerConfig), from_env(EvalConfig)  # fail on bad variables before logging
+    setup(common.log_level, run=common.run, role="evaluator", island=common.region)
+    return asyncio.run(_amain(a.once))
+
+
+if __name__ == "__main__":
+    from bus.cli import main as cli_main
+
+    sys.exit(cli_main(["eval", *sys.argv[1:]]))

@@ -1,0 +1,389 @@
+"""Pure bookkeeping of a learner: what is due, what to send, what to mix in, what to report.
+
+No NATS, no asyncio, no JAX and no clock reads: the service (``learner.service``) calls these
+functions and methods with the times and values it observed, so every decision here is a plain
+function of its arguments and unit-tested without a server (``tests/test_learner_loop.py``).
+
+* :class:`Bookkeeper` tracks, per fragment, the global version the learner last took (its
+  *base*), the counters since the fragment's last sync (inner steps, tokens), the next round
+  number and whether a publish of it is still in flight. A fragment whose previous outer
+  gradient is still being published when it is due again is *skipped*: its counters keep
+  running, and because ``Delta = base - theta`` is measured against the base (not the last
+  send), the next send carries that work anyway. This bounds the in-flight buffers to at most
+  one per fragment.
+* Global versions: :meth:`Bookkeeper.wants` says whether a head is worth downloading (newer than
+  the base and than what is already queued); :meth:`Bookkeeper.on_merged` records the merge.
+* Synchronous mode: :func:`applied_rounds` reads the aggregator's ``applied`` list in a head's
+  metadata; :meth:`Bookkeeper.sync_satisfied` says when the learner may go on.
+* Rejoin: :func:`should_resync` decides from the learner's membership record.
+* Synthetic compute: :func:`synthetic_step` is a deterministic pseudo-gradient step on numpy
+  fragments (noisy descent on ``0.5 * mean(theta^2)``), cheap enough for 16 learners on 2 cores.
+* Helpers: data shard and seed derivation, fragment-to-tensor assembly, throughput, the memory
+  formula.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from learner.fragments import FragmentPlan, due_fragments, sync_offsets
+
+# -- identity, data shard and seeds ---------------------------------------------------------------
+
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def derive_shard(learner_id: str, num_shards: int, configured: int = -1) -> int:
+    """Data shard of ``learner_id`` among ``num_shards``.
+
+    ``configured >= 0`` wins (taken modulo ``num_shards``). Otherwise the id's trailing number
+    (``learner-3`` -> 3, ``eu-12`` -> 12) modulo ``num_shards``, or crc32 of the id when it has
+    none. Learners numbered 0..M-1 with ``num_shards = M`` thus get disjoint shards.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if configured >= 0:
+        return configured % num_shards
+    m = _TRAILING_NUMBER.search(learner_id)
+    if m:
+        return int(m.group(1)) % num_shards
+    return zlib.crc32(learner_id.encode()) % num_shards
+
+
+def batch_seed(data_seed: int, learner_id: str, incarnation: str) -> int:
+    """Seed of a learner's batch sampler: differs per learner and per process start.
+
+    A restarted learner (new incarnation) must not replay the batches of its previous life, so
+    the incarnation is mixed in. 31-bit non-negative.
+    """
+    h = zlib.crc32(f"{int(data_seed)}/{learner_id}/{incarnation}".encode())
+    return (int(data_seed) * 1_000_003 + h) % (2**31 - 1)
+
+
+# -- per-fragment counters and versions -----------------------------------------------------------
+
+
+@dataclass
+class FragmentBook:
+    """Bookkeeping of one fragment."""
+
+    base_version: int = -1  # global version last taken (-1: none yet)
+    next_round: int = 0  # round number of the next contribution
+    steps: int = 0  # inner steps since the last sync
+    tokens: int = 0  # tokens since the last sync
+    inflight: bool = False  # a publish of this fragment is running
+    pending_version: int = -1  # newest downloaded version not yet mixed in (-1: none)
+    known_version: int = -1  # newest global version seen (head), downloaded or not
+    last_contrib_base: int | None = None  # base version of the last contribution sent
+    sent: int = 0
+    skipped: int = 0
+    failed: int = 0
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What to send for one fragment: the metadata counters of ``grad_meta``."""
+
+    fragment: int
+    round: int
+    base_version: int
+    steps: int
+    tokens: int
+
+
+class Bookkeeper:
+    """Counters, rounds, versions and the sync schedule of one learner (see module docstring)."""
+
+    def __init__(self, num_fragments: int, H: int, tokens_per_step: int, staggered: bool = True):
+        if tokens_per_step < 0:
+            raise ValueError(f"tokens_per_step must be >= 0, got {tokens_per_step}")
+        self.H = int(H)
+        # staggered (Streaming DiLoCo): offset_p = floor(p H / P). Not staggered (synchronous
+        # DiLoCo): every fragment every H steps. Synchronous learners must not stagger: two learners
+        # out of phase would each wait for a merge that needs the other's *different* fragment.
+        self.offsets = sync_offsets(num_fragments, self.H) if staggered else (0,) * num_fragments
+        self.tokens_per_step = int(tokens_per_step)
+        self.frags = [FragmentBook() for _ in range(num_fragments)]
+        self.step = 0  # inner steps completed by this process
+        self.tokens = 0  # tokens trained on by this process
+        self.step_seconds_total = 0.0  # seconds spent in inner steps (slowdown included)
+        self.contributions = 0  # outer gradients published successfully
+        self.steps_sent = 0  # inner steps carried by those contributions
+        self.resyncs = 0
+        self.last_contribution: int | None = None  # fragment of the newest contribution
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.frags)
+
+    # steps and syncs
+    def on_step(self, seconds: float = 0.0) -> list[int]:
+        """Count one finished inner step; returns the fragments due now."""
+        self.step += 1
+        self.tokens += self.tokens_per_step
+        self.step_seconds_total += max(0.0, float(seconds))
+        for f in self.frags:
+            f.steps += 1
+            f.tokens += self.tokens_per_step
+        return due_fragments(self.step, self.offsets, self.H)
+
+    def begin_sync(self, p: int) -> Contribution | None:
+        """Take fragment p's counters for a contribution, or None to skip (publish in flight).
+
+        On success the counters restart from zero, the round advances and p is marked in flight.
+        """
+        f = self.frags[p]
+        if f.inflight:
+            f.skipped += 1
+            return None
+        c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens)
+        f.next_round += 1
+        f.steps = f.tokens = 0
+        f.inflight = True
+        return c
+
+    def end_sync(self, c: Contribution, ok: bool) -> None:
+        """A publish finished. A failed one gives its counters back (the work is still in theta)."""
+        f = self.frags[c.fragment]
+        f.inflight = False
+        if ok:
+            f.sent += 1
+            f.last_contrib_base = c.base_version
+            self.contributions += 1
+            self.steps_sent += c.steps
+            self.last_contribution = c.fragment
+        else:
+            f.failed += 1
+            f.steps += c.steps
+            f.tokens += c.tokens
+
+    def inflight(self) -> list[int]:
+        return [p for p, f in enumerate(self.frags) if f.inflight]
+
+    # global versions
+    def on_head(self, p: int, version: int) -> None:
+        f = self.frags[p]
+        f.known_version = max(f.known_version, int(version))
+
+    def wants(self, p: int, version: int) -> bool:
+        """Download version ``version`` of p? Only if newer than the base and anything queued."""
+        f = self.frags[p]
+        return version > f.base_version and version > f.pending_version
+
+    def on_downloaded(self, p: int, version: int) -> None:
+        f = self.frags[p]
+        f.pending_version = max(f.pending_version, int(version))
+        f.known_version = max(f.known_version, int(version))
+
+    def on_merged(self, p: int, version: int) -> None:
+        """Version ``version`` of p was mixed in and is the new base."""
+        f = self.frags[p]
+        f.base_version = int(version)
+        if f.pending_version <= version:
+            f.pending_version = -1
+        f.known_version = max(f.known_version, int(version))
+
+    def on_resync(self, versions: Mapping[int, int]) -> None:
+        """Every fragment was overwritten by a fresh global version: work since the syncs is gone."""
+        self.resyncs += 1
+        for p, v in versions.items():
+            f = self.frags[p]
+            f.base_version = int(v)
+            f.known_version = max(f.known_version, int(v))
+            if f.pending_version <= v:
+                f.pending_version = -1
+            f.steps = f.tokens = 0
+
+    def versions(self) -> dict[int, int]:
+        """{fragment: base version} for heartbeats (fragments without a version are left out)."""
+        return {p: f.base_version for p, f in enumerate(self.frags) if f.base_version >= 0}
+
+    def staleness(self) -> int:
+        """Known global version minus the base of the newest contribution, for its fragment (0 if none)."""
+        p = self.last_contribution
+        if p is None:
+            return 0
+        f = self.frags[p]
+        if f.last_contrib_base is None:
+            return 0
+        return max(0, f.known_version - f.last_contrib_base)
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "sent": sum(f.sent for f in self.frags),
+            "skipped": sum(f.skipped for f in self.frags),
+            "failed": sum(f.failed for f in self.frags),
+        }
+
+
+# -- synchronous mode and rejoin ------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def applied_rounds(meta: Mapping, learner: str, incarnation: str, fragment: int) -> list[int]:
+    """Rounds of ``(learner, incarnation)`` for ``fragment`` that a global head's metadata lists.
+
+    The aggregator writes ``"applied"`` into the head of every version it publishes, one entry per
+    contribution the merge used: ``[learner, incarnation, fragment, round]`` (as
+    ``aggregator.contribution.ContributionKey``) or the short form ``[learner, incarnation, round]``
+    (the head is per fragment). Anything malformed is ignored.
+    """
+    applied = meta.get("applied") if isinstance(meta, Mapping) else None
+    if not isinstance(applied, (list, tuple)):
+        return []
+    out = []
+    for a in applied:
+        if not isinstance(a, (list, tuple)) or len(a) not in (3, 4) or a[0] != learner or a[1] != incarnation:
+            continue
+        if len(a) == 4 and not (_is_int(a[2]) and a[2] == fragment):
+            continue
+        if _is_int(a[-1]):
+            out.append(a[-1])
+    return out
+
+
+def sync_satisfied(applied_in: int | None, have_version: int) -> bool:
+    """Synchronous mode: may the learner go on? ``applied_in`` is the version whose head listed
+    our contribution (None: not seen yet); ``have_version`` the newest version of the fragment
+    downloaded or merged. A newer version than the one that applied us includes it too."""
+    return applied_in is not None and have_version >= applied_in
+
+
+def should_resync(state: str, record_incarnation: str, my_incarnation: str) -> bool:
+    """Resynchronise when the monitor evicted *this* process (same incarnation) while it lives.
+
+    A record of an earlier incarnation describes a previous life: this process started from
+    fresh global versions anyway, and its first heartbeat makes the monitor readmit it.
+    """
+    return state == "evicted" and record_incarnation == my_incarnation
+
+
+# -- synthetic compute ----------------------------------------------------------------------------
+
+SYNTHETIC_NOISE = 0.02
+
+
+def synthetic_directions(sizes: Sequence[int], seed: int) -> list[np.ndarray]:
+    """One fixed unit-variance float32 direction per fragment (the noise bank of a learner)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(7,))))
+    return [rng.standard_normal(int(n), dtype=np.float32) for n in sizes]
+
+
+def synthetic_step(frags: Sequence[np.ndarray], directions: Sequence[np.ndarray], lr: float,
+                   scales: Sequence[float], noise: float = SYNTHETIC_NOISE) -> float:
+    """In place: theta_p -= lr * (theta_p + noise * scale_p * d_p) for every fragment p.
+
+    A noisy gradient step on ``0.5 * mean(theta^2)`` with a fixed direction per fragment and a
+    per-step scale (draw ``scales`` from the learner's seeded Generator: deterministic). Returns
+    the pre-update loss ``0.5 * mean(theta^2)``. Costs two passes over the parameters.
+    """
+    sq = 0.0
+    n = 0
+    lr32 = np.float32(lr)
+    for theta, d, s in zip(frags, directions, scales):
+        sq += float(np.dot(theta, theta))
+        n += theta.size
+        # theta <- (1 - lr) theta - lr * noise * s * d
+        theta *= np.float32(1.0) - lr32
+        theta -= np.float32(lr * noise * s) * d
+    return 0.5 * sq / max(n, 1)
+
+
+# -- fragments <-> tensors -------------------------------------------------------------------------
+
+
+def params_from_fragments(plan: FragmentPlan, vectors: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """Fresh float32 tensors (keyed by the plan's paths) filled from every fragment vector."""
+    if len(vectors) != plan.num_fragments:
+        raise ValueError(f"{len(vectors)} vectors for {plan.num_fragments} fragments")
+    params = {path: np.zeros(shape, dtype=np.float32) for path, shape in plan.shapes}
+    for p, frag in enumerate(plan.fragments):
+        write_fragment(plan, params, p, vectors[p])
+    return params
+
+
+def write_fragment(plan: FragmentPlan, params: Mapping[str, np.ndarray], p: int, vector: np.ndarray) -> None:
+    """In place: fragment p of the (writable, contiguous numpy) ``params`` := ``vector``."""
+    frag = plan.fragments[p]
+    vector = np.asarray(vector, dtype=np.float32).reshape(-1)
+    if vector.size != frag.size:
+        raise ValueError(f"fragment {p} needs {frag.size} values, got {vector.size}")
+    pos = 0
+    for s in frag.slices:
+        params[s.path].reshape(-1)[s.start : s.stop] = vector[pos : pos + s.size]
+        pos += s.size
+
+
+def fragment_paths(plan: FragmentPlan, p: int) -> list[str]:
+    """The tensors fragment p touches, in plan order (no duplicates)."""
+    return list(dict.fromkeys(s.path for s in plan.fragments[p].slices))
+
+
+# -- timing and throughput ------------------------------------------------------------------------
+
+
+def extra_sleep(measured: float, slowdown: float) -> float:
+    """Seconds to sleep after a step of ``measured`` seconds to emulate ``slowdown``x slower hardware."""
+    return max(0.0, (float(slowdown) - 1.0) * max(0.0, float(measured)))
+
+
+@dataclass
+class RateMeter:
+    """Tokens per second over a sliding window of ``window`` seconds (times passed in)."""
+
+    window: float = 10.0
+    _events: deque = field(default_factory=deque)
+
+    def add(self, t: float, tokens: int) -> None:
+        self._events.append((float(t), int(tokens)))
+        while len(self._events) > 2 and self._events[0][0] < t - self.window:
+            self._events.popleft()
+
+    def rate(self, now: float) -> float:
+        ev = [e for e in self._events if e[0] >= now - self.window]
+        if len(ev) < 2:
+            return 0.0
+        dt = ev[-1][0] - ev[0][0]
+        if dt <= 0:
+            return 0.0
+        return sum(n for _, n in ev[1:]) / dt
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback: bool, synthetic: bool = False,
+                 inflight_fragments: int = 1, pending_fragments: int = 1) -> dict[str, int]:
+    """Expected resident bytes of a learner's training state (float32), by part.
+
+    params + 2 AdamW moments (JAX mode; synthetic mode has a noise bank of one model instead)
+    + one base copy + the error-feedback residual (if on) + in-flight buffers: outgoing blobs
+    (at most ``inflight_fragments`` of the largest fragment, counted at fp32 for a bound) and
+    downloaded versions queued for mixing (``pending_fragments``).
+    """
+    b = 4
+    big = max(fragment_sizes) if fragment_sizes else 0
+    parts = {
+        "params": n_params * b,
+        "optimizer": (n_params * b) if synthetic else 2 * n_params * b,
+        "base": n_params * b,
+        "residual": n_params * b if error_feedback else 0,
+        "inflight": (inflight_fragments + pending_fragments) * big * b,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def rss_mib(maxrss_kib: int) -> float:
+    """Linux ``ru_maxrss`` (KiB) in MiB."""
+    return round(maxrss_kib / 1024.0, 1)
+

@@ -1,0 +1,742 @@
+"""The learner service (``diloco learner``, ``python -m learner``): one island of a run.
+
+A thin asyncio shell around the pure core (``learner.loop``, ``learner.outer``,
+``learner.fragments``, ``learner.inner``). Configured by environment only (``CommonConfig``,
+``ModelConfig``, ``LearnerConfig``; see ``diloco config learner`` and docs/learner.md).
+
+Life of a learner::
+
+    connect -> ensure_run -> wait for the manifest -> check model and plan hashes (exit 3 if not)
+    -> fetch the newest global version of every fragment (never its own init) -> train:
+
+    loop until DILOCO_MAX_STEPS (or DILOCO_TOTAL_STEPS) or SIGTERM/SIGINT:
+        resync if the monitor evicted this process          (fetch all, overwrite, drop residuals)
+        mix in downloaded global versions                    theta_p <- a theta_p + (1-a) Theta_p
+        one inner step in the worker thread                  (AdamW, or synthetic)
+        for every fragment p due: Delta_p = base_p - theta_p (+ error feedback), quantise, publish
+                                  in the background; sync mode waits for the merged version
+
+Background tasks on the event loop, alive during long steps: heartbeats, metrics, a watch on the
+global heads (plus a slow poll as a safety net after reconnects), the watch on this learner's
+membership key.
+
+Exit codes: 0 done or stopped by a signal, 1 unexpected error, 3 run mismatch (model spec or
+fragment plan differs from the run's manifest), 4 timed out waiting for the run (no manifest or no
+global versions within DILOCO_MANIFEST_TIMEOUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import math
+import resource
+import signal
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import orjson
+from nats.js.errors import NotFoundError
+
+from bus import codec
+from bus.config import CommonConfig, from_env
+from bus.conn import connect
+from bus.log import get_logger, setup
+from bus.protocol import grad_meta, grad_obj_id
+from bus.streams import Limits, ensure_run
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import ChunkPublisher, Head, VersionedStore
+from learner import loop as lp
+from learner.config import LearnerConfig, ModelConfig
+from learner.fragments import FragmentPlan, gather
+from learner.outer import feedback_step, mix, outer_gradient, relative_error
+from learner.spec import ModelSpec, count_params, spec_hash
+
+EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_TIMEOUT = 0, 1, 3, 4
+
+#: Seconds between polls of every fragment's head, a safety net next to the watch (which may
+#: miss heads while a reconnect re-creates its consumer).
+HEAD_POLL_INTERVAL = 5.0
+#: Seconds a stopping learner waits for its in-flight outer gradients.
+DRAIN_TIMEOUT = 10.0
+
+
+class StartupError(Exception):
+    """Start-up failed; ``code`` is the exit code, the message one line saying why."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# -- shared with the evaluator ---------------------------------------------------------------------
+
+
+async def connect_until(common: CommonConfig, name: str, deadline: float, log):
+    """Connect, retrying until ``deadline`` (monotonic) so a learner may start before the server."""
+    delay = 0.2
+    while True:
+        try:
+            return await connect(common, name=name)
+        except Exception as e:
+            if time.monotonic() + delay > deadline:
+                raise StartupError(EXIT_TIMEOUT, f"cannot connect to {common.nats_url}: {e!r}") from None
+            log.warning("connect_retry", error=repr(e))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan, deadline: float) -> None:
+    """ensure_run, wait for the manifest and check it: StartupError(3) on mismatch, (4) on timeout."""
+    from aggregator.bootstrap import RunMismatch, check_manifest, wait_manifest
+
+    await ensure_run(js, common.run, Limits.from_config(common))
+    try:
+        m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError as e:
+        raise StartupError(EXIT_TIMEOUT, str(e)) from None
+    try:
+        check_manifest(m, spec, plan)
+    except RunMismatch as e:
+        raise StartupError(EXIT_MISMATCH, f"refusing to start: {e}") from None
+
+
+def decode_fragment(plan: FragmentPlan, head: Head, blob, model_hash: str) -> np.ndarray:
+    """The float32 vector of a global version; ValueError saying why it does not fit this run."""
+    p = head.fragment
+    if not 0 <= p < plan.num_fragments:
+        raise ValueError(f"fragment {p} out of range [0, {plan.num_fragments})")
+    model = head.meta.get("model")
+    if model is not None and model != model_hash:
+        raise ValueError(f"fragment {p} v{head.version} is of model {model}, ours is {model_hash}")
+    vec = codec.decode_array(blob).reshape(-1)
+    if vec.size != plan.sizes[p]:
+        raise ValueError(f"fragment {p} v{head.version} has {vec.size} values, the plan says {plan.sizes[p]}")
+    return vec
+
+
+async def fetch_newest(store: VersionedStore, plan: FragmentPlan, model_hash: str, deadline: float,
+                       log) -> tuple[list[np.ndarray], dict[int, int]]:
+    """The newest global version of every fragment, waiting (until ``deadline``) for missing ones."""
+    vectors: list[np.ndarray] = []
+    versions: dict[int, int] = {}
+    for p in range(plan.num_fragments):
+        logged = False
+        while True:
+            why = "no version yet"
+            try:
+                got = await store.get(p)
+                if got is not None:
+                    head, blob = got
+                    vectors.append(decode_fragment(plan, head, blob, model_hash))
+                    versions[p] = head.version
+                    break
+            except Exception as e:  # connection trouble, a bad version: try again
+                why = repr(e)
+            if time.monotonic() > deadline:
+                raise StartupError(EXIT_TIMEOUT, f"global fragment {p}: no usable version ({why})")
+            if not logged:
+                log.info("waiting_for_fragment", fragment=p, reason=why)
+                logged = True
+            await asyncio.sleep(0.5)
+    return vectors, versions
+
+
+async def close_quietly(nc, timeout: float = 5.0) -> None:
+    if nc is None:
+        return
+    try:
+        await asyncio.wait_for(nc.drain(), timeout)
+    except Exception:
+        try:
+            await nc.close()
+        except Exception:
+            pass
+
+
+def peak_rss_mib() -> float:
+    return lp.rss_mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+# -- compute backends: everything they do runs in the learner's single worker thread ---------------
+
+
+class SyntheticBackend:
+    """No JAX: numpy fragment vectors, a deterministic pseudo-gradient and a sleep per step."""
+
+    slowdown_included = True  # the step sleeps step_time * slowdown itself
+
+    def __init__(self, plan: FragmentPlan, cfg: LearnerConfig, seed: int, cancel: threading.Event):
+        self.plan = plan
+        self.lr = cfg.inner_lr
+        self.step_seconds = cfg.step_time * cfg.slowdown
+        self.cancel = cancel
+        self.directions = lp.synthetic_directions(plan.sizes, seed)
+        self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(11,))))
+        self.frags: list[np.ndarray] = []
+
+    def load(self, vectors: list[np.ndarray]) -> None:
+        self.frags = [np.array(v, dtype=np.float32, copy=True).reshape(-1) for v in vectors]
+
+    def step(self) -> float:
+        t0 = time.monotonic()
+        scales = self.rng.standard_normal(len(self.frags))
+        loss = lp.synthetic_step(self.frags, self.directions, self.lr, scales)
+        rest = self.step_seconds - (time.monotonic() - t0)
+        if rest > 0:
+            self.cancel.wait(rest)  # blocks this worker thread, as a long JAX step would
+        return loss
+
+    def get_fragment(self, p: int) -> np.ndarray:
+        return self.frags[p].copy()
+
+    def set_fragment(self, p: int, vector: np.ndarray) -> None:
+        self.frags[p][:] = vector
+
+
+class JaxBackend:
+    """The real model: jitted AdamW steps (``learner.inner``) on this learner's data shard."""
+
+    slowdown_included = False
+
+    def __init__(self, spec: ModelSpec, plan: FragmentPlan, cfg: LearnerConfig, shard):
+        from learner.inner import make_optimizer, make_train_step
+
+        self.spec, self.plan, self.shard, self.batch_size = spec, plan, shard, cfg.batch_size
+        self.optimizer = make_optimizer(cfg.inner_lr, cfg.warmup_steps, cfg.total_steps,
+                                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
+        # donate: the step reuses the params and moments buffers (no second copy at peak). The
+        # base copies are numpy arrays, never aliases of the live params.
+        self.train_step = make_train_step(spec, self.optimizer, donate=True)
+        self.params = None
+        self.opt_state = None
+
+    def load(self, vectors: list[np.ndarray]) -> None:
+        from learner.model import to_jax
+
+        self.params = to_jax(lp.params_from_fragments(self.plan, vectors))
+        if self.opt_state is None:  # the inner optimizer state survives merges and resyncs
+            self.opt_state = self.optimizer.init(self.params)
+
+    def compile(self) -> float:
+        """Compile the step ahead of time (so the first step, and its slowdown, is not the compile)."""
+        t0 = time.monotonic()
+        batch = self.shard.batch(self.batch_size)
+        self.train_step = self.train_step.lower(self.params, self.opt_state, batch).compile()
+        return time.monotonic() - t0
+
+    def step(self) -> float:
+        batch = self.shard.batch(self.batch_size)
+        self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state, batch)
+        return float(loss)
+
+    def get_fragment(self, p: int) -> np.ndarray:
+        return gather(self.plan, self.params, p)
+
+    def set_fragment(self, p: int, vector: np.ndarray) -> None:
+        import jax.numpy as jnp
+
+        host = {path: np.array(self.params[path], dtype=np.float32, copy=True)
+                for path in lp.fragment_paths(self.plan, p)}
+        lp.write_fragment(self.plan, host, p, vector)
+        params = dict(self.params)
+        params.update({path: jnp.asarray(v) for path, v in host.items()})
+        self.params = params
+
+
+# -- the learner -----------------------------------------------------------------------------------
+
+
+class Learner:
+    """One learner process. ``await Learner(...).run(stop)`` returns the exit code.
+
+    Attributes worth inspecting (tests, debugging): ``book`` (counters and versions),
+    ``base`` / ``residual`` (per-fragment numpy vectors), ``backend``, ``incarnation``.
+    """
+
+    def __init__(self, common: CommonConfig, model: ModelConfig, cfg: LearnerConfig,
+                 incarnation: str | None = None):
+        self.common, self.model_cfg, self.cfg = common, model, cfg
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        self.id = cfg.learner_id
+        self.spec = model.spec()
+        self.model_hash = spec_hash(self.spec)
+        from aggregator.bootstrap import make_plan
+
+        self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
+        self.P = self.plan.num_fragments
+        self.s = Subjects(common.run)
+        self.log = get_logger(component="learner", incarnation=self.incarnation)
+        self.tokens_per_step = cfg.batch_size * self.spec.seq_len
+        self.book = lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync")
+        self.num_shards = cfg.num_shards or cfg.num_learners
+        self.shard_index = lp.derive_shard(self.id, self.num_shards, cfg.shard_index)
+        self.seed = lp.batch_seed(cfg.data_seed, self.id, self.incarnation)
+        self.base: list[np.ndarray | None] = [None] * self.P
+        self.residual: list[np.ndarray | None] = [None] * self.P
+        self.pending: dict[int, tuple[int, np.ndarray]] = {}
+        self.applied_in: dict[tuple[int, int], int] = {}  # sync mode: (p, round) -> version that applied it
+        self._awaiting: set[tuple[int, int]] = set()
+        self.loss = float("nan")
+        self.quant_error = 0.0
+        self.blocked_s = 0.0
+        self.sync_timeouts = 0
+        self.member_state: str | None = None
+        self.backend = None
+        self.nc = None
+        self.js = None
+        self.store: VersionedStore | None = None
+        self.publisher: ChunkPublisher | None = None
+        self.rate = lp.RateMeter()
+        self._resync_requested = False
+        self._halt = asyncio.Event()
+        self._news = asyncio.Event()
+        self._head_lock = asyncio.Lock()
+        self._cancel = threading.Event()
+        self._publishes: set[asyncio.Task] = set()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"inner-{self.id}")
+
+    # -- running ------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> int:
+        tasks: list[asyncio.Task] = []
+        if stop is not None:
+            tasks.append(asyncio.create_task(self._relay_stop(stop)))
+        try:
+            start = asyncio.create_task(self._start())
+            halted = asyncio.create_task(self._halt.wait())
+            await asyncio.wait({start, halted}, return_when=asyncio.FIRST_COMPLETED)
+            halted.cancel()
+            if not start.done():  # stopped while waiting for the run
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                return EXIT_OK
+            try:
+                start.result()
+            except StartupError as e:
+                self.log.error("startup_failed", reason=str(e), code=e.code)
+                print(f"diloco learner {self.id}: {e}", file=sys.stderr, flush=True)
+                return e.code
+            tasks += [asyncio.create_task(c) for c in (
+                self._heartbeats(), self._metrics_loop(), self._follow_globals(), self._poll_heads(),
+                self._follow_membership())]
+            await self._train()
+            await self._drain()
+            await self._publish_metrics()
+            self.log.info("stopped", step=self.book.step, contributions=self.book.contributions,
+                          bytes_sent=self.publisher.bytes_sent, bytes_received=self.store.bytes_received,
+                          rss_mib=peak_rss_mib())
+            return EXIT_OK
+        except Exception as e:
+            self.log.exception("learner_failed")
+            print(f"diloco learner {self.id}: failed: {e!r}", file=sys.stderr, flush=True)
+            return EXIT_ERROR
+        finally:
+            self._halt.set()
+            self._cancel.set()
+            for t in tasks + list(self._publishes):
+                t.cancel()
+            await asyncio.gather(*tasks, *self._publishes, return_exceptions=True)
+            await close_quietly(self.nc)
+            self._executor.shutdown(wait=False)
+
+    async def _relay_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self.log.info("stop_requested")
+        self._halt.set()
+        self._cancel.set()
+
+    async def _in_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.manifest_timeout
+        self.log.info("starting", mode=cfg.mode, model=self.model_hash, plan=self.plan.plan_hash(),
+                      fragments=self.P, sizes=list(self.plan.sizes), H=cfg.sync_every,
+                      quantiser=cfg.quantiser, shard=self.shard_index, shards=self.num_shards)
+        self.nc = await connect_until(self.common, f"learner-{self.id}", deadline, self.log)
+        self.js = self.nc.jetstream(timeout=10)
+        self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks)
+        self.store = VersionedStore(self.js, self.common.run, GLOBAL)
+        await join_run(self.js, self.common, self.spec, self.plan, deadline)
+        vectors, versions = await fetch_newest(self.store, self.plan, self.model_hash, deadline, self.log)
+        self.backend = await self._in_worker(self._make_backend)
+        await self._in_worker(self.backend.load, vectors)
+        if hasattr(self.backend, "compile"):
+            self.log.info("compiled", seconds=round(await self._in_worker(self.backend.compile), 3))
+        self.base = vectors
+        for p, v in versions.items():
+            self.book.on_merged(p, v)
+        self.log.info("joined", versions=versions, params=count_params(self.spec),
+                      memory_mib=round(self.memory()["total"] / 2**20, 2))
+
+    def _make_backend(self):
+        if self.cfg.synthetic:
+            return SyntheticBackend(self.plan, self.cfg, self.seed, self._cancel)
+        from learner.data import load_corpus
+
+        corpus = load_corpus(self.cfg.data or None, max_bytes=self.cfg.data_max_bytes)
+        if corpus.vocab_size > self.spec.vocab_size:
+            raise StartupError(EXIT_MISMATCH, f"corpus vocabulary {corpus.vocab_size} exceeds the model's "
+                                              f"{self.spec.vocab_size}")
+        shard = corpus.shard(self.shard_index, self.num_shards, self.spec.seq_len, self.seed)
+        self.log.info("data", source=corpus.source, tokens=len(corpus), fingerprint=corpus.fingerprint(),
+                      shard=self.shard_index, shard_tokens=len(shard))
+        return JaxBackend(self.spec, self.plan, self.cfg, shard)
+
+    def memory(self) -> dict[str, int]:
+        return lp.memory_bytes(count_params(self.spec), self.plan.sizes,
+                               error_feedback=self.cfg.error_feedback and self.cfg.quantiser != "fp32",
+                               synthetic=self.cfg.synthetic)
+
+    # -- the training loop --------------------------------------------------------------------------
+
+    async def _train(self) -> None:
+        cfg = self.cfg
+        total = cfg.steps_to_run
+        while not self._halt.is_set() and self.book.step < total:
+            if self._resync_requested:
+                await self._resync()
+            if self.pending:
+                await self._apply_pending()
+            t0 = time.monotonic()
+            loss = await self._in_worker(self.backend.step)
+            if self._halt.is_set() and cfg.synthetic:
+                break  # the synthetic sleep was cut short: do not count a partial step
+            if not self.backend.slowdown_included and cfg.slowdown > 1.0:
+                await self._sleep(lp.extra_sleep(time.monotonic() - t0, cfg.slowdown))
+            due = self.book.on_step(time.monotonic() - t0)
+            self.loss = loss
+            self.rate.add(time.monotonic(), self.tokens_per_step)
+            waits = []
+            for p in due:
+                c = self.book.begin_sync(p)
+                if c is None:
+                    self.log.debug("sync_skipped", fragment=p, reason="previous publish in flight")
+                    continue
+                blob, meta = await self._in_worker(self._prepare, c)
+                task = asyncio.create_task(self._publish(c, blob, meta))
+                self._publishes.add(task)
+                task.add_done_callback(self._publishes.discard)
+                if cfg.mode == "sync":
+                    self._awaiting.add((c.fragment, c.round))
+                    waits.append((c, task))
+            if cfg.mode == "sync" and waits:
+                await self._sync_wait(waits)
+        self.log.info("training_done", step=self.book.step, halted=self._halt.is_set())
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            try:
+                await asyncio.wait_for(self._halt.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+
+    def _prepare(self, c: lp.Contribution) -> tuple[bytearray, dict]:
+        """Worker thread: Delta = base - theta (+ residual), quantised, and its metadata."""
+        p, q = c.fragment, self.cfg.quantiser
+        delta = outer_gradient(self.base[p], self.backend.get_fragment(p))
+        out: dict = {}
+
+        def roundtrip(x: np.ndarray) -> np.ndarray:  # quant.roundtrip, keeping the encoded blob
+            out["x"], out["blob"] = x, codec.encode_array(x, q)
+            return codec.decode_array(out["blob"])
+
+        if self.cfg.error_feedback and q != "fp32":
+            sent, self.residual[p] = feedback_step(delta, self.residual[p], roundtrip)
+        else:
+            sent = roundtrip(delta)
+        self.quant_error = relative_error(out["x"], sent)
+        meta = grad_meta(run=self.common.run, model=self.model_hash, learner=self.id,
+                         incarnation=self.incarnation, fragment=p, round_=c.round,
+                         base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
+                         region=self.common.region)
+        return out["blob"], meta
+
+    async def _publish(self, c: lp.Contribution, blob, meta: dict) -> bool:
+        ok = False
+        try:
+            await self.publisher.publish(self.s.grad(c.fragment, self.id),
+                                         grad_obj_id(self.common.run, self.id, self.incarnation, c.fragment, c.round),
+                                         blob, meta)
+            ok = True
+            self.log.debug("contributed", fragment=c.fragment, round=c.round, base=c.base_version,
+                           steps=c.steps, bytes=len(blob))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.warning("publish_failed", fragment=c.fragment, round=c.round, error=repr(e))
+        finally:
+            self.book.end_sync(c, ok)
+        return ok
+
+    async def _sync_wait(self, waits: list) -> None:
+        """Sync mode: wait until a merged global version includes each contribution (or timeout)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.sync_timeout
+        for c, task in waits:
+            key = (c.fragment, c.round)
+            try:
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+                published = task in done and not task.cancelled() and task.result()
+            except Exception:
+                published = False
+            while published and not self._halt.is_set():
+                self._news.clear()
+                f = self.book.frags[c.fragment]
+                if lp.sync_satisfied(self.applied_in.get(key), max(f.base_version, f.pending_version)):
+                    break
+                rest = deadline - time.monotonic()
+                if rest <= 0:
+                    self.sync_timeouts += 1
+                    self.log.warning("sync_timeout", fragment=c.fragment, round=c.round,
+                                     waited=round(time.monotonic() - t0, 3))
+                    break
+                try:
+                    await asyncio.wait_for(self._news.wait(), min(rest, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+            self.applied_in.pop(key, None)
+            self._awaiting.discard(key)
+        self.blocked_s += time.monotonic() - t0
+        if self.pending:
+            await self._apply_pending()
+
+    async def _apply_pending(self) -> None:
+        items, self.pending = self.pending, {}
+        merged = await self._in_worker(self._apply, items)
+        for p, v in merged:
+            self.book.on_merged(p, v)
+        if merged:
+            self.log.debug("merged", versions=dict(merged))
+
+    def _apply(self, items: dict[int, tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
+        """Worker thread, at a step boundary: theta_p <- mix(theta_p, Theta_p, alpha); base_p <- Theta_p."""
+        alpha = self.cfg.mix_alpha
+        merged = []
+        for p, (v, vec) in sorted(items.items()):
+            if v <= self.book.frags[p].base_version:
+                continue
+            if alpha == 0.0:
+                self.backend.set_fragment(p, vec)
+            else:
+                self.backend.set_fragment(p, mix(self.backend.get_fragment(p), vec, alpha))
+            self.base[p] = vec
+            merged.append((p, v))
+        return merged
+
+    async def _resync(self) -> None:
+        """Evicted while alive: take the newest version of every fragment, drop local state."""
+        self._resync_requested = False
+        t0 = time.monotonic()
+        try:
+            vectors, versions = await fetch_newest(self.store, self.plan, self.model_hash,
+                                                   t0 + max(30.0, self.cfg.sync_timeout), self.log)
+        except StartupError as e:
+            self.log.warning("resync_failed", reason=str(e))
+            self._resync_requested = True
+            return
+        finally:
+            self.blocked_s += time.monotonic() - t0
+        await self._in_worker(self.backend.load, vectors)
+        self.base = vectors
+        self.residual = [None] * self.P
+        self.pending = {p: pv for p, pv in self.pending.items() if pv[0] > versions[p]}
+        self.book.on_resync(versions)
+        self.log.warning("resynced", versions=versions, step=self.book.step)
+
+    async def _drain(self) -> None:
+        if self._publishes:
+            await asyncio.wait(set(self._publishes), timeout=DRAIN_TIMEOUT)
+
+    # -- global versions ----------------------------------------------------------------------------
+
+    async def _on_head(self, head: Head) -> None:
+        p = head.fragment
+        if not 0 <= p < self.P:
+            return
+        async with self._head_lock:
+            self.book.on_head(p, head.version)
+            for r in lp.applied_rounds(head.meta, self.id, self.incarnation, p):
+                key = (p, r)
+                if key in self._awaiting:
+                    self.applied_in[key] = min(self.applied_in.get(key, head.version), head.version)
+            if self.book.wants(p, head.version):
+                try:
+                    blob = await self.store.fetch(head)
+                    vec = decode_fragment(self.plan, head, blob, self.model_hash)
+                except NotFoundError:
+                    return  # replaced by a newer version meanwhile: its head follows
+                except Exception as e:
+                    self.log.warning("global_fetch_failed", fragment=p, version=head.version, error=repr(e))
+                    return
+                finally:
+                    self._news.set()
+                self.pending[p] = (head.version, vec)
+                self.book.on_downloaded(p, head.version)
+            self._news.set()
+
+    async def _follow_globals(self) -> None:
+        while not self._halt.is_set():
+            try:
+                async for head in self.store.watch(self._halt):
+                    await self._on_head(head)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.warning("global_watch_error", error=repr(e))
+                await self._sleep(1.0)
+
+    async def _poll_heads(self) -> None:
+        while not self._halt.is_set():
+            await self._sleep(HEAD_POLL_INTERVAL)
+            for p in range(self.P):
+                if self._halt.is_set():
+                    return
+                try:
+                    head = await self.store.head(p)
+                except Exception:
+                    break
+                if head is not None and head.version > self.book.frags[p].known_version:
+                    await self._on_head(head)
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    def _on_member(self, value: bytes | None) -> None:
+        from monitor.membership import member_from_dict
+
+        if not value:
+            return
+        try:
+            rec = member_from_dict(orjson.loads(value))
+        except Exception as e:
+            self.log.warning("bad_member_record", error=repr(e))
+            return
+        self.member_state = rec.state.value
+        if lp.should_resync(rec.state.value, rec.incarnation, self.incarnation):
+            self.log.warning("evicted", reason=rec.reason)
+            self._resync_requested = True
+
+    async def _follow_membership(self) -> None:
+        last_rev = 0
+        while not self._halt.is_set():
+            watcher = None
+            try:
+                kv = await self.js.key_value(self.s.bucket("members"))
+                watcher = await kv.watch(self.id)
+                while not self._halt.is_set():
+                    try:
+                        entry = await watcher.updates(timeout=HEAD_POLL_INTERVAL)
+                    except asyncio.TimeoutError:
+                        try:  # safety net: the watch may be re-creating its consumer
+                            entry = await kv.get(self.id)
+                        except Exception:
+                            entry = None
+                    if entry is None or entry.revision <= last_rev:
+                        continue
+                    last_rev = entry.revision
+                    self._on_member(entry.value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.warning("membership_watch_error", error=repr(e))
+                await self._sleep(1.0)
+            finally:
+                if watcher is not None:
+                    try:
+                        await watcher.stop()
+                    except Exception:
+                        pass
+
+    # -- liveness and metrics -----------------------------------------------------------------------
+
+    def heartbeat(self) -> dict:
+        from monitor.membership import Heartbeat, heartbeat_to_dict
+
+        hb = Heartbeat(learner=self.id, region=self.common.region, incarnation=self.incarnation,
+                       step=self.book.step, tokens_per_s=self.rate.rate(time.monotonic()),
+                       versions=self.book.versions(), sent_at=time.time())
+        return heartbeat_to_dict(hb)
+
+    async def _heartbeats(self) -> None:
+        interval = self.cfg.heartbeat_interval
+        subject = self.s.heartbeat(self.id)
+        t_next = time.monotonic()
+        while not self._halt.is_set():
+            try:
+                await self.nc.publish(subject, orjson.dumps(self.heartbeat()))
+            except Exception as e:
+                self.log.debug("heartbeat_failed", error=repr(e))
+            t_next += interval
+            now = time.monotonic()
+            if t_next < now:  # we fell behind (loop stalled): do not burst to catch up
+                t_next = now
+            await self._sleep(t_next - now)
+
+    def metrics(self) -> dict:
+        c = self.book.counters()
+        m = {
+            "role": "learner", "run": self.common.run, "ts": time.time(), "learner": self.id,
+            "region": self.common.region, "incarnation": self.incarnation, "mode": self.cfg.mode,
+            "compute": "synthetic" if self.cfg.synthetic else "model", "step": self.book.step, "tokens": self.book.tokens,
+            "loss": self.loss if math.isfinite(self.loss) else None,
+            "tokens_per_s": self.rate.rate(time.monotonic()),
+            "bytes_sent": self.publisher.bytes_sent if self.publisher else 0,
+            "bytes_received": self.store.bytes_received if self.store else 0,
+            "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),
+            "quant_error": self.quant_error, "contributions": self.book.contributions,
+            "steps_sent": self.book.steps_sent,
+            "skipped_syncs": c["skipped"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
+            "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
+            "versions": {str(p): v for p, v in self.book.versions().items()},
+            "rss_mib": peak_rss_mib(), "state_mib": round(self.memory()["total"] / 2**20, 3),
+        }
+        if self.member_state:
+            m["state"] = self.member_state
+        return m
+
+    async def _publish_metrics(self) -> None:
+        try:
+            await self.nc.publish(self.s.metrics("learner", self.id), codec.dumps_json(self.metrics()))
+        except Exception as e:
+            self.log.debug("metrics_failed", error=repr(e))
+
+    async def _metrics_loop(self) -> None:
+        while not self._halt.is_set():
+            await self._publish_metrics()
+            await self._sleep(self.common.metrics_interval)
+
+
+# -- entry point -----------------------------------------------------------------------------------
+
+
+async def _amain(common: CommonConfig, model: ModelConfig, cfg: LearnerConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await Learner(common, model, cfg).run(stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="diloco learner",
+        description="Run one learner (island). Configured by DILOCO_* variables: see `diloco config learner` "
+                    "and docs/learner.md.")
+    p.parse_args(argv if argv is not None else sys.argv[1:])
+    common = from_env(CommonConfig)
+    model = from_env(ModelConfig)
+    cfg = from_env(LearnerConfig)
+    setup(common.log_level, run=common.run, role="learner", island=common.region, learner=cfg.learner_id)
+    return asyncio.run(_amain(common, model, cfg))
+
+
+if __name__ == "__main__":
+    from bus.cli import main as cli_main
+
+    sys.exit(cli_main(["learner", *sys.argv[1:]]))
