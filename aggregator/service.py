@@ -313,7 +313,7 @@ class AggregatorService:
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}")
         js = self.js = self.nc.jetstream(timeout=30)
-        await ensure_run(js, self.common.run, Limits.from_config(self.common))
+        await ensure_run(js, self.common.run, Limits.from_config(self.common), update=True)
         pub = ChunkPublisher(js, self.common.max_chunk_bytes, self.common.inflight_chunks)
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)

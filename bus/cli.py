@@ -119,7 +119,7 @@ def cmd_run(argv: list[str]) -> int:
         try:
             js = nc.jetstream(timeout=10)
             if a.action == "create":
-                await ensure_run(js, cfg.run, Limits.from_config(cfg))
+                await ensure_run(js, cfg.run, Limits.from_config(cfg), update=True)
                 return await inspect_run(js, cfg.run)
             if a.action == "inspect":
                 return await inspect_run(js, cfg.run)

@@ -35,8 +35,14 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, **ex
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=repr(e))
 
+    client: dict[str, Client] = {}
+
     async def on_disconnect() -> None:
-        log.warning("nats_disconnected")
+        nc = client.get("nc")
+        if nc is not None and (nc.is_closed or nc.is_draining):
+            log.info("nats_closed")
+        else:
+            log.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
@@ -65,4 +71,6 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, **ex
     if ctx is not None:
         opts["tls"] = ctx
     opts.update(extra)
-    return await nats.connect(**opts)
+    nc = await nats.connect(**opts)
+    client["nc"] = nc
+    return nc

@@ -80,13 +80,16 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
     ]
 
 
-async def ensure_run(js: JetStreamContext, run: str, lim: Limits = Limits()) -> None:
-    """Create or update every stream and bucket of ``run``. Safe to call concurrently and repeatedly."""
+async def ensure_run(js: JetStreamContext, run: str, lim: Limits = Limits(), update: bool = False) -> None:
+    """Create every missing stream and bucket of ``run``; with ``update`` also apply ``lim`` to
+    existing streams (only the process that owns the run's limits, the aggregator, should).
+    Safe to call concurrently and repeatedly."""
     s = Subjects(run)
     for cfg in stream_configs(s, lim):
         try:
             await js.stream_info(cfg.name)
-            await js.update_stream(cfg)
+            if update:
+                await js.update_stream(cfg)
         except NotFoundError:
             try:
                 await js.add_stream(cfg)

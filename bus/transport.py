@@ -328,14 +328,31 @@ class VersionedStore:
         Versions are monotonic per fragment (an older or equal head than one already yielded is
         skipped). Uses an ordered consumer, which re-creates itself after reconnects and gaps.
         """
-        sub = await self.js.subscribe(self.s.versioned_heads(self.kind), ordered_consumer=True,
-                                      deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
         newest: dict[int, int] = {}
+        sub = None
+        errors = 0
         try:
             while stop is None or not stop.is_set():
+                if sub is None:
+                    try:
+                        sub = await self.js.subscribe(self.s.versioned_heads(self.kind), ordered_consumer=True,
+                                                      deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+                    except Exception:  # server unreachable right now: try again shortly
+                        await asyncio.sleep(0.5)
+                        continue
                 try:
                     m = await sub.next_msg(timeout=0.5)
+                    errors = 0
+                except (asyncio.TimeoutError, TimeoutError):
+                    continue
                 except Exception:
+                    # a dead subscription raises at once: re-create it after a few errors (the
+                    # monotonic filter below drops the heads we already yielded)
+                    errors += 1
+                    if errors >= 3:
+                        await _unsubscribe(sub)
+                        sub, errors = None, 0
+                    await asyncio.sleep(0.1)
                     continue
                 try:
                     h = Head.from_bytes(m.data)
@@ -346,7 +363,12 @@ class VersionedStore:
                 newest[h.fragment] = h.version
                 yield h
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            if sub is not None:
+                await _unsubscribe(sub)
+
+
+async def _unsubscribe(sub) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception:
+        pass

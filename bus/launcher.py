@@ -1,0 +1,799 @@
+"""``diloco up``: a whole run on one machine: broker, aggregator, monitor, evaluator and N learners.
+
+Every role runs as its own OS process (``python -m bus.cli <role>``), configured by ``DILOCO_*``
+environment variables exactly as it would be on separate machines; the launcher only chooses the
+values, starts the processes, watches the run through the ``metrics`` subjects and stops
+everything at the end. Order of a run:
+
+1. start the broker (:mod:`bus.topology`: one JetStream server, or a hub plus one leaf-node
+   server per region), its JetStream store under ``OUT/nats-store`` (wiped at start: every
+   ``diloco up`` is a fresh run);
+2. start the aggregator (it creates version 0), the monitor and the evaluator; wait for the
+   evaluator's first held-out loss of version 0 (the *initial* loss);
+3. start the learners (``<region>-<i>``, spread round-robin over the regions, each on its own
+   data shard), show live progress;
+4. when every learner has finished its steps: wait for the last merges and one evaluation of the
+   final global versions; on Ctrl-C/SIGTERM: stop at once;
+5. stop learners, then evaluator and monitor, then the aggregator (SIGTERM, SIGKILL after a
+   timeout), then the servers; write ``OUT/summary.json`` and ``OUT/eval_loss.png``.
+
+Children run in their own process group and get SIGKILL if the launcher dies
+(``PR_SET_PDEATHSIG``), so no process outlives the launcher. Every child's stdout and stderr (JSON
+log lines) go to ``OUT/logs/<name>.log``; ``OUT/processes.json`` lists pids and exit codes.
+
+Precedence of settings: model preset and launcher defaults < the caller's ``DILOCO_*``
+environment < explicit flags (``--steps``, ``--learners``, ...) < per-process identity
+(``DILOCO_NATS_URL``, ``DILOCO_REGION``, ``DILOCO_LEARNER_ID``, shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus.config import CommonConfig, ConfigError, from_env
+
+# -- presets and defaults (pure) --------------------------------------------------------------------
+
+#: Model presets: DILOCO_* values. ``default`` is the configuration's own defaults (836,736 params).
+PRESETS: dict[str, dict[str, str]] = {
+    "tiny": {"DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "2", "DILOCO_D_FF": "64",
+             "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "8",
+             "DILOCO_EVAL_BATCH_SIZE": "16", "DILOCO_SYNC_EVERY": "12", "DILOCO_INNER_LR": "0.003"},
+    "small": {"DILOCO_D_MODEL": "64", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "4", "DILOCO_D_FF": "256",
+              "DILOCO_SEQ_LEN": "64", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "16",
+              "DILOCO_SYNC_EVERY": "16", "DILOCO_INNER_LR": "0.002"},
+    "default": {},
+}
+
+#: Inner steps per learner when neither --steps nor DILOCO_MAX_STEPS/DILOCO_TOTAL_STEPS is given.
+DEFAULT_STEPS = {"tiny": 200, "small": 200, "default": 240}
+QUICK_STEPS = 120
+
+#: Launcher defaults for every process (the caller's environment overrides them).
+RUN_DEFAULTS: dict[str, str] = {
+    "DILOCO_RUN": "up",
+    "DILOCO_METRICS_INTERVAL": "1.0",
+    "DILOCO_EVAL_INTERVAL": "4.0",
+    # several JAX processes share few cores here: a learner's heartbeats can be late by a step
+    "DILOCO_SUSPECT_AFTER": "6.0",
+    "DILOCO_EVICT_AFTER": "20.0",
+    "DILOCO_MANIFEST_TIMEOUT": "120.0",
+    # a fragment's first sync covers only its offset's few warm-up steps, so "10 x the median norm"
+    # rejects honest later deltas, and a rejected fragment's base never moves again: see docs/deploy.md
+    "DILOCO_NORM_OUTLIER_FACTOR": "1000",
+}
+
+CENTRAL_REGION = "hub"
+ROLE_ORDER = ("aggregator", "monitor", "eval", "learner")
+
+
+@dataclass(frozen=True)
+class ProcSpec:
+    """One child process: its name (log file stem), role, region (None: central) and environment."""
+
+    name: str
+    role: str
+    region: str | None
+    env: dict[str, str]
+    learner_id: str | None = None
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "bus.cli", self.role]
+
+
+def learner_ids(n: int, regions: list[str]) -> list[tuple[str, str]]:
+    """(learner id, region) for n learners spread round-robin: us-0, eu-0, us-1, eu-1, ..."""
+    return [(f"{regions[k % len(regions)]}-{k // len(regions)}", regions[k % len(regions)]) for k in range(n)]
+
+
+def parse_regions(text: str) -> list[str]:
+    from bus.subjects import check_token
+
+    regions = [r.strip() for r in text.split(",") if r.strip()]
+    if not regions:
+        raise ValueError("--regions: expected a comma-separated list like us,eu")
+    for r in regions:
+        check_token("region", r)
+    if len(set(regions)) != len(regions):
+        raise ValueError(f"--regions {text!r}: regions must be distinct")
+    return regions
+
+
+def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: bool) -> dict[str, str]:
+    """Settings shared by every process: preset and launcher defaults, then the caller's DILOCO_* env,
+    then the explicit step count. Non-DILOCO variables (PATH, JAX_*, XLA_FLAGS...) pass through."""
+    env = dict(environ)
+    defaults = dict(RUN_DEFAULTS)
+    defaults.update(PRESETS[preset])
+    if quick:
+        defaults.update({"DILOCO_EVAL_INTERVAL": "2.0"})
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    if steps is None:
+        given = environ.get("DILOCO_MAX_STEPS") or environ.get("DILOCO_TOTAL_STEPS")
+        steps = int(given) if given and given.strip().isdigit() and int(given) > 0 else (
+            QUICK_STEPS if quick else DEFAULT_STEPS[preset])
+    if steps is not None:
+        env["DILOCO_MAX_STEPS"] = str(steps)
+        if "DILOCO_TOTAL_STEPS" not in environ or int(environ.get("DILOCO_TOTAL_STEPS", "0") or 0) < steps:
+            env["DILOCO_TOTAL_STEPS"] = str(steps)
+    total = int(env["DILOCO_TOTAL_STEPS"])
+    if "DILOCO_WARMUP_STEPS" not in environ:
+        env["DILOCO_WARMUP_STEPS"] = str(max(0, min(50, total // 10)))
+    return env
+
+
+def plan_processes(env: dict[str, str], n_learners: int, regions: list[str]) -> list[ProcSpec]:
+    """Every child of a run with its environment (NATS URLs are filled in by :func:`with_urls`)."""
+    procs = [
+        ProcSpec("aggregator", "aggregator", None,
+                 {**env, "DILOCO_REGION": CENTRAL_REGION, "DILOCO_AGGREGATOR_ID": env.get("DILOCO_AGGREGATOR_ID", "agg-0")}),
+        ProcSpec("monitor", "monitor", None,
+                 {**env, "DILOCO_REGION": CENTRAL_REGION, "DILOCO_MONITOR_ID": env.get("DILOCO_MONITOR_ID") or "monitor-0"}),
+        ProcSpec("evaluator", "eval", None,
+                 {**env, "DILOCO_REGION": CENTRAL_REGION, "DILOCO_EVAL_ID": env.get("DILOCO_EVAL_ID", "eval-0")}),
+    ]
+    for k, (lid, region) in enumerate(learner_ids(n_learners, regions)):
+        procs.append(ProcSpec(f"learner-{lid}", "learner", region, {
+            **env, "DILOCO_REGION": region, "DILOCO_LEARNER_ID": lid, "DILOCO_NUM_LEARNERS": str(n_learners),
+            "DILOCO_SHARD_INDEX": str(k), "DILOCO_NUM_SHARDS": str(n_learners)}, learner_id=lid))
+    return procs
+
+
+def with_urls(procs: list[ProcSpec], url_for) -> list[ProcSpec]:
+    return [ProcSpec(p.name, p.role, p.region, {**p.env, "DILOCO_NATS_URL": url_for(p.region)}, p.learner_id)
+            for p in procs]
+
+
+def validate_envs(procs: list[ProcSpec]) -> None:
+    """Parse every process's configuration now, so a bad variable stops the launcher, not a child."""
+    from bus.cli import load_role_configs
+
+    roles = load_role_configs()
+    need = {"aggregator": ("model", "aggregator"), "monitor": ("monitor",), "eval": ("model", "learner", "eval"),
+            "learner": ("model", "learner")}
+    for p in procs:
+        from_env(CommonConfig, p.env)
+        for r in need[p.role]:
+            if r in roles:
+                from_env(roles[r], p.env)
+
+
+def dp_equivalent_bytes(params: int, learners: int, total_inner_steps: int, bytes_per_value: int = 2) -> int:
+    """Bytes data-parallel training would move for the same inner steps: a ring all-reduce of every
+    gradient in bf16 sends 2 (M-1)/M x params values per worker and step; M workers doing
+    ``total/M`` steps each process the same samples as our learners' ``total`` inner steps."""
+    if learners < 2:
+        return 0
+    return int(round(2 * (learners - 1) / learners * params * bytes_per_value * total_inner_steps))
+
+
+# -- live state from the metrics subjects (pure folding) --------------------------------------------
+
+
+@dataclass
+class RunState:
+    """What the launcher learned from metrics and events; folded message by message."""
+
+    run: str
+    learners: dict[str, dict] = field(default_factory=dict)  # id -> last learner metrics
+    aggregator: dict | None = None
+    monitor: dict | None = None
+    evals: list[dict] = field(default_factory=list)  # evaluator records, in arrival order
+    membership: list[dict] = field(default_factory=list)
+    loss_history: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)  # id -> (t, step, loss)
+    snapshot: Any = None
+    t0: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        from monitor.metrics_view import MetricsSnapshot
+
+        self.snapshot = MetricsSnapshot(run=self.run)
+
+    def on_metrics(self, msg: Any) -> None:
+        from monitor.metrics_view import fold
+
+        self.snapshot = fold(self.snapshot, msg)
+        if not isinstance(msg, dict) or msg.get("run") != self.run:
+            return
+        role = msg.get("role")
+        if role == "learner" and isinstance(msg.get("learner"), str):
+            old = self.learners.get(msg["learner"])
+            if old is not None and old.get("incarnation") == msg.get("incarnation") and \
+                    float(old.get("ts", 0)) > float(msg.get("ts", 0)):
+                return
+            self.learners[msg["learner"]] = msg
+            loss, step = msg.get("loss"), msg.get("step")
+            if isinstance(loss, (int, float)) and isinstance(step, int) and math.isfinite(loss):
+                hist = self.loss_history.setdefault(msg["learner"], [])
+                if not hist or hist[-1][1] != step:
+                    hist.append((float(msg.get("ts", time.time())), step, float(loss)))
+        elif role == "aggregator":
+            if self.aggregator is None or float(msg.get("ts", 0)) >= float(self.aggregator.get("ts", 0)):
+                self.aggregator = msg
+        elif role == "monitor":
+            self.monitor = msg
+        elif role == "evaluator" and isinstance(msg.get("eval_loss"), (int, float)):
+            self.evals.append(msg)
+
+    def on_event(self, msg: Any) -> None:
+        if isinstance(msg, dict):
+            self.membership.append(msg)
+
+    @property
+    def evictions(self) -> int:
+        return sum(1 for e in self.membership if e.get("new") == "evicted")
+
+    def versions(self) -> dict[str, int]:
+        return dict((self.aggregator or {}).get("versions") or {})
+
+    def contributions(self) -> dict[str, int]:
+        return dict((self.aggregator or {}).get("contributions") or {})
+
+    def compact_line(self, now: float | None = None) -> str:
+        """One status line: elapsed, per learner step and loss, versions, eval loss, evictions."""
+        now = time.time() if now is None else now
+        parts = [f"[{now - self.t0:6.1f}s]"]
+        for lid in sorted(self.learners):
+            m = self.learners[lid]
+            loss = m.get("loss")
+            parts.append(f"{lid} {m.get('step', 0)}" + (f" {loss:.3f}" if isinstance(loss, (int, float)) else ""))
+        vs = list(self.versions().values())
+        if vs:
+            parts.append(f"v{min(vs)}..{max(vs)}" if min(vs) != max(vs) else f"v{vs[0]}")
+            parts.append(f"merges {(self.aggregator or {}).get('merges', 0)}")
+        if self.evals:
+            e = self.evals[-1]
+            parts.append(f"eval {e['eval_loss']:.3f}" + (f" (from {self.evals[0]['eval_loss']:.3f})"
+                                                         if len(self.evals) > 1 else ""))
+        if self.evictions:
+            parts.append(f"evictions {self.evictions}")
+        return " | ".join(parts)
+
+
+# -- summary (pure) ---------------------------------------------------------------------------------
+
+
+def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[str, int | None], traffic: dict,
+                  params: int, wall_time_s: float, train_time_s: float | None, status: str,
+                  settings: dict) -> dict:
+    contributions = state.contributions()
+    learners = {}
+    total_steps = 0
+    link_by_learner: dict[str, int] = {}
+    for c in traffic.get("connections", []):
+        name = c.get("name", "")
+        if name.startswith("learner-"):
+            lid = name[len("learner-"):]
+            link_by_learner[lid] = link_by_learner.get(lid, 0) + c["in_bytes"] + c["out_bytes"]
+    for p in specs:
+        if p.role != "learner":
+            continue
+        m = state.learners.get(p.learner_id, {})
+        steps = int(m.get("step") or 0)
+        total_steps += steps
+        learners[p.learner_id] = {
+            "region": p.region, "steps": steps, "contributions": int(contributions.get(p.learner_id, 0)),
+            "contributions_sent": int(m.get("contributions") or 0), "last_train_loss": m.get("loss"),
+            "resyncs": m.get("resyncs"), "skipped_syncs": m.get("skipped_syncs"),
+            "link_bytes": link_by_learner.get(p.learner_id, 0), "exit_code": exit_codes.get(p.name),
+        }
+    m_count = len(learners)
+    evals = state.evals
+    initial = evals[0] if evals else None
+    final = evals[-1] if evals else None
+    agg = state.aggregator or {}
+    broker = int(traffic.get("client_bytes", 0))
+    learner_link = sum(link_by_learner.values())
+    dp = dp_equivalent_bytes(params, m_count, total_steps)
+    return {
+        "status": status,
+        "run": state.run,
+        "settings": settings,
+        "params": params,
+        "num_learners": m_count,
+        "initial_eval_loss": initial["eval_loss"] if initial else None,
+        "initial_eval_version": initial.get("version") if initial else None,
+        "final_eval_loss": final["eval_loss"] if final else None,
+        "final_eval_versions": final.get("versions") if final else None,
+        "eval_loss_ratio": (final["eval_loss"] / initial["eval_loss"]) if initial and final else None,
+        "eval_history": [{"t": round(float(e.get("ts", 0)) - state.t0, 3), "eval_loss": e["eval_loss"],
+                          "version": e.get("version")} for e in evals],
+        "learners": learners,
+        "total_inner_steps": total_steps,
+        "versions": agg.get("versions") or {},
+        "merges": agg.get("merges"),
+        "accepted": agg.get("accepted"),
+        "rejected": agg.get("rejected") or {},
+        "evictions": state.evictions,
+        "membership_events": len(state.membership),
+        "broker_bytes": broker,
+        "broker_bytes_source": "sum of in_bytes+out_bytes of every client connection (/connz?state=all)",
+        "learner_link_bytes": learner_link,
+        "servers": traffic.get("servers", {}),
+        "dp_equivalent_bytes": dp,
+        "broker_over_dp": (broker / dp) if dp else None,
+        "dp_over_broker": (dp / broker) if broker and dp else None,
+        "dp_over_learner_link": (dp / learner_link) if learner_link and dp else None,
+        "wall_time_s": round(wall_time_s, 2),
+        "train_time_s": round(train_time_s, 2) if train_time_s is not None else None,
+        "exit_codes": exit_codes,
+    }
+
+
+def render_summary(s: dict) -> str:
+    def mib(n: float | None) -> str:
+        return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+    lines = [f"run {s['run']}: {s['status']} in {s['wall_time_s']:.0f}s "
+             f"({s['num_learners']} learners, {s['params']:,} params, {s['total_inner_steps']} inner steps)"]
+    if s["initial_eval_loss"] is not None:
+        lines.append(f"held-out loss  {s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}"
+                     f"  (x{s['eval_loss_ratio']:.3f})")
+    vs = s["versions"]
+    if vs:
+        lines.append("versions       " + " ".join(f"f{k}=v{v}" for k, v in sorted(vs.items(), key=lambda kv: int(kv[0])))
+                     + f"  ({s['merges']} merges, {sum(s['rejected'].values())} rejected)")
+    lines.append("learner        region  steps  contributions(applied/sent)  link")
+    for lid, l in sorted(s["learners"].items()):
+        lines.append(f"  {lid:<12} {l['region']:<7} {l['steps']:>5}  {l['contributions']:>6} / {l['contributions_sent']:<6}"
+                     f"              {mib(l['link_bytes'])}")
+    lines.append(f"evictions      {s['evictions']}")
+    ratio = s["dp_over_broker"]
+    lines.append(f"broker bytes   {mib(s['broker_bytes'])} (learner links {mib(s['learner_link_bytes'])}); "
+                 f"data-parallel bf16 would move {mib(s['dp_equivalent_bytes'])}"
+                 + (f": {ratio:.1f}x more" if ratio else ""))
+    return "\n".join(lines)
+
+
+def plot_eval(summary: dict, state: RunState, path: str) -> bool:
+    """Held-out loss over time (bold) and each learner's training loss (thin) as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for lid, hist in sorted(state.loss_history.items()):
+        if hist:
+            ax.plot([t - state.t0 for t, _, _ in hist], [l for _, _, l in hist], lw=0.8, alpha=0.5,
+                    label=f"train {lid}")
+    ev = summary["eval_history"]
+    if ev:
+        ax.plot([e["t"] for e in ev], [e["eval_loss"] for e in ev], "o-", color="black", lw=2, ms=3,
+                label="held-out (global model)")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"diloco up: run {summary['run']}, {summary['num_learners']} learners")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+# -- child processes ----------------------------------------------------------------------------------
+
+
+def _child_preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+    os.setsid()  # own process group: a terminal's Ctrl-C reaches the launcher only, which stops us in order
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    spec: ProcSpec
+    log_path: str
+    cwd: str
+    proc: subprocess.Popen | None = None
+    started: float | None = None
+    ended: float | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=self.cwd, preexec_fn=_child_preexec)
+        self.started = time.time()
+
+    def poll(self) -> int | None:
+        if self.proc is None:
+            return None
+        rc = self.proc.poll()
+        if rc is not None and self.ended is None:
+            self.ended = time.time()
+        return rc
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if not self.alive:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.poll()
+
+
+def stop_children(groups: list[list[Child]], timeout: float, say=print) -> None:
+    """SIGTERM each group in turn, wait up to ``timeout`` for it, SIGKILL its stragglers."""
+    for group in groups:
+        alive = [c for c in group if c.alive]
+        for c in alive:
+            c.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(c.alive for c in alive) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for c in alive:
+            if c.alive:
+                say(f"diloco up: {c.spec.name} did not stop within {timeout:.0f}s: SIGKILL")
+                c.signal(signal.SIGKILL)
+        for c in alive:
+            if c.proc is not None:
+                with contextlib.suppress(Exception):
+                    c.proc.wait(5)
+
+
+# -- the launcher -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="diloco up",
+        description="Start a whole local run: NATS server(s), aggregator, monitor, evaluator and N learners as "
+                    "separate processes; show progress; stop everything at the end or on Ctrl-C; write "
+                    "OUT/summary.json and OUT/eval_loss.png. DILOCO_* variables in the environment are honoured "
+                    "(see `diloco config ROLE`).")
+    p.add_argument("--learners", type=int, default=4, help="number of learners (default 4)")
+    p.add_argument("--regions", default="us,eu", help="comma-separated region names the learners are spread over")
+    p.add_argument("--steps", type=int, default=None,
+                   help="inner steps per learner (default: DILOCO_MAX_STEPS, else 240 for the default model, "
+                        f"{QUICK_STEPS} with --quick)")
+    p.add_argument("--out", default="./diloco-out", help="output folder: logs, store, summary.json, eval_loss.png")
+    p.add_argument("--topology", choices=("single", "leaf"), default="single",
+                   help="single: one server; leaf: a hub plus one leaf-node server per region")
+    p.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
+                   help="tiny | small | default (default: default, or tiny with --quick); DILOCO_* overrides win")
+    p.add_argument("--quick", action="store_true", help="tiny model and few steps: a demo in about a minute")
+    p.add_argument("--run", default=None, help="run id (default: DILOCO_RUN, else 'up')")
+    p.add_argument("--progress", choices=("auto", "table", "line", "none"), default="auto",
+                   help="live view: a redrawn table (auto on a terminal), one line per interval, or nothing")
+    p.add_argument("--progress-interval", type=float, default=None, help="seconds between progress updates")
+    p.add_argument("--initial-eval-timeout", type=float, default=180.0,
+                   help="seconds to wait for the evaluator's first loss before starting learners")
+    p.add_argument("--final-timeout", type=float, default=60.0,
+                   help="seconds to wait, after the learners finished, for the last merges and evaluation")
+    p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds a process gets after SIGTERM")
+    a = p.parse_args(argv)
+    if a.learners < 1:
+        p.error("--learners must be >= 1")
+    if a.steps is not None and a.steps < 1:
+        p.error("--steps must be >= 1")
+    try:
+        a.regions = parse_regions(a.regions)
+    except ValueError as e:
+        p.error(str(e))
+    a.model_preset = a.model_preset or ("tiny" if a.quick else "default")
+    return a
+
+
+class Launcher:
+    def __init__(self, a: argparse.Namespace, environ: dict[str, str]):
+        self.a = a
+        self.out = os.path.abspath(a.out)
+        env = base_env(environ, a.model_preset, a.steps, a.quick)
+        if a.run:
+            env["DILOCO_RUN"] = a.run
+        env["DILOCO_UP_OUT"] = self.out  # marks every child (and server) of this launch: find them by it
+        self.env = env
+        self.specs = plan_processes(env, a.learners, a.regions)
+        self.children: list[Child] = []
+        self.topology = None
+        self.state: RunState | None = None
+        self.stop_signal: int | None = None
+        self.stop_event: asyncio.Event | None = None
+        self.status = "starting"
+        self.t_start = time.time()
+        self.t_learners: float | None = None
+        self.t_learners_done: float | None = None
+        self.failure: str | None = None
+        tty = sys.stdout.isatty()
+        self.progress = a.progress if a.progress != "auto" else ("table" if tty else "line")
+        self.progress_interval = a.progress_interval or (1.0 if self.progress == "table" else 2.0)
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    def write_processes(self) -> None:
+        data = {"launcher": os.getpid(),
+                "servers": self.topology.pids() if self.topology else {},
+                "children": [{"name": c.spec.name, "role": c.spec.role, "region": c.spec.region,
+                              "pid": c.proc.pid if c.proc else None, "exit_code": c.poll(),
+                              "log": os.path.relpath(c.log_path, self.out)} for c in self.children]}
+        tmp = os.path.join(self.out, "processes.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, os.path.join(self.out, "processes.json"))
+
+    def start_child(self, spec: ProcSpec) -> Child:
+        c = Child(spec, os.path.join(self.out, "logs", f"{spec.name}.log"), self.out)
+        c.start()
+        self.children.append(c)
+        self.write_processes()
+        return c
+
+    def by_role(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.spec.role == role]
+
+    def check_central(self) -> str | None:
+        """A reason if a central role exited (fatal for the run)."""
+        for c in self.children:
+            if c.spec.role != "learner" and c.poll() is not None:
+                return f"{c.spec.name} exited with code {c.poll()} (see {os.path.relpath(c.log_path)})"
+        return None
+
+    def on_signal(self, sig: int) -> None:
+        if self.stop_signal is not None:  # second Ctrl-C: no more patience
+            self.say("diloco up: second signal: killing everything")
+            for c in self.children:
+                c.signal(signal.SIGKILL)
+        self.stop_signal = sig
+        if self.stop_event is not None:
+            self.stop_event.set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep unless stopped; True if a stop was requested."""
+        try:
+            await asyncio.wait_for(self.stop_event.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+        return self.stop_event.is_set()
+
+    def show(self, force: bool = False) -> None:
+        if self.progress == "none" or self.state is None:
+            return
+        if self.progress == "table":
+            from monitor.cli import CLEAR
+            from monitor.metrics_view import render_table
+
+            width = shutil.get_terminal_size((100, 24)).columns
+            head = f"diloco up | {time.time() - self.t_start:6.1f}s | {self.status} | out {self.out}"
+            if self.state.evals:
+                head += f" | initial eval {self.state.evals[0]['eval_loss']:.4f}"
+            sys.stdout.write(CLEAR + head[:width] + "\n" + render_table(self.state.snapshot, width=width) + "\n")
+            sys.stdout.flush()
+        else:
+            self.say(self.state.compact_line())
+
+    # -- phases -------------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        from bus.codec import loads_json
+        from bus.conn import connect
+        from bus.subjects import Subjects
+        from bus.topology import make_topology
+
+        loop = asyncio.get_running_loop()
+        self.stop_event = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        store = os.path.join(self.out, "nats-store")
+        shutil.rmtree(store, ignore_errors=True)  # a fresh run every time
+        os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
+        for stale in ("summary.json", "eval_loss.png"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.out, stale))
+        run = self.env["DILOCO_RUN"]
+        self.state = RunState(run=run, t0=self.t_start)
+        nc = None
+        rc = 0
+        try:
+            os.environ["DILOCO_UP_OUT"] = self.out  # the servers inherit the launcher's environment
+            self.topology = make_topology(self.a.topology, self.a.regions, store, os.path.join(self.out, "logs"))
+            self.topology.start()  # in the main thread: PR_SET_PDEATHSIG follows the spawning thread
+            self.specs = with_urls(self.specs, self.topology.url_for)
+            self.write_processes()
+            urls = {n: s.url for n, s in self.topology.servers.items()}
+            self.say(f"diloco up: {self.a.topology} topology {urls}; run {run!r}; "
+                     f"{self.a.learners} learners over {','.join(self.a.regions)}; "
+                     f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; out {self.out}")
+            nc = await connect(CommonConfig(nats_url=self.topology.hub_url, run=run), name="launcher")
+            s = Subjects(run)
+
+            async def on_metrics(msg) -> None:
+                with contextlib.suppress(Exception):
+                    self.state.on_metrics(loads_json(msg.data))
+
+            async def on_event(msg) -> None:
+                with contextlib.suppress(Exception):
+                    self.state.on_event(loads_json(msg.data))
+
+            await nc.subscribe(s.metrics_all, cb=on_metrics)
+            await nc.subscribe(s.event("membership"), cb=on_event)
+            await nc.flush()
+
+            self.status = "starting aggregator, monitor, evaluator"
+            for spec in self.specs:
+                if spec.role != "learner":
+                    self.start_child(spec)
+            rc = await self.wait_initial_eval()
+            if rc == 0 and not self.stop_event.is_set():
+                self.status = "training"
+                self.t_learners = time.time()
+                for spec in self.specs:
+                    if spec.role == "learner":
+                        self.start_child(spec)
+                rc = await self.watch_training()
+            if rc == 0 and not self.stop_event.is_set():
+                rc = await self.wait_final()
+        finally:
+            self.status = "stopping"
+            if self.stop_signal is not None:
+                rc = 130 if self.stop_signal == signal.SIGINT else 143
+            stop_children([self.by_role("learner"), self.by_role("eval") + self.by_role("monitor"),
+                           self.by_role("aggregator")], self.a.stop_timeout, self.say)
+            self.write_processes() if self.topology else None
+            traffic = {}
+            if self.topology is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.sleep(0.2)  # let the metrics of stopping processes land
+                with contextlib.suppress(Exception):
+                    traffic = self.topology.traffic()
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+            if self.topology is not None:
+                self.topology.stop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            status = ("interrupted" if self.stop_signal is not None else
+                      "failed" if self.failure else "completed")
+            self.finish(traffic, status)
+        if self.failure and rc == 0:
+            rc = 1
+        return rc
+
+    async def wait_initial_eval(self) -> int:
+        deadline = time.monotonic() + self.a.initial_eval_timeout
+        next_show = 0.0
+        while not self.state.evals:
+            why = self.check_central()
+            if why:
+                self.failure = why
+                self.say(f"diloco up: {why}")
+                return 1
+            if time.monotonic() > deadline:
+                self.failure = f"no held-out loss from the evaluator within {self.a.initial_eval_timeout:.0f}s"
+                self.say(f"diloco up: {self.failure}")
+                return 1
+            if time.monotonic() >= next_show:
+                self.status = "waiting for the initial evaluation"
+                next_show = time.monotonic() + max(5.0, self.progress_interval)
+                if self.progress == "line":
+                    self.say(f"[{time.time() - self.t_start:6.1f}s] waiting for the evaluator's initial held-out loss")
+            if await self.sleep(0.1):
+                return 0
+        e = self.state.evals[0]
+        self.say(f"diloco up: initial held-out loss {e['eval_loss']:.4f} (version {e.get('version')})")
+        return 0
+
+    async def watch_training(self) -> int:
+        next_show = 0.0
+        while True:
+            why = self.check_central()
+            if why:
+                self.failure = why
+                self.say(f"diloco up: {why}")
+                return 1
+            learners = self.by_role("learner")
+            if all(c.poll() is not None for c in learners):
+                self.t_learners_done = time.time()
+                bad = {c.spec.name: c.poll() for c in learners if c.poll() != 0}
+                if bad:
+                    self.failure = f"learners failed: {bad}"
+                    self.say(f"diloco up: {self.failure}")
+                self.write_processes()
+                return 0
+            if time.monotonic() >= next_show:
+                self.show()
+                next_show = time.monotonic() + self.progress_interval
+            if await self.sleep(0.2):
+                return 0
+
+    async def wait_final(self) -> int:
+        """After the learners: wait until nothing is buffered and the evaluator scored the final versions."""
+        self.status = "final merges and evaluation"
+        self.say(f"diloco up: learners done after {self.t_learners_done - self.t_learners:.1f}s; "
+                 "waiting for the last merges and evaluation")
+        deadline = time.monotonic() + self.a.final_timeout
+        t_done = self.t_learners_done
+        while time.monotonic() < deadline:
+            why = self.check_central()
+            if why:
+                self.failure = why
+                return 1
+            agg = self.state.aggregator or {}
+            fresh = float(agg.get("ts", 0)) > t_done + 1.0
+            if fresh and not agg.get("buffered"):
+                want = {str(k): int(v) for k, v in (agg.get("versions") or {}).items()}
+                last = self.state.evals[-1] if self.state.evals else {}
+                got = {str(k): int(v) for k, v in (last.get("versions") or {}).items()}
+                if got == want:
+                    return 0
+            if await self.sleep(0.2):
+                return 0
+        self.say("diloco up: the final evaluation did not catch up with the last versions in time; "
+                 "reporting the newest one")
+        return 0
+
+    def finish(self, traffic: dict, status: str) -> None:
+        from learner.config import ModelConfig
+        from learner.spec import count_params
+
+        try:
+            params = count_params(from_env(ModelConfig, self.env).spec())
+        except Exception:
+            params = 0
+        exit_codes = {c.spec.name: c.poll() for c in self.children}
+        keys = ("DILOCO_D_MODEL", "DILOCO_N_LAYERS", "DILOCO_N_HEADS", "DILOCO_D_FF", "DILOCO_SEQ_LEN",
+                "DILOCO_NUM_FRAGMENTS", "DILOCO_BATCH_SIZE", "DILOCO_SYNC_EVERY", "DILOCO_MAX_STEPS",
+                "DILOCO_INNER_LR", "DILOCO_QUANTISER", "DILOCO_QUORUM", "DILOCO_MERGE")
+        settings = {"topology": self.a.topology, "regions": self.a.regions, "learners": self.a.learners,
+                    "model_preset": self.a.model_preset, "quick": self.a.quick,
+                    "env": {k: self.env[k] for k in keys if k in self.env}}
+        train = None
+        if self.t_learners is not None:
+            train = (self.t_learners_done or time.time()) - self.t_learners
+        summary = build_summary(state=self.state, specs=self.specs, exit_codes=exit_codes, traffic=traffic,
+                                params=params, wall_time_s=time.time() - self.t_start, train_time_s=train,
+                                status=status, settings=settings)
+        if self.failure:
+            summary["failure"] = self.failure
+        with open(os.path.join(self.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plotted = plot_eval(summary, self.state, os.path.join(self.out, "eval_loss.png"))
+        self.say("")
+        self.say(render_summary(summary))
+        self.say(f"wrote {os.path.join(self.out, 'summary.json')}"
+                 + (f" and {os.path.join(self.out, 'eval_loss.png')}" if plotted else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    launcher = Launcher(a, dict(os.environ))
+    validate_envs(launcher.specs)  # ConfigError -> one line, exit 2 (bus.cli)
+    os.makedirs(launcher.out, exist_ok=True)
+    return asyncio.run(launcher.run())
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as e:
+        print(f"diloco up: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,88 @@
+"""Membership with real processes: kill -9, restart, monitor restart, and a cut network link."""
+
+import asyncio
+
+import pytest
+from nats.js.api import DeliverPolicy
+
+from tests.netproxy import NetProxy
+from tests.system import FAST_AGG, FAST_MONITOR, SYNTH_LEARNER, MetricsTap, Procs, member_states, wait_for
+
+RUN = "sys"
+
+
+@pytest.fixture
+def procs(nats_server, tmp_path):
+    p = Procs(nats_server.url, RUN, str(tmp_path))
+    yield p
+    p.close()
+
+
+async def test_evict_readmit_monitor_restart_and_network_cut(nats_server, nc, js, procs):
+    tap = MetricsTap()
+    await tap.start(nc, RUN)
+    procs.start("aggregator", "aggregator", **FAST_AGG)
+    procs.start("monitor", "monitor", DILOCO_MONITOR_ID="mon-a", **FAST_MONITOR)
+    proxy = NetProxy("127.0.0.1", nats_server.port)
+    for lid in ("a", "b"):
+        procs.start(lid, "learner", DILOCO_LEARNER_ID=lid, **SYNTH_LEARNER)
+    procs.start("c", "learner", url=proxy.url, DILOCO_LEARNER_ID="c", **SYNTH_LEARNER)
+
+    async def all_active():
+        s = await member_states(js, RUN)
+        return s if all(s.get(k) == "active" for k in "abc") else None
+
+    states, _ = await wait_for(all_active, 60)
+    assert states, await member_states(js, RUN)
+    await wait_for(lambda: _true(tap.get("aggregator", "agg-0").get("contributions", {}).get("a", 0) > 0), 20)
+
+    # 1. kill -9 a learner: evicted within evict_after (1 s) + 1 s, and the aggregator stops counting it
+    procs.kill("a")
+    evicted, waited = await wait_for(lambda: _state_is(js, "a", "evicted"), 10, 0.05)
+    assert evicted and waited <= 1.0 + 1.0 + 0.3, waited  # + one KV/poll round trip
+    ok, _ = await wait_for(lambda: _true(tap.get("aggregator", "agg-0").get("active") == 2), 5)
+    assert ok, tap.get("aggregator", "agg-0")
+
+    # 2. restart it: readmitted, from the newest versions, and its contributions are accepted again
+    before = tap.get("aggregator", "agg-0")["contributions"].get("a", 0)
+    procs.start("a", "learner", DILOCO_LEARNER_ID="a", **SYNTH_LEARNER)
+    active, _ = await wait_for(lambda: _state_is(js, "a", "active"), 60)
+    assert active
+    ok, _ = await wait_for(lambda: _true(tap.get("aggregator", "agg-0")["contributions"].get("a", 0) > before), 20)
+    assert ok
+    rejected = tap.get("aggregator", "agg-0").get("rejected", {})
+    assert not rejected.get("too_stale") and not rejected.get("future_version"), rejected
+
+    # 3. restart the monitor: nobody alive is evicted
+    sub = await js.subscribe(f"diloco.{RUN}.events.membership", deliver_policy=DeliverPolicy.NEW)
+    procs.kill("monitor")
+    await asyncio.sleep(0.5)
+    procs.start("monitor", "monitor", DILOCO_MONITOR_ID="mon-b", **FAST_MONITOR)
+    await asyncio.sleep(4.0)  # more than the start-up grace (one evict timeout) and several ticks
+    evictions = []
+    while True:
+        try:
+            m = await sub.next_msg(timeout=0.2)
+        except Exception:
+            break
+        if b'"evicted"' in m.data:
+            evictions.append(m.data)
+    assert not evictions, evictions
+    assert (await all_active()) is not None
+
+    # 4. cut learner c's network: evicted; heal it: readmitted (rejoining -> active)
+    proxy.cut()
+    evicted, _ = await wait_for(lambda: _state_is(js, "c", "evicted"), 10, 0.05)
+    assert evicted
+    proxy.heal()
+    active, _ = await wait_for(lambda: _state_is(js, "c", "active"), 30)
+    assert active
+    proxy.close()
+
+
+async def _true(v):
+    return v
+
+
+async def _state_is(js, learner, state):
+    return (await member_states(js, RUN)).get(learner) == state
