@@ -256,7 +256,7 @@ async def test_diloco_monitor_process_serves_and_stops_on_sigterm(nats_server, n
     assert rc == 0, err
     logs = [orjson.loads(line) for line in err.splitlines() if line.startswith("{")]
     events = [rec["event"] for rec in logs]
-    assert "leader" in events and "lease_released" in events and events[-1] in ("monitor_stopped",
+    assert "leader" in events and "lease_released" in events and events[-1] in ("monitor_stopped", "nats_closed",
                                                                                   "nats_disconnected")
     assert all(rec["run"] == run and rec["role"] == "monitor" for rec in logs)
     lease = await js.key_value(Subjects(run).bucket("lease"))
