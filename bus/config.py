@@ -222,7 +222,9 @@ def all_variables() -> list[tuple[str, str, Any, str]]:
     """(variable, role, default, help) for every variable, each listed once under its first role."""
     seen: set[str] = set()
     rows = []
-    for role, cls in ROLE_CONFIGS.items():
+    order = ("common", "model", "learner", "eval", "aggregator", "monitor")
+    roles = sorted(ROLE_CONFIGS.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
+    for role, cls in roles:
         for f in _fields(cls):
             name = env_name(f.name)
             if name in seen:
