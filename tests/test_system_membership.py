@@ -1,6 +1,12 @@
 """Membership with real processes: kill -9, restart, monitor restart, and a cut network link."""
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
 
 import pytest
 from nats.js.api import DeliverPolicy
@@ -9,6 +15,7 @@ from tests.netproxy import NetProxy
 from tests.system import FAST_AGG, FAST_MONITOR, SYNTH_LEARNER, MetricsTap, Procs, member_states, wait_for
 
 RUN = "sys"
+DILOCO = str(Path(sys.executable).parent / "diloco")
 
 
 @pytest.fixture
@@ -78,6 +85,21 @@ async def test_evict_readmit_monitor_restart_and_network_cut(nats_server, nc, js
     active, _ = await wait_for(lambda: _state_is(js, "c", "active"), 30)
     assert active
     proxy.close()
+
+    # 5. the CLI, run as a user runs it, against this live run
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env.update(DILOCO_NATS_URL=nats_server.url, DILOCO_RUN=RUN)
+    status = subprocess.run([DILOCO, "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    st = orjson.loads(status.stdout)
+    text = status.stdout
+    assert all(f'"{k}"' in text for k in "abc") and '"active"' in text, text[:500]
+    assert st, text[:200]
+    metrics = subprocess.run([DILOCO, "metrics", "--once", "--wait", "2"], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert metrics.returncode == 0, metrics.stderr
+    for needle in ("a", "b", "c", "aggregator", "monitor"):
+        assert needle in metrics.stdout, metrics.stdout
 
 
 async def _true(v):

@@ -1,0 +1,46 @@
+"""Two real learners, one 3x slower (DILOCO_SLOWDOWN=3): versions advance at the fast one's pace
+(K=1 + grace) and the slow one's contributions are still merged, with their staleness weight."""
+
+import asyncio
+
+import pytest
+
+from tests.system import FAST_AGG, FAST_MONITOR, SYNTH_LEARNER, MetricsTap, Procs, wait_for
+
+RUN = "slow"
+
+
+@pytest.fixture
+def procs(nats_server, tmp_path):
+    p = Procs(nats_server.url, RUN, str(tmp_path))
+    yield p
+    p.close()
+
+
+async def test_slow_island_does_not_hold_back_the_run(nats_server, nc, procs):
+    tap = MetricsTap()
+    await tap.start(nc, RUN)
+    learner = {**SYNTH_LEARNER, "DILOCO_STEP_TIME": "0.04", "DILOCO_SYNC_EVERY": "4"}
+    procs.start("aggregator", "aggregator", **{**FAST_AGG, "DILOCO_GRACE_SECONDS": "0.05"})
+    procs.start("monitor", "monitor", **FAST_MONITOR)
+    procs.start("fast", "learner", DILOCO_LEARNER_ID="fast", **learner)
+    procs.start("slow", "learner", DILOCO_LEARNER_ID="slow", DILOCO_SLOWDOWN="3", **learner)
+
+    async def both_contributed():
+        c = tap.get("aggregator", "agg-0").get("contributions", {})
+        return c.get("fast", 0) > 0 and c.get("slow", 0) > 0
+
+    ok, _ = await wait_for(both_contributed, 60)
+    assert ok, tap.get("aggregator", "agg-0")
+    a0 = tap.get("aggregator", "agg-0")
+    await asyncio.sleep(8)
+    a1 = tap.get("aggregator", "agg-0")
+    fast = a1["contributions"]["fast"] - a0["contributions"]["fast"]
+    slow = a1["contributions"]["slow"] - a0["contributions"]["slow"]
+    merges = a1["merges"] - a0["merges"]
+    # the fast island contributes ~3x as often, and every one of its contributions gets its own merge
+    assert fast >= 2 * slow > 0, (fast, slow)
+    assert merges >= 0.9 * fast, (merges, fast, slow)
+    # the slow island's work is used, at a staleness > 0 for some of it (weighted down, not dropped)
+    assert any(int(d) > 0 for d in a1["staleness_hist"]), a1["staleness_hist"]
+    assert not a1.get("rejected"), a1.get("rejected")
