@@ -159,6 +159,15 @@ async def close_quietly(nc, timeout: float = 5.0) -> None:
 
 
 def peak_rss_mib() -> float:
+    """Peak RSS in MiB: /proc VmHWM (reset by exec; ``ru_maxrss`` of a fork+exec child starts at
+    its parent's peak on Linux), falling back to ``ru_maxrss`` elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return lp.rss_mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
