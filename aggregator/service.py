@@ -51,6 +51,9 @@ from learner.config import ModelConfig
 from learner.spec import spec_hash
 
 
+_AUDIT = ("learner", "incarnation", "fragment", "round", "base", "obj", "subject", "claimed", "detail")
+
+
 @dataclass
 class Pending:
     c: Contribution
@@ -99,6 +102,7 @@ class AggregatorService:
         self.seen: set[str] = set()
         self.arrivals = ArrivalStats()
         self.stats = Stats()
+        self._audit: list[dict] = []  # rejections waiting to be published as events
         self.nc = None
 
     # -- membership -------------------------------------------------------------------------------
@@ -165,6 +169,7 @@ class AggregatorService:
     def _reject(self, reason: str, **kw) -> None:
         self.stats.rejected[reason] += 1
         self.log.warning("contribution_rejected", reason=reason, **kw)
+        self._audit.append({"reason": reason, "ts": time.time(), **{k: v for k, v in kw.items() if k in _AUDIT}})
 
     async def _handle(self, r: Assembled | Dropped, now: float) -> None:
         if isinstance(r, Dropped):
@@ -178,6 +183,14 @@ class AggregatorService:
             vec = np.asarray(codec.decode_array(r.blob)).reshape(-1)
         except (ValueError, codec.CodecError) as e:
             self._reject("malformed", obj=r.obj_id, detail=str(e)[:200])
+            await term_all(r.tokens)
+            return
+        subject = getattr(r.tokens[0], "subject", "") if r.tokens else ""
+        parts = subject.split(".")
+        if len(parts) == 5 and (parts[4] != meta["learner"] or parts[3] != str(meta["frag"])):
+            # the subject is what NATS permissions bind to a learner's credentials: metadata that
+            # names another learner or fragment than the subject it came on is forged
+            self._reject("forged_subject", obj=r.obj_id, subject=subject, claimed=meta["learner"])
             await term_all(r.tokens)
             return
         c = Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
@@ -200,8 +213,8 @@ class AggregatorService:
         norm = l2_norm(vec) if vec.dtype == np.float32 else float("nan")
         reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=norm)
         if reason is not None:
-            self._reject(str(getattr(reason, "value", reason)), learner=c.learner, fragment=p, round=c.round,
-                         base=c.base_version, version=st.version if st else None)
+            self._reject(str(getattr(reason, "value", reason)), learner=c.learner, incarnation=c.incarnation,
+                         fragment=p, round=c.round, base=c.base_version, version=st.version if st else None)
             await term_all(r.tokens)
             return
         self.buffers[p].append(Pending(c, norm, r.tokens, now))
@@ -279,6 +292,16 @@ class AggregatorService:
             self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
             self.unpublished.add(p)
 
+    async def _publish_audit(self) -> None:
+        """Rejections as JetStream events (``events.reject``): an audit trail that survives restarts."""
+        batch, self._audit = self._audit[:256], self._audit[256:]
+        for e in batch:
+            try:
+                await self.js.publish(self.s.event("reject"), orjson.dumps(e), timeout=2)
+            except Exception:
+                self.log.warning("audit_publish_failed")
+                break
+
     # -- main loop --------------------------------------------------------------------------------
 
     async def _metrics(self, stop: asyncio.Event) -> None:
@@ -345,6 +368,8 @@ class AggregatorService:
                     w = await self._maybe_merge(p, time.monotonic())
                     if w is not None:
                         wake = w if wake is None else min(wake, w)
+                if self._audit:
+                    await self._publish_audit()
                 if time.monotonic() - last_keepalive > 5:
                     await self._keep_alive_held()
                     last_keepalive = time.monotonic()

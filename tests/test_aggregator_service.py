@@ -3,12 +3,17 @@
 import asyncio
 import time
 
+from collections import Counter
+
 import numpy as np
+import orjson
 import pytest
+from nats.js.api import DeliverPolicy
 
 from aggregator.config import AggregatorConfig
 from aggregator.service import AggregatorService
 from bus import codec
+from bus.chunks import checksum, chunk_headers
 from bus.config import CommonConfig
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
@@ -61,7 +66,8 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
         dict(base=2),  # too_stale (5 - 2 > 2)
         dict(steps=0),  # bad_counters
         dict(tokens=1),  # bad_counters (fewer tokens than steps)
-        dict(frag=7),  # wrong_fragment
+        dict(frag=7),  # forged_subject: fragment 7 claimed on fragment 0's subject
+        dict(learner="sleepy"),  # forged_subject: another learner's id on good's subject
     ]
     for over in crafted:
         await bad.send(0, base=over.pop("base", 5), **over)
@@ -75,17 +81,33 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
     replay = FakeLearner(js, RUN, "good")
     replay.inc, replay.round = good.inc, {0: 0, 1: 0}
     await replay.send(0, base=4, obj_suffix=".again")
-    # garbage on the gradient subject: random bytes, and a chunk set that never completes
-    await js.publish(Subjects(RUN).grad(0, "good"), b"\x00garbage")
+    # garbage on the gradient subject: random bytes; a truncated chunk; a wrong chunk count; a
+    # chunk set that never completes; a size announcement over the pending limit
+    subj = Subjects(RUN).grad(0, "good")
+    await js.publish(subj, b"\x00garbage")
+    blob = bytes(codec.encode_array(np.ones(n, np.float32)))
+    meta = {"run": RUN}
+    await js.publish(subj, blob[:-3], headers=chunk_headers("trunc", 0, 1, len(blob), checksum(blob), meta))
+    await js.publish(subj, blob[:100], headers=chunk_headers("count", 0, 2, len(blob), checksum(blob), meta))
+    await js.publish(subj, blob[100:], headers=chunk_headers("count", 1, 3, len(blob), checksum(blob), meta))
+    await js.publish(subj, blob[:100], headers=chunk_headers("partial", 0, 2, len(blob), checksum(blob), meta))
+    await js.publish(subj, b"x", headers=chunk_headers("huge", 0, 1, 8 * 1024**3, 0, meta))
     want = {"wrong_run": 1, "wrong_model": 1, "future_version": 1, "too_stale": 1, "bad_counters": 2,
-            "wrong_fragment": 1, "unknown_learner": 1, "inactive_learner": 1, "non_finite": 1, "norm_outlier": 1,
-            "wrong_shape": 1, "duplicate": 1, "transport_bad_header": 1}
+            "forged_subject": 2, "unknown_learner": 1, "inactive_learner": 1, "non_finite": 1, "norm_outlier": 1,
+            "wrong_shape": 1, "duplicate": 1, "transport_bad_header": 1, "transport_size": 1,
+            "transport_mismatch": 1, "transport_expired": 1, "transport_too_large": 1}
     ok = await _until(lambda: dict(svc.stats.rejected) == want, 15)
     assert ok, dict(svc.stats.rejected)
     for p, (v, params) in snapshot.items():
         assert svc.states[p].version == v and np.array_equal(svc.states[p].params, params)
     head, blob = await store.get(0)
     assert head.version == 5 and np.array_equal(codec.decode_array(blob), snapshot[0][1])
+    # every rejection is also an audit event in JetStream
+    sub = await js.subscribe(Subjects(RUN).event("reject"), deliver_policy=DeliverPolicy.ALL)
+    audited = Counter()
+    while sum(audited.values()) < sum(want.values()):
+        audited[orjson.loads((await sub.next_msg(timeout=5)).data)["reason"]] += 1
+    assert audited == Counter(want)
     stop.set()
     await task
     assert before[0][0].version == 0
