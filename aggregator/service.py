@@ -40,7 +40,7 @@ from aggregator.step import FragmentState, MergeSettings, merge_step
 from aggregator.validate import ValidationContext, validate
 from bus import codec
 from bus.chunks import Assembled, Dropped
-from bus.config import CommonConfig, from_env
+from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import connect
 from bus.log import get_logger, setup
 from bus.protocol import parse_grad_meta
@@ -383,9 +383,13 @@ class AggregatorService:
 
 
 def main(argv: list[str] | None = None) -> int:
-    common = from_env(CommonConfig)
-    model = from_env(ModelConfig)
-    cfg = from_env(AggregatorConfig)
+    try:
+        common = from_env(CommonConfig)
+        model = from_env(ModelConfig)
+        cfg = from_env(AggregatorConfig)
+    except ConfigError as e:
+        print(f"diloco aggregator: {e}", file=sys.stderr)
+        return 2
     setup(common.log_level, run=common.run, role="aggregator", island=common.region)
     svc = AggregatorService(common, model, cfg)
 

@@ -265,6 +265,7 @@ class VersionedStore:
         self.fetch_parallel = fetch_parallel
         self.attempts = attempts
         self.bytes_received = 0
+        self.bad_heads = 0  # head messages that did not parse (garbage on a head subject)
 
     def obj_id(self, fragment: int, version: int) -> str:
         return f"{self.s.run}.{self.kind}.{fragment}.v{version}"
@@ -322,13 +323,18 @@ class VersionedStore:
                 await asyncio.sleep(0.05 * (attempt + 1))  # raced by newer versions: read the head again
         raise TransportError(f"{self.kind} fragment {fragment}: could not read a stable version")
 
-    async def watch(self, stop: asyncio.Event | None = None) -> AsyncIterator[Head]:
+    async def watch(self, stop: asyncio.Event | None = None,
+                    verified: dict[int, int] | None = None) -> AsyncIterator[Head]:
         """Heads as they are committed: first the newest of every fragment, then live ones.
 
-        Versions are monotonic per fragment (an older or equal head than one already yielded is
-        skipped). Uses an ordered consumer, which re-creates itself after reconnects and gaps.
+        Versions are monotonic per fragment: a head not newer than one already yielded is skipped.
+        With ``verified`` (fragment -> version), the caller keeps that record itself, updating it
+        only for heads whose blob it fetched and checked: then a forged head with a huge version
+        cannot hide the genuine ones that follow. Uses an ordered consumer, which re-creates itself
+        after reconnects and gaps.
         """
-        newest: dict[int, int] = {}
+        own = verified is None
+        newest: dict[int, int] = {} if verified is None else verified
         sub = None
         errors = 0
         try:
@@ -357,10 +363,12 @@ class VersionedStore:
                 try:
                     h = Head.from_bytes(m.data)
                 except ValueError:
+                    self.bad_heads += 1
                     continue
                 if h.version <= newest.get(h.fragment, -1):
                     continue
-                newest[h.fragment] = h.version
+                if own:
+                    newest[h.fragment] = h.version
                 yield h
         finally:
             if sub is not None:

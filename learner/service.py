@@ -116,6 +116,8 @@ def decode_fragment(plan: FragmentPlan, head: Head, blob, model_hash: str) -> np
     vec = codec.decode_array(blob).reshape(-1)
     if vec.size != plan.sizes[p]:
         raise ValueError(f"fragment {p} v{head.version} has {vec.size} values, the plan says {plan.sizes[p]}")
+    if not np.isfinite(vec).all():
+        raise ValueError(f"fragment {p} v{head.version} holds NaN or Inf")
     return vec
 
 
@@ -305,6 +307,8 @@ class Learner:
         self._halt = asyncio.Event()
         self._news = asyncio.Event()
         self._head_lock = asyncio.Lock()
+        self._verified: dict[int, int] = {}  # fragment -> newest version whose blob we checked
+        self.rejected_globals: dict[str, int] = {}
         self._cancel = threading.Event()
         self._publishes: set[asyncio.Task] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"inner-{self.id}")
@@ -568,32 +572,43 @@ class Learner:
     async def _on_head(self, head: Head) -> None:
         p = head.fragment
         if not 0 <= p < self.P:
+            self._reject_global("wrong_fragment", head)
             return
         async with self._head_lock:
+            if self.book.wants(p, head.version):
+                # fetch and check the blob before believing the head: a forged or broken head must
+                # not advance what we think the newest version is
+                try:
+                    blob = await self.store.fetch(head)
+                    vec = decode_fragment(self.plan, head, blob, self.model_hash)
+                except NotFoundError:
+                    # replaced by a newer version meanwhile (its head follows), or a head whose
+                    # sequences hold something else (forged)
+                    self._reject_global("unreadable", head)
+                    self._news.set()
+                    return
+                except Exception as e:
+                    self._reject_global("bad_blob", head, error=repr(e))
+                    self._news.set()
+                    return
+                self.pending[p] = (head.version, vec)
+                self.book.on_downloaded(p, head.version)
+            self._verified[p] = max(self._verified.get(p, -1), head.version)
             self.book.on_head(p, head.version)
             for r in lp.applied_rounds(head.meta, self.id, self.incarnation, p):
                 key = (p, r)
                 if key in self._awaiting:
                     self.applied_in[key] = min(self.applied_in.get(key, head.version), head.version)
-            if self.book.wants(p, head.version):
-                try:
-                    blob = await self.store.fetch(head)
-                    vec = decode_fragment(self.plan, head, blob, self.model_hash)
-                except NotFoundError:
-                    return  # replaced by a newer version meanwhile: its head follows
-                except Exception as e:
-                    self.log.warning("global_fetch_failed", fragment=p, version=head.version, error=repr(e))
-                    return
-                finally:
-                    self._news.set()
-                self.pending[p] = (head.version, vec)
-                self.book.on_downloaded(p, head.version)
             self._news.set()
+
+    def _reject_global(self, reason: str, head: Head, **kw) -> None:
+        self.rejected_globals[reason] = self.rejected_globals.get(reason, 0) + 1
+        self.log.warning("global_version_rejected", reason=reason, fragment=head.fragment, version=head.version, **kw)
 
     async def _follow_globals(self) -> None:
         while not self._halt.is_set():
             try:
-                async for head in self.store.watch(self._halt):
+                async for head in self.store.watch(self._halt, self._verified):
                     await self._on_head(head)
             except asyncio.CancelledError:
                 raise
@@ -702,6 +717,8 @@ class Learner:
             "steps_sent": self.book.steps_sent,
             "skipped_syncs": c["skipped"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
+            "rejected_globals": {**self.rejected_globals,
+                                 **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
             "versions": {str(p): v for p, v in self.book.versions().items()},
             "rss_mib": peak_rss_mib(), "state_mib": round(self.memory()["total"] / 2**20, 3),
         }
