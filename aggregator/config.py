@@ -50,6 +50,9 @@ class AggregatorConfig:
     outer_optimizer: str = var("nesterov", choice("nesterov", "delayed"),
                                "nesterov, or delayed Nesterov (momentum every N-th merge) for fully async arrivals")
     delay_n: int = var(1, integer(1, 1000), "N of delayed Nesterov")
+    scale_by_participation: bool = var(True, boolean(),
+                                       "scale each merged outer gradient by merged/active learners "
+                                       "(keeps per-arrival merges as stable as one synchronous step)")
     staleness: str = var("polynomial", choice("constant", "polynomial", "hinge"), "staleness discount s(d)")
     staleness_a: float = var(0.5, number(0.0, 100.0), "a of (1+d)^-a, and slope of the hinge")
     staleness_b: int = var(4, integer(0), "b of the hinge: no discount up to b versions")

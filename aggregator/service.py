@@ -36,7 +36,7 @@ from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.contribution import Contribution
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, GracePolicy, decide
-from aggregator.step import FragmentState, MergeSettings, merge_step
+from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale
 from aggregator.validate import ValidationContext, validate
 from bus import codec
 from bus.chunks import Assembled, Dropped
@@ -250,7 +250,10 @@ class AggregatorService:
         self.buffers[p] = []
         st = self.states[p]
         t0 = time.monotonic()
-        new, blob = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items])
+        learners = {x.c.learner for x in items}
+        scale = (participation_scale(len(learners), len(self.active() | learners))
+                 if self.cfg.scale_by_participation else 1.0)
+        new, blob = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale)
         try:
             await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
         except Exception as e:  # state not committed: keep the contributions, try again later
@@ -285,7 +288,8 @@ class AggregatorService:
                                                            "applied": applied})
             if st.version > 0:
                 await self.js.publish(self.s.event("merge"), orjson.dumps(
-                    {"fragment": p, "version": st.version, "applied": applied, "ts": time.time()}),
+                    {"fragment": p, "version": st.version, "applied": applied, "scale": st.last_scale,
+                     "ts": time.time()}),
                     headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
             self.unpublished.discard(p)
         except Exception as e:

@@ -58,6 +58,7 @@ class FragmentState:
     applied: AppliedSet
     norms: NormHistory
     last_merge: list[ContributionKey] = field(default_factory=list)
+    last_scale: float = 1.0
 
     @classmethod
     def initial(cls, fragment: int, version: int, params: np.ndarray, settings: MergeSettings) -> "FragmentState":
@@ -72,7 +73,7 @@ class FragmentState:
             "f": self.fragment, "v": self.version, "params": bytes(codec.encode_array(self.params)),
             "opt_kind": type(self.opt).__name__, "opt_arrays": opt_arrays, "opt_other": opt_other,
             "applied": self.applied.to_dict(), "norms": self.norms.to_dict(),
-            "last": [list(k) for k in self.last_merge],
+            "last": [list(k) for k in self.last_merge], "scale": self.last_scale,
         }, use_bin_type=True)
 
     @classmethod
@@ -83,12 +84,26 @@ class FragmentState:
         opt_cls = {"NesterovState": NesterovState, "DelayedNesterovState": DelayedNesterovState}[d["opt_kind"]]
         return cls(int(d["f"]), int(d["v"]), np.array(codec.decode_array(d["params"])), opt_cls.from_dict(opt),
                    AppliedSet.from_dict(d["applied"]), NormHistory.from_dict(d["norms"]),
-                   [tuple(k) for k in d["last"]])
+                   [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)))
+
+
+def participation_scale(merged_learners: int, active_learners: int) -> float:
+    """Share of the active learners whose work is in this merge: min(1, n / max(n, active)).
+
+    Synchronous DiLoCo applies the outer step once per round to the mean of M learners' outer
+    gradients. With K=1 and per-arrival merges, every learner's outer gradient would otherwise get
+    a full outer step of its own: M times the synchronous step per round (and Nesterov momentum
+    amplifies it further), which diverges. Scaling each merged gradient by n / M keeps the total
+    step per round that of the synchronous mean (the server learning-rate scaling of FedBuff).
+    """
+    n = max(1, int(merged_learners))
+    return min(1.0, n / max(n, int(active_learners)))
 
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
-               norms: list[float] | None = None) -> tuple[FragmentState, bytearray]:
-    """Version v -> v+1: weight (tokens x staleness), merge, outer step, quantise for the downlink.
+               norms: list[float] | None = None, scale: float = 1.0) -> tuple[FragmentState, bytearray]:
+    """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step, quantise for the
+    downlink. ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
 
     Returns the new state and the blob of the global version to publish; the new state's params
     are exactly what a learner decodes from that blob. ``state`` is not modified. ``contribs``
@@ -101,6 +116,8 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     w = contribution_weights(contribs, state.version, settings.staleness)
     g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
               trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64))
+    if scale != 1.0:
+        g = g * np.float32(scale)
     params, opt = settings.make_optimizer().step(state.params, g, state.opt)
     blob = codec.encode_array(params, settings.downlink_quantiser)
     if settings.downlink_quantiser != "fp32":
@@ -111,5 +128,6 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     for c, n in zip(contribs, norms):
         applied.record(c)
         hist.add(state.fragment, float(n))
-    new = FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs])
+    new = FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
+                        float(scale))
     return new, blob

@@ -1,0 +1,319 @@
+"""Chaos harness: a whole run of real processes, faults injected at random, invariants checked.
+
+``ChaosRun`` starts a file-backed nats-server, the aggregator, the monitor, the evaluator and N
+learners (tiny JAX model, real loss), each learner behind its own :class:`NetProxy` so its link can
+be cut. Faults (seeded): kill -9 of a learner / the aggregator / the monitor / the evaluator and a
+restart after a repair time; kill -9 of the nats-server and a restart on the same store; a cut of
+one learner's link, healed later. After the trials the learners stop, the aggregator drains, and
+the invariants are checked:
+
+* global versions never went back, per fragment (every head publication was recorded live);
+* every outer-gradient fragment that JetStream acknowledged was applied exactly once or rejected
+  with a counted reason (merge and reject audit events against the GRAD stream's objects);
+* training continued: versions advanced in every trial, and the held-out loss at the end is below
+  the loss of version 0;
+* every learner that is alive at the end is active (evicted ones were readmitted);
+* no process is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from nats.js.api import DeliverPolicy
+
+from bus import codec
+from bus.chunks import Assembled
+from bus.config import CommonConfig
+from bus.conn import connect
+from bus.server import EmbeddedServer
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import ChunkConsumer, VersionedStore
+from tests.netproxy import NetProxy
+from tests.system import FAST_AGG, FAST_MONITOR, PY, member_states
+
+MODEL = {"DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "2", "DILOCO_D_FF": "64",
+         "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4"}
+LEARNER = {"DILOCO_COMPUTE": "model", "DILOCO_BATCH_SIZE": "8", "DILOCO_SYNC_EVERY": "8",
+           "DILOCO_INNER_LR": "0.003", "DILOCO_WARMUP_STEPS": "5", "DILOCO_TOTAL_STEPS": "1000000",
+           "DILOCO_HEARTBEAT_INTERVAL": "0.2", "DILOCO_DATA_MAX_BYTES": "300000", "DILOCO_QUANTISER": "int8"}
+EVAL = {"DILOCO_EVAL_INTERVAL": "1.0", "DILOCO_EVAL_BATCHES": "4", "DILOCO_EVAL_BATCH_SIZE": "8",
+        "DILOCO_DATA_MAX_BYTES": "300000"}
+FAULTS = ("kill_learner", "kill_aggregator", "kill_monitor", "kill_evaluator", "kill_server", "cut_learner")
+
+
+@dataclass
+class Trial:
+    fault: str
+    target: str
+    versions_before: int
+    versions_after: int = 0
+    ok: bool = False
+
+
+@dataclass
+class Report:
+    trials: list[Trial] = field(default_factory=list)
+    invariants: dict[str, bool] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+
+class ChaosRun:
+    def __init__(self, workdir: str, learners: int = 3, seed: int = 0, run: str = "chaos"):
+        self.workdir, self.n, self.run = workdir, learners, run
+        self.rng = random.Random(seed)
+        self.s = Subjects(run)
+        self.server = EmbeddedServer(store_dir=os.path.join(workdir, "store"),
+                                     log_file=os.path.join(workdir, "nats.log"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.all_pids: set[int] = set()
+        self.proxies: dict[str, NetProxy] = {}
+        self.heads: list[tuple[int, int]] = []
+        self.evals: list[tuple[float, float, int]] = []
+        self.report = Report()
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _env(self, url: str, **extra: str) -> dict:
+        e = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+        e.update(MODEL)
+        e.update(DILOCO_NATS_URL=url, DILOCO_RUN=self.run, DILOCO_METRICS_INTERVAL="0.5", JAX_PLATFORMS="cpu")
+        e.update(extra)
+        return e
+
+    def start(self, name: str) -> None:
+        if name == "aggregator":
+            env = self._env(self.server.url, **FAST_AGG, DILOCO_ACK_WAIT="3")
+        elif name == "monitor":
+            env = self._env(self.server.url, **FAST_MONITOR)
+        elif name == "evaluator":
+            env = self._env(self.server.url, **EVAL)
+        else:
+            env = self._env(self.proxies[name].url, **LEARNER, DILOCO_LEARNER_ID=name,
+                            DILOCO_NUM_LEARNERS=str(self.n))
+        module = {"aggregator": "aggregator", "monitor": "monitor", "evaluator": "learner.evaluator"}.get(name, "learner")
+        args = [PY, "-m", module] if module != "learner.evaluator" else [PY, "-m", "bus.cli", "eval"]
+        log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
+        p = subprocess.Popen(args, env=env, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        self.procs[name] = p
+        self.all_pids.add(p.pid)
+
+    def kill(self, name: str) -> None:
+        p = self.procs[name]
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait(30)
+
+    @property
+    def learners(self) -> list[str]:
+        return [f"l{i}" for i in range(self.n)]
+
+    # -- observation ------------------------------------------------------------------------------
+
+    async def _observe(self) -> None:
+        async def on_head(m):
+            try:
+                h = orjson.loads(m.data)
+                self.heads.append((int(h["f"]), int(h["v"])))
+            except Exception:
+                pass
+
+        async def on_metrics(m):
+            try:
+                d = orjson.loads(m.data)
+                if d.get("role") == "evaluator" and d.get("eval_loss") is not None:
+                    self.evals.append((time.time(), float(d["eval_loss"]), int(d["version"])))
+            except Exception:
+                pass
+
+        await self.nc.subscribe(self.s.versioned_heads(GLOBAL), cb=on_head)
+        await self.nc.subscribe(f"{self.s.prefix}.metrics.evaluator.*", cb=on_metrics)
+
+    def total_version(self) -> int:
+        newest: dict[int, int] = {}
+        for f, v in self.heads:
+            newest[f] = max(newest.get(f, -1), v)
+        return sum(newest.values())
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        self.server.start()
+        self.nc = await connect(CommonConfig(nats_url=self.server.url, run=self.run), "chaos-observer")
+        self.js = self.nc.jetstream(timeout=10)
+        await self._observe()
+        for name in self.learners:
+            self.proxies[name] = NetProxy("127.0.0.1", self.server.port)
+        for name in ("aggregator", "monitor", "evaluator", *self.learners):
+            self.start(name)
+
+    async def wait_until(self, pred, timeout: float) -> bool:
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            if await pred():
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    async def all_active(self) -> bool:
+        st = await member_states(self.js, self.run)
+        return all(st.get(n) == "active" for n in self.learners)
+
+    async def warm_up(self, timeout: float = 120) -> None:
+        async def training():
+            return self.total_version() >= 2 * len(self.learners) and await self.all_active()
+        if not await self.wait_until(training, timeout):
+            raise RuntimeError(f"the run did not start: versions {self.total_version()}, "
+                               f"members {await member_states(self.js, self.run)}")
+
+    async def trial(self, fault: str | None = None) -> Trial:
+        fault = fault or self.rng.choice(FAULTS)
+        target = self.rng.choice(self.learners) if fault in ("kill_learner", "cut_learner") else fault.split("_")[1]
+        t = Trial(fault, target, self.total_version())
+        down = self.rng.uniform(0.5, 2.5)
+        if fault == "kill_server":
+            self.server.kill()
+            await asyncio.sleep(down)
+            await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+        elif fault == "cut_learner":
+            self.proxies[target].cut()
+            await asyncio.sleep(down + 1.5)  # past the eviction timeout
+            self.proxies[target].heal()
+        else:
+            self.kill(target)
+            await asyncio.sleep(down)
+            self.start(target)
+        # training continues: versions advance past where they were, and everyone is back
+        async def recovered():
+            return self.total_version() > t.versions_before + len(self.learners) and await self.all_active()
+        t.ok = await self.wait_until(recovered, 90)
+        t.versions_after = self.total_version()
+        self.report.trials.append(t)
+        return t
+
+    async def drain_and_check(self) -> Report:
+        for name in self.learners:
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name in self.learners:
+            try:
+                self.procs[name].wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill(name)
+        inv = self.report.invariants
+        # versions monotonic per fragment, as every head publication was seen live
+        last: dict[int, int] = {}
+        mono = True
+        for f, v in self.heads:
+            mono &= v >= last.get(f, -1)
+            last[f] = max(last.get(f, -1), v)
+        inv["versions_monotonic"] = mono
+        # every acknowledged contribution applied exactly once or rejected with a reason
+        published = await self._published_keys()
+        applied, rejected = await self._audit(published)
+        twice = len(applied) - len(set(applied))
+        lost = published - set(applied) - rejected
+        inv["none_applied_twice"] = twice == 0
+        inv["none_lost"] = not lost
+        self.report.details.update(published=len(published), applied=len(applied), rejected=len(rejected),
+                                   lost=len(lost), applied_twice=twice)
+        # training continued and the loss fell
+        inv["versions_advanced_every_trial"] = all(t.ok for t in self.report.trials)
+        if self.evals:
+            first = min(self.evals, key=lambda e: e[2])
+            final = max(self.evals, key=lambda e: (e[2], e[0]))
+            self.report.details.update(initial_eval_loss=first[1], final_eval_loss=final[1])
+            inv["loss_fell"] = final[1] < first[1]
+        else:
+            inv["loss_fell"] = False
+        return self.report
+
+    async def _published_keys(self) -> set[tuple]:
+        cons = ChunkConsumer(self.js, self.s.stream("grad"), f"audit{int(time.time())}", [self.s.grad_all],
+                             batch=64)
+        await cons.start()
+        keys: set[tuple] = set()
+        idle = 0
+        while idle < 3:
+            got = await cons.poll(timeout=1.0)
+            idle = 0 if got else idle + 1
+            for r in got:
+                if isinstance(r, Assembled):
+                    m = r.meta
+                    keys.add((m["learner"], m["inc"], m["frag"], m["round"]))
+        await cons.unsubscribe()
+        return keys
+
+    async def _audit(self, published: set[tuple], timeout: float = 60) -> tuple[list, set]:
+        """Applied keys (with repeats) from merge events and rejected keys, once they cover ``published``."""
+        applied_by_version: dict[tuple[int, int], list] = {}
+        rejected: set[tuple] = set()
+        merges = await self.js.subscribe(self.s.event("merge"), ordered_consumer=True,
+                                         deliver_policy=DeliverPolicy.ALL)
+        rejects = await self.js.subscribe(self.s.event("reject"), ordered_consumer=True,
+                                          deliver_policy=DeliverPolicy.ALL)
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            progressed = False
+            for sub in (merges, rejects):
+                try:
+                    m = await sub.next_msg(timeout=0.3)
+                except Exception:
+                    continue
+                progressed = True
+                e = orjson.loads(m.data)
+                if sub is merges:
+                    applied_by_version[(e["fragment"], e["version"])] = [tuple(k) for k in e["applied"]]
+                elif "learner" in e and "round" in e:
+                    rejected.add((e["learner"], e.get("incarnation"), e["fragment"], e["round"]))
+            applied = {k for keys in applied_by_version.values() for k in keys}
+            if not progressed and published <= applied | rejected:
+                break
+        return [k for keys in applied_by_version.values() for k in keys], rejected
+
+    async def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for px in self.proxies.values():
+            px.close()
+        try:
+            await self.nc.close()
+        except Exception:
+            pass
+        self.server.close()
+        alive = [pid for pid in self.all_pids if _alive(pid)]
+        self.report.invariants["no_orphans"] = not alive and self.server.proc is None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def table(report: Report) -> str:
+    lines = ["| # | fault | target | versions before -> after | recovered |", "| --- | --- | --- | --- | --- |"]
+    for i, t in enumerate(report.trials, 1):
+        lines.append(f"| {i} | {t.fault} | {t.target} | {t.versions_before} -> {t.versions_after} | "
+                     f"{'yes' if t.ok else 'NO'} |")
+    lines += ["", "| invariant | held |", "| --- | --- |"]
+    lines += [f"| {k} | {'yes' if v else 'NO'} |" for k, v in report.invariants.items()]
+    return "\n".join(lines)

@@ -1,0 +1,17 @@
+"""Quick chaos subset (default test command): one trial of every fault, then every invariant."""
+
+from tests.chaos.harness import FAULTS, ChaosRun, table
+
+
+async def test_one_of_each_fault_keeps_every_invariant(tmp_path):
+    run = ChaosRun(str(tmp_path), learners=3, seed=1)
+    try:
+        await run.setup()
+        await run.warm_up()
+        for fault in FAULTS:
+            await run.trial(fault)
+        report = await run.drain_and_check()
+    finally:
+        await run.close()
+    print(table(run.report), run.report.details)
+    assert all(run.report.invariants.values()), (table(run.report), run.report.details)
