@@ -8,6 +8,9 @@
   enabled and one user per role (``admin``, ``aggregator``, ``monitor``, ``evaluator``,
   ``metrics``) and per learner (``learner-<id>``), each with allow-lists for publish and subscribe
   (everything not listed is denied), and with ``--tls`` the server's ``tls { }`` block;
+* ``nats-server.conf``: a complete server config that includes the fragment (listen address,
+  loopback-only monitoring, JetStream store): ``nats-server -c nats-server.conf`` or the official
+  ``nats`` image in compose;
 * ``<user>.env`` (0600): the ``DILOCO_*`` variables that start that user's process with env alone
   (``DILOCO_RUN``, ``DILOCO_NATS_USER``/``PASSWORD``, ``DILOCO_LEARNER_ID``, ``DILOCO_TLS_CA``...);
 * ``auth.json``: the users, their roles and permissions (no secrets), for tools and review;
@@ -58,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus.protocol import MANIFEST_KEY
+from bus.server import DEFAULT_MAX_PAYLOAD, render_config
 from bus.subjects import GLOBAL, STATE, Subjects, check_token
 
 API = "$JS.API"
@@ -68,6 +72,10 @@ SERVICE_USERS = ("admin", "aggregator", "monitor", "evaluator", "metrics")
 KV_KINDS = ("members", "lease", "run")
 LEASE_KEY = "leader"  # monitor.lease.LEASE_KEY (not imported: keep this module free of role code)
 CONF_NAME = "nats-auth.conf"
+SERVER_CONF_NAME = "nats-server.conf"
+ENV_HEADER = "# diloco auth init:"
+#: Event kinds (``diloco.<run>.events.<kind>``) the aggregator publishes; the monitor owns ``membership``.
+AGGREGATOR_EVENTS = ("merge", "reject")
 BCRYPT_COST = 11
 
 
@@ -87,6 +95,43 @@ class Permissions:
 
     def to_dict(self) -> dict:
         return {"publish": {"allow": list(self.publish)}, "subscribe": {"allow": list(self.subscribe)}}
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` is one token, a final ``>`` one or more (case-sensitive)."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return i == len(p) - 1 and len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def may_publish(perms: Permissions, subject: str) -> bool:
+    return any(matches(p, subject) for p in perms.publish)
+
+
+def may_subscribe(perms: Permissions, subject: str) -> bool:
+    """Whether a subscription on ``subject`` (possibly a wildcard) is allowed: some allow pattern covers it."""
+    return any(_covers(p, subject) for p in perms.subscribe)
+
+
+def _covers(pattern: str, sub: str) -> bool:
+    """Every subject matched by ``sub`` is matched by ``pattern``."""
+    p, s = pattern.split("."), sub.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return i == len(p) - 1 and len(s) > i
+        if i >= len(s):
+            return False
+        if tok == "*":
+            if s[i] == ">":
+                return False
+            continue
+        if tok != s[i]:
+            return False
+    return len(p) == len(s)
 
 
 def _uniq(items: Iterable[str]) -> tuple[str, ...]:
@@ -194,7 +239,7 @@ def aggregator_permissions(run: str, provision: bool = True) -> Permissions:
     pub = [
         s.versioned_all(GLOBAL),
         s.versioned_all(STATE),
-        s.event("merge"),
+        *(s.event(kind) for kind in AGGREGATOR_EVENTS),
         f"{s.prefix}.metrics.aggregator.*",
         kv_subject(s, "run"),
         *_stream_info(s),
@@ -234,7 +279,8 @@ def monitor_permissions(run: str) -> Permissions:
 
 
 def metrics_permissions(run: str) -> Permissions:
-    """``diloco metrics`` and ``diloco status``: subscribe to metrics; JetStream reads only, no data subject."""
+    """``diloco metrics``, ``diloco status`` and the ``diloco up`` dashboard: subscribe to metrics and
+    events; JetStream reads only; publishes no data subject."""
     s = Subjects(run)
     pub = [
         f"{API}.INFO",
@@ -245,7 +291,7 @@ def metrics_permissions(run: str) -> Permissions:
         *_kv_read(s, "run"),
         *_watch(kv_stream(s, "members")),
     ]
-    return Permissions(_uniq(pub), (s.metrics_all, INBOX))
+    return Permissions(_uniq(pub), (s.metrics_all, s.events_all, INBOX))
 
 
 def admin_permissions(run: str) -> Permissions:
@@ -428,7 +474,7 @@ def render_env(user: User, run: str, password: str, *, url: str | None = None, t
         rows.append(("DILOCO_TLS_CA", tls_ca))
     if tls_cert and tls_key:
         rows += [("DILOCO_TLS_CERT", tls_cert), ("DILOCO_TLS_KEY", tls_key)]
-    head = (f"# diloco auth init: user {user.name} (role {user.role}) of run {run}. Secret: keep it 0600.\n"
+    head = (f"{ENV_HEADER} user {user.name} (role {user.role}) of run {run}. Secret: keep it 0600.\n"
             f"# Start the process with: set -a; . ./{user.env_name}; set +a; diloco {_command(user.role)}\n")
     return head + "".join(f"{k}={_env_value(v)}\n" for k, v in rows)
 
@@ -450,17 +496,59 @@ def parse_env_file(text: str) -> dict[str, str]:
     return out
 
 
+def _short_stream(s: Subjects, name: str) -> str:
+    for kind in KV_KINDS:
+        if name == kv_stream(s, kind):
+            return f"kv {kind}"
+    prefix = f"DILOCO_{s.run}_"
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
+def summarize(perms: Permissions, run: str) -> dict[str, list[str]]:
+    """Publish allow-list grouped for people: ``{"data": [subjects], "<API op>": [streams]}``.
+
+    ``$JS.API.<OP>.<stream>[.<rest>]`` becomes ``{OP: [stream]}`` (``kv members[<key>]`` when the
+    entry names one key), ``$JS.FC``/``$JS.ACK`` become ``FC``/``ACK``; anything else is data."""
+    s = Subjects(run)
+    streams = {name: _short_stream(s, name) for name in run_streams(s)}
+    out: dict[str, list[str]] = {"data": []}
+    for entry in perms.publish:
+        toks = entry.split(".")
+        if entry.startswith(("$JS.API.", "$JS.FC.", "$JS.ACK.")):
+            idx = next((i for i, tk in enumerate(toks) if tk in streams), None)
+            if idx is not None:
+                op = ".".join(toks[2:idx]) if toks[1] == "API" else toks[1]
+                short = streams[toks[idx]]
+                rest = toks[idx + 1:]
+                if rest[:1] == ["$KV"] and len(rest) == 3 and rest[2] not in ("*", ">"):
+                    short += f"[{rest[2]}]"
+                items = out.setdefault(op, [])
+                if short not in items:
+                    items.append(short)
+                continue
+            if toks[1] == "API":
+                out.setdefault(".".join(toks[2:]), [])
+                continue
+        out["data"].append(entry)
+    return out
+
+
 def permissions_markdown(provision: bool = True) -> str:
-    """The permission table of docs/security.md, for run ``<run>`` and learner ``<id>``."""
+    """The permission table of docs/security.md (run ``<run>``, learner ``<id>``)."""
     run, lid = "RUNX", "LIDX"
-    rows = ["| user (role) | publish allow | subscribe allow |", "| --- | --- | --- |"]
-    users = plan_users([(lid, None)])
-    for u in users:
+    rows = ["| user (role) | publishes (data, KV writes) | subscribes | JetStream API (streams) |",
+            "| --- | --- | --- | --- |"]
+    for u in plan_users([(lid, None)]):
         p = permissions_of(u, run, provision=provision)
-        fix = (lambda xs: "<br>".join(f"`{x}`" for x in xs).replace(run, "<run>").replace(lid, "<id>"))
-        name = u.name.replace(lid, "<id>")
-        rows.append(f"| `{name}` ({u.role}) | {fix(p.publish)} | {fix(p.subscribe)} |")
-    return "\n".join(rows)
+        summ = summarize(p, run)
+        data = summ.pop("data")
+        every = [_short_stream(Subjects(run), n) for n in run_streams(Subjects(run))]
+        api = "; ".join(op + (": all" if v == every else f": {', '.join(v)}" if v else "")
+                        for op, v in summ.items())
+        cells = [", ".join(f"`{x}`" for x in data) or "none", ", ".join(f"`{x}`" for x in p.subscribe), api]
+        name = f"`{u.name}` ({u.role})"
+        rows.append("| " + " | ".join([name, *cells]) + " |")
+    return "\n".join(rows).replace(run, "<run>").replace(lid, "<id>")
 
 
 # -- bcrypt ----------------------------------------------------------------------------------------
@@ -529,10 +617,10 @@ def _cert_config(cn: str, kind: str, dns: Sequence[str] = (), ips: Sequence[str]
     ext = {
         "ca": ["basicConstraints = critical,CA:TRUE,pathlen:0", "keyUsage = critical,keyCertSign,cRLSign",
                "subjectKeyIdentifier = hash"],
-        "server": ["basicConstraints = critical,CA:FALSE", "keyUsage = critical,digitalSignature,keyEncipherment",
+        "server": ["basicConstraints = critical,CA:FALSE", "keyUsage = critical,digitalSignature",
                    "extendedKeyUsage = serverAuth", "subjectKeyIdentifier = hash",
                    "authorityKeyIdentifier = keyid", "subjectAltName = @alt"],
-        "client": ["basicConstraints = critical,CA:FALSE", "keyUsage = critical,digitalSignature,keyEncipherment",
+        "client": ["basicConstraints = critical,CA:FALSE", "keyUsage = critical,digitalSignature",
                    "extendedKeyUsage = clientAuth", "subjectKeyIdentifier = hash",
                    "authorityKeyIdentifier = keyid"],
     }[kind]
@@ -597,12 +685,17 @@ class InitResult:
 def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | None]], *, url: str | None = None,
          tls: bool = False, client_certs: bool = False, hosts: Iterable[str] = (), days: int = 825,
          hash_mode: str = "auto", provision: bool = True, path_prefix: str | None = None,
-         force: bool = False, password: Callable[[], str] = new_password) -> InitResult:
+         force: bool = False, listen: str = "0.0.0.0:4222", store_dir: str = "/data",
+         password: Callable[[], str] = new_password) -> InitResult:
     """Write the config fragment, env files, ``auth.json`` and TLS material into ``out``.
 
     ``path_prefix``: the folder as the server and the processes will see it (e.g. a container
-    mount); default: ``out``'s absolute path. Refuses to overwrite an existing output unless ``force``."""
+    mount); default: ``out``'s absolute path. ``listen`` and ``store_dir`` go into the standalone
+    ``nats-server.conf`` (for compose or a host install). Refuses to overwrite an existing output
+    unless ``force``."""
     check_token("run", run)
+    if not re.fullmatch(r"[^\s:]*:\d{1,5}", listen):
+        raise AuthError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:4222")
     out_dir = Path(out).resolve()
     conf = out_dir / CONF_NAME
     if conf.exists() and not force:
@@ -615,8 +708,8 @@ def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | N
     if hash_mode == "bcrypt" and hasher is None:
         raise AuthError("--hash bcrypt: this Python cannot make bcrypt hashes (pip install bcrypt), "
                         "or use --hash plain (passwords in a 0600 file)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(out_dir, 0o700)
+    if not out_dir.exists():
+        out_dir.mkdir(parents=True, mode=0o700)
     seen = Path(path_prefix) if path_prefix else out_dir
     users = plan_users(learners)
     passwords = {u.name: password() for u in users}
@@ -639,8 +732,17 @@ def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | N
                      "key": str(seen / "tls" / "server.key")}
         text.append(render_tls(tls_paths["cert"], tls_paths["key"], tls_paths["ca"], verify=client_certs))
     _write_private(conf, "".join(text))
+    host, _, port = listen.rpartition(":")
+    server_conf = out_dir / SERVER_CONF_NAME
+    server_conf.write_text(
+        f"# diloco auth init: a complete nats-server config for run {run} (nats-server -c {SERVER_CONF_NAME}).\n"
+        + render_config(host=host or "0.0.0.0", port=int(port), http_port=8222, store_dir=store_dir,
+                        max_payload=DEFAULT_MAX_PAYLOAD, extra=f"include {_q(CONF_NAME)}"))
 
     env_files: dict[str, Path] = {}
+    for stale in out_dir.glob("*.env"):  # users of a previous init (--force) lose their credentials
+        if stale.read_text(errors="replace").startswith(ENV_HEADER):
+            stale.unlink()
     for u in users:
         kw: dict = {}
         if tls:
@@ -653,7 +755,8 @@ def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | N
         env_files[u.name] = path
 
     summary = {
-        "run": run, "account": account_name(run), "config": CONF_NAME, "hashed": hasher is not None,
+        "run": run, "account": account_name(run), "config": CONF_NAME, "server_config": SERVER_CONF_NAME,
+        "hashed": hasher is not None,
         "provision_by_aggregator": provision, "tls": bool(tls), "mutual_tls": bool(client_certs),
         "users": [{"user": u.name, "role": u.role, "learner": u.learner, "region": u.region, "env": u.env_name,
                    "permissions": permissions_of(u, run, provision=provision).to_dict()} for u in users],
@@ -684,6 +787,8 @@ def _cmd_init(argv: list[str]) -> int:
                    "then needs `diloco run create` first and must not call ensure_run)")
     p.add_argument("--path-prefix", default=None, help="the output folder as the server/processes see it "
                    "(container mount); default: its absolute path")
+    p.add_argument("--listen", default="0.0.0.0:4222", help="client address of the standalone nats-server.conf")
+    p.add_argument("--store-dir", default="/data", help="JetStream store of the standalone nats-server.conf")
     p.add_argument("--force", action="store_true", help="replace an existing output (new passwords for everyone)")
     a = p.parse_args(argv)
     try:
@@ -692,7 +797,7 @@ def _cmd_init(argv: list[str]) -> int:
             raise AuthError("--days: expected >= 1")
         r = init(a.out, a.run, learners, url=a.url, tls=a.tls, client_certs=a.client_certs,
                  hosts=a.hosts.split(","), days=a.days, hash_mode=a.hash_mode, provision=not a.strict,
-                 path_prefix=a.path_prefix, force=a.force)
+                 path_prefix=a.path_prefix, force=a.force, listen=a.listen, store_dir=a.store_dir)
     except (AuthError, ValueError) as e:
         print(f"diloco auth init: {e}", file=sys.stderr)
         return 2
@@ -700,7 +805,7 @@ def _cmd_init(argv: list[str]) -> int:
           f"{'bcrypt-hashed' if r.hashed else 'in plain text, file mode 0600'}"
           f"{', TLS' if a.tls else ''}{' with client certificates' if a.client_certs else ''})")
     print(f"env files: {', '.join(p.name for p in r.env_files.values())}")
-    print(f"start the server: diloco nats --config-extra {r.conf}")
+    print(f"start the server: diloco nats --config-extra {r.conf}   (or: nats-server -c {r.out / SERVER_CONF_NAME})")
     print(f"start a role:     set -a; . {r.env_files['aggregator']}; set +a; diloco aggregator")
     return 0
 
