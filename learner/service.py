@@ -289,6 +289,7 @@ class Learner:
         self.seed = lp.batch_seed(cfg.data_seed, self.id, self.incarnation)
         self.base: list[np.ndarray | None] = [None] * self.P
         self.residual: list[np.ndarray | None] = [None] * self.P
+        self.unsent: list[np.ndarray | None] = [None] * self.P  # work of failed publishes
         self.pending: dict[int, tuple[int, np.ndarray]] = {}
         self.applied_in: dict[tuple[int, int], int] = {}  # sync mode: (p, round) -> version that applied it
         self._awaiting: set[tuple[int, int]] = set()
@@ -308,6 +309,7 @@ class Learner:
         self._news = asyncio.Event()
         self._head_lock = asyncio.Lock()
         self._verified: dict[int, int] = {}  # fragment -> newest version whose blob we checked
+        self._sent: dict[tuple[int, int], np.ndarray] = {}  # (fragment, round) -> outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
         self._cancel = threading.Event()
         self._publishes: set[asyncio.Task] = set()
@@ -451,9 +453,20 @@ class Learner:
                 pass
 
     def _prepare(self, c: lp.Contribution) -> tuple[bytearray, dict]:
-        """Worker thread: Delta = base - theta (+ residual), quantised, and its metadata."""
+        """Worker thread: Delta = base - theta (+ residual), quantised, and its metadata.
+
+        The reference then moves to theta: base_p <- theta_p. The next outer gradient of p holds only
+        progress made after this one, so work is never sent twice when no new global version arrives
+        in between (the aggregator down, a slow merge, a network cut): without this, every later
+        delta would repeat this one and the aggregator would apply it again and again.
+        """
         p, q = c.fragment, self.cfg.quantiser
-        delta = outer_gradient(self.base[p], self.backend.get_fragment(p))
+        theta = self.backend.get_fragment(p)
+        delta = outer_gradient(self.base[p], theta)
+        if self.unsent[p] is not None:  # a publish that failed for good: its work goes out now
+            delta += self.unsent[p]
+            self.unsent[p] = None
+        self.base[p] = np.array(theta, dtype=np.float32, copy=True)
         out: dict = {}
 
         def roundtrip(x: np.ndarray) -> np.ndarray:  # quant.roundtrip, keeping the encoded blob
@@ -469,6 +482,7 @@ class Learner:
                          incarnation=self.incarnation, fragment=p, round_=c.round,
                          base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
                          region=self.common.region)
+        self._sent[(p, c.round)] = sent
         return out["blob"], meta
 
     async def _publish(self, c: lp.Contribution, blob, meta: dict) -> bool:
@@ -485,6 +499,10 @@ class Learner:
         except Exception as e:
             self.log.warning("publish_failed", fragment=c.fragment, round=c.round, error=repr(e))
         finally:
+            sent = self._sent.pop((c.fragment, c.round), None)
+            if not ok and sent is not None:  # give the work back: it joins the next outer gradient
+                p = c.fragment
+                self.unsent[p] = sent if self.unsent[p] is None else self.unsent[p] + sent
             self.book.end_sync(c, ok)
         return ok
 
@@ -559,6 +577,7 @@ class Learner:
         await self._in_worker(self.backend.load, vectors)
         self.base = vectors
         self.residual = [None] * self.P
+        self.unsent = [None] * self.P
         self.pending = {p: pv for p, pv in self.pending.items() if pv[0] > versions[p]}
         self.book.on_resync(versions)
         self.log.warning("resynced", versions=versions, step=self.book.step)

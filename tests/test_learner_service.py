@@ -232,7 +232,9 @@ async def test_jax_learner_publishes_outer_gradients(nats_server, js):
 
 
 async def test_delta_is_base_minus_theta_exactly(nats_server, js):
-    """In-process, fp32 and H = 1: the last contribution of every fragment is v0 - theta_final."""
+    """In-process, fp32 and H = 1, no new global version: every contribution holds only the progress
+    since the previous one, so the contributions of a fragment add up to v0 - theta_final and the
+    first is v0 - theta_1 (no work is sent twice)."""
     from learner.service import Learner
 
     await bootstrap(js)
@@ -243,15 +245,18 @@ async def test_delta_is_base_minus_theta_exactly(nats_server, js):
     assert await learner.run() == 0
     grads = await consume_grads(js, 20)
     assert len(grads) == 20
-    last = {}
+    total = {p: np.zeros_like(V0[p], dtype=np.float64) for p in range(4)}
+    rounds = {p: [] for p in range(4)}
     for g in grads:
         m = g.meta
         assert m["steps"] == 1 and m["base"] == 0
-        if m["round"] == 4:
-            last[m["frag"]] = codec.decode_array(g.blob)
-    assert sorted(last) == [0, 1, 2, 3]
+        total[m["frag"]] += codec.decode_array(g.blob)
+        rounds[m["frag"]].append(m["round"])
     for p in range(4):
-        np.testing.assert_array_equal(last[p], V0[p] - learner.backend.frags[p])
+        assert sorted(rounds[p]) == list(range(rounds[p][0], rounds[p][0] + 5))
+        np.testing.assert_allclose(total[p], V0[p] - learner.backend.frags[p], rtol=1e-5, atol=1e-6)
+        # the sum of 5 separate steps' progress is not 5 x the full progress (the old double counting)
+        assert np.abs(total[p]).sum() < 2 * np.abs(V0[p] - learner.backend.frags[p]).sum()
     assert learner.book.contributions == 20 and learner.quant_error == 0.0
     assert learner.book.counters()["skipped"] == 0
 

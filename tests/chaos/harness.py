@@ -263,21 +263,21 @@ class ChaosRun:
                                           deliver_policy=DeliverPolicy.ALL)
         t_end = time.monotonic() + timeout
         while time.monotonic() < t_end:
-            progressed = False
             for sub in (merges, rejects):
-                try:
-                    m = await sub.next_msg(timeout=0.3)
-                except Exception:
-                    continue
-                progressed = True
-                e = orjson.loads(m.data)
-                if sub is merges:
-                    applied_by_version[(e["fragment"], e["version"])] = [tuple(k) for k in e["applied"]]
-                elif "learner" in e and "round" in e:
-                    rejected.add((e["learner"], e.get("incarnation"), e["fragment"], e["round"]))
+                while True:  # drain what is there now
+                    try:
+                        m = await sub.next_msg(timeout=0.3)
+                    except Exception:
+                        break
+                    e = orjson.loads(m.data)
+                    if sub is merges:
+                        applied_by_version[(e["fragment"], e["version"])] = [tuple(k) for k in e["applied"]]
+                    elif "learner" in e and "round" in e:
+                        rejected.add((e["learner"], e.get("incarnation"), e["fragment"], e["round"]))
             applied = {k for keys in applied_by_version.values() for k in keys}
-            if not progressed and published <= applied | rejected:
+            if published <= applied | rejected:
                 break
+            await asyncio.sleep(0.5)  # the aggregator is still working through its backlog
         return [k for keys in applied_by_version.values() for k in keys], rejected
 
     async def close(self) -> None:

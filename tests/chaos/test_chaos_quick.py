@@ -1,8 +1,11 @@
 """Quick chaos subset (default test command): one trial of every fault, then every invariant."""
 
+import pytest
+
 from tests.chaos.harness import FAULTS, ChaosRun, table
 
 
+@pytest.mark.timeout(400)
 async def test_one_of_each_fault_keeps_every_invariant(tmp_path):
     run = ChaosRun(str(tmp_path), learners=3, seed=1)
     try:
