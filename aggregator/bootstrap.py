@@ -16,7 +16,7 @@ import time
 
 import orjson
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from bus import codec
 from bus.protocol import MANIFEST_KEY, Manifest
@@ -46,7 +46,11 @@ def check_manifest(m: Manifest, spec: ModelSpec, plan: FragmentPlan) -> None:
 
 
 async def read_manifest(js: JetStreamContext, run: str) -> Manifest | None:
-    kv = await js.key_value(Subjects(run).bucket("run"))
+    """The run's manifest, or None while the run (or its manifest) does not exist yet."""
+    try:
+        kv = await js.key_value(Subjects(run).bucket("run"))
+    except (BucketNotFoundError, NotFoundError):
+        return None
     try:
         e = await kv.get(MANIFEST_KEY)
     except KeyNotFoundError:

@@ -6,7 +6,7 @@ A thin asyncio shell around the pure core (``learner.loop``, ``learner.outer``,
 
 Life of a learner::
 
-    connect -> ensure_run -> wait for the manifest -> check model and plan hashes (exit 3 if not)
+    connect -> wait for the manifest (the aggregator creates the run) -> check model and plan hashes (exit 3 if not)
     -> fetch the newest global version of every fragment (never its own init) -> train:
 
     loop until DILOCO_MAX_STEPS (or DILOCO_TOTAL_STEPS) or SIGTERM/SIGINT:
@@ -47,7 +47,6 @@ from bus.config import CommonConfig, from_env
 from bus.conn import connect
 from bus.log import get_logger, setup
 from bus.protocol import grad_meta, grad_obj_id
-from bus.streams import Limits, ensure_run
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import ChunkPublisher, Head, VersionedStore
 from learner import loop as lp
@@ -91,10 +90,12 @@ async def connect_until(common: CommonConfig, name: str, deadline: float, log):
 
 
 async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan, deadline: float) -> None:
-    """ensure_run, wait for the manifest and check it: StartupError(3) on mismatch, (4) on timeout."""
+    """Wait for the manifest and check it: StartupError(3) on mismatch, (4) on timeout.
+
+    Learners and the evaluator never create streams (their least-privilege users may not): the
+    aggregator, or ``diloco run create``, provisions the run."""
     from aggregator.bootstrap import RunMismatch, check_manifest, wait_manifest
 
-    await ensure_run(js, common.run, Limits.from_config(common))
     try:
         m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()))
     except TimeoutError as e:
@@ -309,6 +310,9 @@ class Learner:
         self._news = asyncio.Event()
         self._head_lock = asyncio.Lock()
         self._verified: dict[int, int] = {}  # fragment -> newest version whose blob we checked
+        # secret part of our message ids: the incarnation is public (membership records), so without it
+        # another learner could publish chunks under our future ids and get ours dropped as duplicates
+        self._nonce = uuid.uuid4().hex[:12]
         self._sent: dict[tuple[int, int], np.ndarray] = {}  # (fragment, round) -> outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
         self._cancel = threading.Event()
@@ -489,7 +493,8 @@ class Learner:
         ok = False
         try:
             await self.publisher.publish(self.s.grad(c.fragment, self.id),
-                                         grad_obj_id(self.common.run, self.id, self.incarnation, c.fragment, c.round),
+                                         grad_obj_id(self.common.run, self.id, self.incarnation, c.fragment,
+                                                     c.round) + "." + self._nonce,
                                          blob, meta)
             ok = True
             self.log.debug("contributed", fragment=c.fragment, round=c.round, base=c.base_version,

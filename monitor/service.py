@@ -43,6 +43,7 @@ from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import connect
 from bus.log import get_logger, setup
 from bus.streams import Limits, ensure_run
+from nats.js.errors import BucketNotFoundError
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
 from monitor.config import MonitorConfig
@@ -573,13 +574,19 @@ class MonitorService:
                 await asyncio.sleep(1.0)
 
     async def _setup(self, stop: asyncio.Event) -> None:
-        """ensure_run, open the buckets, load members, read current versions (retried until stop)."""
+        """Open the buckets (creating the run only if it does not exist yet and our user may), load
+        members, read current versions; retried until stop."""
         delay = 0.2
         while True:
             try:
-                await ensure_run(self.js, self.common.run, Limits.from_config(self.common))
                 s = self.subjects
-                self._members_kv = await self.js.key_value(s.bucket("members"))
+                try:
+                    self._members_kv = await self.js.key_value(s.bucket("members"))
+                except BucketNotFoundError:
+                    # no run yet: create it if our user may (a least-privilege monitor user may not,
+                    # and then waits here for the aggregator to create it)
+                    await ensure_run(self.js, self.common.run, Limits.from_config(self.common))
+                    self._members_kv = await self.js.key_value(s.bucket("members"))
                 self._lease_kv = await self.js.key_value(s.bucket("lease"))
                 members, revs, bad = await load_members(self._members_kv)
                 for key, why in bad.items():
