@@ -166,7 +166,7 @@ class GradSniff:
         raise AssertionError(f"only {len([m for m in self.metas if pred(m)])} of {n} gradients in {timeout}s")
 
 
-async def consume_grads(js, n: int, timeout: float = 15.0) -> list[Assembled]:
+async def consume_grads(js, n: int, timeout: float = 60.0) -> list[Assembled]:
     cons = ChunkConsumer(js, S.stream("grad"), "test", [S.grad_all])
     await cons.start()
     got: list[Assembled] = []
