@@ -21,7 +21,7 @@ from aggregator.contribution import Contribution, ContributionKey
 from aggregator.merge import l2_norm, merge
 from aggregator.outer_opt import DelayedNesterovState, NesterovState, make_outer_optimizer
 from aggregator.validate import AppliedSet, NormHistory
-from aggregator.weights import StalenessPolicy, contribution_weights
+from aggregator.weights import StalenessPolicy, contribution_weights, token_weight
 from bus import codec
 
 
@@ -105,7 +105,8 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step, quantise for the
     downlink. ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
 
-    Returns the new state and the blob of the global version to publish; the new state's params
+    The merged outer gradient is multiplied by ``scale`` and by the token-weighted mean staleness
+    factor of the contributions. Returns the new state and the blob of the global version to publish; the new state's params
     are exactly what a learner decodes from that blob. ``state`` is not modified. ``contribs``
     must already be validated (and not duplicates).
     """
@@ -114,10 +115,15 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     if norms is None:
         norms = [l2_norm(c.vector) for c in contribs]
     w = contribution_weights(contribs, state.version, settings.staleness)
+    # weights are relative (they sum to 1), so a lone stale contribution would get a full step:
+    # also discount the merge by the token-weighted mean staleness factor, as FedAsync does
+    q = np.array([token_weight(c.tokens, c.inner_steps) for c in contribs])
+    f = np.array([settings.staleness.factor(state.version - c.base_version) for c in contribs])
+    total = scale * float((q * f).sum() / q.sum())
     g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
               trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64))
-    if scale != 1.0:
-        g = g * np.float32(scale)
+    if total != 1.0:
+        g = g * np.float32(total)
     params, opt = settings.make_optimizer().step(state.params, g, state.opt)
     blob = codec.encode_array(params, settings.downlink_quantiser)
     if settings.downlink_quantiser != "fp32":
