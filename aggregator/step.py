@@ -133,7 +133,7 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     hist = NormHistory.from_dict(state.norms.to_dict())
     for c, n in zip(contribs, norms):
         applied.record(c)
-        hist.add(state.fragment, float(n))
+        hist.add(state.fragment, float(n) / max(1, c.inner_steps))  # norm per inner step
     new = FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
                         float(scale))
     return new, blob

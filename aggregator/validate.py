@@ -18,7 +18,7 @@ another run never costs a pass over its vector:
    10. wrong_dtype       vector is not a float32 ndarray
    11. wrong_shape       vector is not 1-D of the fragment's size
    12. non_finite        any inf or nan                                  (one pass over vector)
-   13. norm_outlier      |v| > k * median of recent accepted norms of this fragment, once at
+   13. norm_outlier      |v|/steps > k * median of recent accepted norms per inner step, once at
                          least ``norm_min_history`` norms are known (one pass, shared with 12)
 
 After a merge the caller records each applied contribution in :class:`AppliedSet` and its norm in
@@ -337,7 +337,9 @@ def validate(
     if not math.isfinite(nrm) and not bool(np.isfinite(v).all()):
         return Reason.non_finite
     if ctx.norm_outlier_factor is not None and ctx.norms.count(c.fragment) >= ctx.norm_min_history:
+        # norms per inner step: a fragment's first sync may cover a few warm-up steps only, and a
+        # raw-norm median taken from those would reject every later honest contribution
         med = ctx.norms.median(c.fragment)
-        if med is not None and nrm > ctx.norm_outlier_factor * med:
+        if med is not None and nrm / max(1, c.inner_steps) > ctx.norm_outlier_factor * med:
             return Reason.norm_outlier
     return None

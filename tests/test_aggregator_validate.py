@@ -27,7 +27,7 @@ def make(**kw) -> Contribution:
 
 def context(**kw) -> ValidationContext:
     norms = NormHistory(window=16)
-    for x in (1.0, 1.2, 0.9, 1.1, 1.0):
+    for x in (0.10, 0.12, 0.09, 0.11, 0.10):  # accepted norms per inner step (|v| ~ 1 over 10 steps)
         norms.add(0, x)
     base = dict(run="r1", model_hash="h1", fragment_sizes={0: SIZE, 1: 4},
                 current_version={0: 6, 1: 0}, active={"a", "b"}, known={"a", "b", "gone"},
@@ -80,7 +80,7 @@ CASES = [
     (Reason.wrong_shape, dict(vector=np.zeros((2, SIZE // 2), dtype=np.float32)), {}),
     (Reason.non_finite, dict(vector=NAN), {}),
     (Reason.non_finite, dict(vector=INF), {}),
-    (Reason.norm_outlier, dict(vector=np.full(SIZE, 5.0, dtype=np.float32)), {}),  # |v|=14 > 10
+    (Reason.norm_outlier, dict(vector=np.full(SIZE, 5.0, dtype=np.float32)), {}),  # |v|/10=1.4 > 10*0.1
 ]
 
 
@@ -105,12 +105,14 @@ def test_cheap_checks_come_first():
 def test_norm_outlier_needs_history_and_can_be_disabled():
     big = make(vector=np.full(SIZE, 5.0, dtype=np.float32))
     few = NormHistory()
-    for x in (1.0, 1.0):
+    for x in (0.1, 0.1):
         few.add(0, x)
     assert validate(big, context(norms=few)) is None  # only 2 norms known, min_history=5
     assert validate(big, context(norms=few, norm_min_history=2)) is Reason.norm_outlier
     assert validate(big, context(norm_outlier_factor=None)) is None
-    assert validate(big, context(norm_outlier_factor=20.0)) is None  # 14.1 < 20 * 1.0
+    assert validate(big, context(norm_outlier_factor=20.0)) is None  # 1.41 per step < 20 * 0.1
+    # the same vector over 20 inner steps is a normal contribution: norms are compared per step
+    assert validate(make(vector=big.vector, inner_steps=20), context(max_inner_steps=None)) is None
     # other fragments have no history: not checked
     c = make(fragment=1, base_version=0, vector=np.full(4, 1e6, dtype=np.float32))
     assert validate(c, context()) is None
