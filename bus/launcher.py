@@ -14,8 +14,9 @@ everything at the end. Order of a run:
    data shard), show live progress;
 4. when every learner has finished its steps: wait for the last merges and one evaluation of the
    final global versions; on Ctrl-C/SIGTERM: stop at once;
-5. stop learners, then evaluator and monitor, then the aggregator (SIGTERM, SIGKILL after a
-   timeout), then the servers; write ``OUT/summary.json`` and ``OUT/eval_loss.png``.
+5. stop learners, evaluator and monitor, then the aggregator (SIGTERM, SIGKILL after a timeout;
+   the aggregator last so it merges what the learners sent), then the servers; write
+   ``OUT/summary.json`` and ``OUT/eval_loss.png``.
 
 Children run in their own process group and get SIGKILL if the launcher dies
 (``PR_SET_PDEATHSIG``), so no process outlives the launcher. Every child's stdout and stderr (JSON
@@ -59,8 +60,8 @@ PRESETS: dict[str, dict[str, str]] = {
 }
 
 #: Inner steps per learner when neither --steps nor DILOCO_MAX_STEPS/DILOCO_TOTAL_STEPS is given.
-DEFAULT_STEPS = {"tiny": 200, "small": 200, "default": 240}
-QUICK_STEPS = 120
+DEFAULT_STEPS = {"tiny": 1000, "small": 500, "default": 200}
+QUICK_STEPS = 1000
 
 #: Launcher defaults for every process (the caller's environment overrides them).
 RUN_DEFAULTS: dict[str, str] = {
@@ -76,8 +77,8 @@ RUN_DEFAULTS: dict[str, str] = {
     "DILOCO_NORM_OUTLIER_FACTOR": "1000",
 }
 
+#: DILOCO_REGION of the aggregator, monitor and evaluator (they connect to the hub server).
 CENTRAL_REGION = "hub"
-ROLE_ORDER = ("aggregator", "monitor", "eval", "learner")
 
 
 @dataclass(frozen=True)
@@ -112,27 +113,46 @@ def parse_regions(text: str) -> list[str]:
     return regions
 
 
-def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: bool) -> dict[str, str]:
+#: XLA flags for JAX children when more JAX processes than cores share the machine: one thread each
+#: (measured here: 0.34 s per default-model step single-threaded vs 0.40 s with XLA's thread pool, and
+#: far less contention with 4 learners and an evaluator on 2 cores).
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def resolve_steps(environ: dict[str, str], preset: str, steps: int | None, quick: bool) -> int:
+    """--steps, else DILOCO_MAX_STEPS, else DILOCO_TOTAL_STEPS, else the preset's default."""
+    if steps is not None:
+        return steps
+    for name in ("DILOCO_MAX_STEPS", "DILOCO_TOTAL_STEPS"):
+        given = (environ.get(name) or "").strip()
+        if given.isdigit() and int(given) > 0:
+            return int(given)
+    return QUICK_STEPS if quick else DEFAULT_STEPS[preset]
+
+
+def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: bool, n_learners: int = 4,
+             cpu_count: int | None = None) -> dict[str, str]:
     """Settings shared by every process: preset and launcher defaults, then the caller's DILOCO_* env,
     then the explicit step count. Non-DILOCO variables (PATH, JAX_*, XLA_FLAGS...) pass through."""
     env = dict(environ)
     defaults = dict(RUN_DEFAULTS)
+    # every learner in every merge: one outer Nesterov step per round (see docs/deploy.md, "Tuning")
+    defaults["DILOCO_QUORUM"] = str(n_learners)
     defaults.update(PRESETS[preset])
     if quick:
-        defaults.update({"DILOCO_EVAL_INTERVAL": "2.0"})
+        defaults["DILOCO_EVAL_INTERVAL"] = "2.0"
     for k, v in defaults.items():
         env.setdefault(k, v)
-    if steps is None:
-        given = environ.get("DILOCO_MAX_STEPS") or environ.get("DILOCO_TOTAL_STEPS")
-        steps = int(given) if given and given.strip().isdigit() and int(given) > 0 else (
-            QUICK_STEPS if quick else DEFAULT_STEPS[preset])
-    if steps is not None:
-        env["DILOCO_MAX_STEPS"] = str(steps)
-        if "DILOCO_TOTAL_STEPS" not in environ or int(environ.get("DILOCO_TOTAL_STEPS", "0") or 0) < steps:
-            env["DILOCO_TOTAL_STEPS"] = str(steps)
-    total = int(env["DILOCO_TOTAL_STEPS"])
+    n = resolve_steps(environ, preset, steps, quick)
+    env["DILOCO_MAX_STEPS"] = str(n)
+    total = (environ.get("DILOCO_TOTAL_STEPS") or "").strip()
+    if steps is not None or not (total.isdigit() and int(total) >= n):
+        env["DILOCO_TOTAL_STEPS"] = str(n)  # the cosine schedule ends with the run
     if "DILOCO_WARMUP_STEPS" not in environ:
-        env["DILOCO_WARMUP_STEPS"] = str(max(0, min(50, total // 10)))
+        env["DILOCO_WARMUP_STEPS"] = str(max(0, min(50, int(env["DILOCO_TOTAL_STEPS"]) // 10)))
+    cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    if "XLA_FLAGS" not in environ and n_learners + 1 > cpus:
+        env["XLA_FLAGS"] = SINGLE_THREAD_XLA
     return env
 
 
@@ -230,12 +250,29 @@ class RunState:
             self.evals.append(msg)
 
     def on_event(self, msg: Any) -> None:
-        if isinstance(msg, dict):
-            self.membership.append(msg)
+        """A membership transition; a republished one (same learner, states and time) counts once."""
+        if not isinstance(msg, dict):
+            return
+        key = (msg.get("learner"), msg.get("old"), msg.get("new"), msg.get("at"))
+        if any((e.get("learner"), e.get("old"), e.get("new"), e.get("at")) == key for e in self.membership[-64:]):
+            return
+        self.membership.append(msg)
 
     @property
     def evictions(self) -> int:
         return sum(1 for e in self.membership if e.get("new") == "evicted")
+
+    def evictions_while_running(self, ended: dict[str, float | None]) -> int:
+        """Evictions of learners whose process was still running (a finished learner falls silent too)."""
+        n = 0
+        for e in self.membership:
+            if e.get("new") != "evicted":
+                continue
+            end = ended.get(str(e.get("learner")))
+            at = e.get("at")
+            if end is None or not isinstance(at, (int, float)) or at < end:
+                n += 1
+        return n
 
     def versions(self) -> dict[str, int]:
         return dict((self.aggregator or {}).get("versions") or {})
@@ -269,7 +306,7 @@ class RunState:
 
 def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[str, int | None], traffic: dict,
                   params: int, wall_time_s: float, train_time_s: float | None, status: str,
-                  settings: dict) -> dict:
+                  settings: dict, learner_ended: dict[str, float | None] | None = None) -> dict:
     contributions = state.contributions()
     learners = {}
     total_steps = 0
@@ -318,7 +355,8 @@ def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[st
         "merges": agg.get("merges"),
         "accepted": agg.get("accepted"),
         "rejected": agg.get("rejected") or {},
-        "evictions": state.evictions,
+        "evictions": state.evictions_while_running(learner_ended or {}),
+        "evictions_total": state.evictions,
         "membership_events": len(state.membership),
         "broker_bytes": broker,
         "broker_bytes_source": "sum of in_bytes+out_bytes of every client connection (/connz?state=all)",
@@ -381,7 +419,8 @@ def plot_eval(summary: dict, state: RunState, path: str) -> bool:
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"diloco up: run {summary['run']}, {summary['num_learners']} learners")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -440,13 +479,18 @@ class Child:
 
 def stop_children(groups: list[list[Child]], timeout: float, say=print) -> None:
     """SIGTERM each group in turn, wait up to ``timeout`` for it, SIGKILL its stragglers."""
+    asyncio.run(astop_children(groups, timeout, say))
+
+
+async def astop_children(groups: list[list[Child]], timeout: float, say=print) -> None:
+    """:func:`stop_children` without blocking the event loop (a second Ctrl-C is still handled)."""
     for group in groups:
         alive = [c for c in group if c.alive]
         for c in alive:
             c.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while any(c.alive for c in alive) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
         for c in alive:
             if c.alive:
                 say(f"diloco up: {c.spec.name} did not stop within {timeout:.0f}s: SIGKILL")
@@ -470,7 +514,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--learners", type=int, default=4, help="number of learners (default 4)")
     p.add_argument("--regions", default="us,eu", help="comma-separated region names the learners are spread over")
     p.add_argument("--steps", type=int, default=None,
-                   help="inner steps per learner (default: DILOCO_MAX_STEPS, else 240 for the default model, "
+                   help="inner steps per learner (default: DILOCO_MAX_STEPS, else 200 for the default model, "
                         f"{QUICK_STEPS} with --quick)")
     p.add_argument("--out", default="./diloco-out", help="output folder: logs, store, summary.json, eval_loss.png")
     p.add_argument("--topology", choices=("single", "leaf"), default="single",
@@ -504,7 +548,7 @@ class Launcher:
     def __init__(self, a: argparse.Namespace, environ: dict[str, str]):
         self.a = a
         self.out = os.path.abspath(a.out)
-        env = base_env(environ, a.model_preset, a.steps, a.quick)
+        env = base_env(environ, a.model_preset, a.steps, a.quick, a.learners)
         if a.run:
             env["DILOCO_RUN"] = a.run
         env["DILOCO_UP_OUT"] = self.out  # marks every child (and server) of this launch: find them by it
@@ -603,7 +647,8 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.on_signal, sig)
         store = os.path.join(self.out, "nats-store")
-        shutil.rmtree(store, ignore_errors=True)  # a fresh run every time
+        shutil.rmtree(store, ignore_errors=True)  # a fresh run every time: our own folders only
+        shutil.rmtree(os.path.join(self.out, "logs"), ignore_errors=True)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
         for stale in ("summary.json", "eval_loss.png"):
             with contextlib.suppress(FileNotFoundError):
@@ -622,7 +667,13 @@ class Launcher:
             self.say(f"diloco up: {self.a.topology} topology {urls}; run {run!r}; "
                      f"{self.a.learners} learners over {','.join(self.a.regions)}; "
                      f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; out {self.out}")
-            nc = await connect(CommonConfig(nats_url=self.topology.hub_url, run=run), name="launcher")
+            self.say(f"diloco up: logs in {os.path.join(self.out, 'logs')}; watch from another terminal with "
+                     f"DILOCO_NATS_URL={self.topology.hub_url} DILOCO_RUN={run} diloco metrics")
+            async def quiet(*_: object) -> None:  # the launcher's own connection logs nothing
+                return None
+
+            nc = await connect(CommonConfig(nats_url=self.topology.hub_url, run=run), name="launcher",
+                               error_cb=quiet, disconnected_cb=quiet, reconnected_cb=quiet)
             s = Subjects(run)
 
             async def on_metrics(msg) -> None:
@@ -655,8 +706,9 @@ class Launcher:
             self.status = "stopping"
             if self.stop_signal is not None:
                 rc = 130 if self.stop_signal == signal.SIGINT else 143
-            stop_children([self.by_role("learner"), self.by_role("eval") + self.by_role("monitor"),
-                           self.by_role("aggregator")], self.a.stop_timeout, self.say)
+            # the aggregator last: it merges what the learners sent until they stopped
+            await astop_children([self.by_role("learner") + self.by_role("eval") + self.by_role("monitor"),
+                                  self.by_role("aggregator")], self.a.stop_timeout, self.say)
             self.write_processes() if self.topology else None
             traffic = {}
             if self.topology is not None:
@@ -771,7 +823,8 @@ class Launcher:
             train = (self.t_learners_done or time.time()) - self.t_learners
         summary = build_summary(state=self.state, specs=self.specs, exit_codes=exit_codes, traffic=traffic,
                                 params=params, wall_time_s=time.time() - self.t_start, train_time_s=train,
-                                status=status, settings=settings)
+                                status=status, settings=settings,
+                                learner_ended={c.spec.learner_id: c.ended for c in self.by_role("learner")})
         if self.failure:
             summary["failure"] = self.failure
         with open(os.path.join(self.out, "summary.json"), "w") as f:
@@ -784,11 +837,17 @@ class Launcher:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bus.server import ServerError
+
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     launcher = Launcher(a, dict(os.environ))
     validate_envs(launcher.specs)  # ConfigError -> one line, exit 2 (bus.cli)
     os.makedirs(launcher.out, exist_ok=True)
-    return asyncio.run(launcher.run())
+    try:
+        return asyncio.run(launcher.run())
+    except ServerError as e:
+        print(f"diloco up: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,276 @@
+"""compose.yaml and the Dockerfile, without a Docker engine.
+
+The structure is checked from the parsed YAML; then every service is run the way compose would run
+it: the ``nats`` service's command (the real nats-server binary with the compose config file and
+``-js -sd /data``, paths mapped to a temp dir, ports to free loopback ones) and every other
+service's ``command`` with its ``environment`` as local processes, the ``nats`` hostname in
+``DILOCO_NATS_URL`` mapped to that server. Only where the compose values would be too slow for a
+test (the default model, 1000 steps, 10 s evaluations) are they overridden: ``TEST_OVERRIDES``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bus.server import find_binary, free_port, validate_config_file
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose.yaml"
+
+#: Shrinks the run for a 2-core test machine (applied to every diloco service alike, so the model
+#: variables still agree): tiny model, 400 steps (a few seconds each), fast metrics and evaluations.
+TEST_OVERRIDES = {
+    "DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "2", "DILOCO_D_FF": "64",
+    "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "8", "DILOCO_SYNC_EVERY": "12",
+    "DILOCO_INNER_LR": "0.003", "DILOCO_MAX_STEPS": "400", "DILOCO_TOTAL_STEPS": "400", "DILOCO_WARMUP_STEPS": "20",
+    "DILOCO_EVAL_INTERVAL": "1.0", "DILOCO_METRICS_INTERVAL": "0.5", "DILOCO_MANIFEST_TIMEOUT": "60",
+    # five JAX processes share 2 cores here (in compose each container would get its own cores)
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+}
+MODEL_VARS = ("DILOCO_D_MODEL", "DILOCO_N_LAYERS", "DILOCO_N_HEADS", "DILOCO_D_FF", "DILOCO_SEQ_LEN",
+              "DILOCO_NUM_FRAGMENTS", "DILOCO_SEED", "DILOCO_TIED_EMBEDDINGS", "DILOCO_MAX_IMBALANCE")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def diloco_services(compose: dict, include_profiles: bool = False) -> dict[str, dict]:
+    return {n: s for n, s in compose["services"].items()
+            if n != "nats" and (include_profiles or not s.get("profiles"))}
+
+
+def role_of(svc: dict) -> str:
+    return svc["command"][1]
+
+
+# -- structure ------------------------------------------------------------------------------------
+
+
+def test_nats_service(compose):
+    nats = compose["services"]["nats"]
+    assert nats["image"].split(":")[0] == "nats"  # the official image
+    cmd = nats["command"]
+    assert cmd[cmd.index("-sd") + 1] == "/data" and "-js" in cmd
+    conf_in_container = cmd[cmd.index("-c") + 1]
+    mounts = dict(v.split(":")[:2][::-1] for v in nats["volumes"])  # container path -> source
+    assert mounts["/data"] in compose["volumes"]  # a named volume holds the JetStream store
+    host_conf = ROOT / mounts[conf_in_container]
+    assert host_conf.is_file()
+    assert "healthcheck" in nats
+    assert all(p.startswith("127.0.0.1:") for p in nats.get("ports", []))  # monitoring has no auth
+
+
+def test_nats_config_is_valid_and_allows_8mib_messages(compose):
+    nats = compose["services"]["nats"]
+    mounts = dict(v.split(":")[:2][::-1] for v in nats["volumes"])
+    conf = ROOT / mounts[nats["command"][nats["command"].index("-c") + 1]]
+    ok, out = validate_config_file(str(conf))
+    assert ok, out
+    assert re.search(r"^max_payload:\s*8388608\b", conf.read_text(), re.M)
+
+
+def test_diloco_services(compose):
+    from bus.cli import COMMANDS, load_role_configs
+    from bus.config import CommonConfig, from_env
+
+    roles = load_role_configs()
+    services = diloco_services(compose, include_profiles=True)
+    assert {role_of(s) for s in services.values()} >= {"aggregator", "monitor", "eval", "learner"}
+    for name, svc in services.items():
+        assert svc["image"] and svc["build"]["context"] == "."
+        assert (ROOT / svc["build"].get("dockerfile", "Dockerfile")).is_file()
+        assert svc["command"][0] == "diloco" and svc["command"][1] in COMMANDS, name
+        env = svc["environment"]
+        assert isinstance(env, dict) and all(isinstance(v, str) for v in env.values()), name  # quoted values
+        assert env["DILOCO_NATS_URL"].startswith("nats://nats:"), name
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        from_env(CommonConfig, env)  # every value parses for its role
+        for cfg in {"learner": ("model", "learner"), "eval": ("model", "learner", "eval"),
+                    "aggregator": ("model", "aggregator"), "monitor": ("monitor",)}.get(role_of(svc), ()):
+            from_env(roles[cfg], env)
+    models = {tuple(s["environment"].get(k) for k in MODEL_VARS) for s in services.values()
+              if role_of(s) in ("learner", "eval", "aggregator")}
+    assert len(models) == 1  # every process of the run agrees on the model
+
+
+def test_learners_in_two_regions_with_disjoint_shards(compose):
+    learners = [s["environment"] for s in diloco_services(compose).values() if role_of(s) == "learner"]
+    assert len({e["DILOCO_REGION"] for e in learners}) >= 2
+    ids = [e["DILOCO_LEARNER_ID"] for e in learners]
+    assert len(set(ids)) == len(ids)
+    assert sorted(int(e["DILOCO_SHARD_INDEX"]) for e in learners) == list(range(len(learners)))
+    assert {int(e["DILOCO_NUM_LEARNERS"]) for e in learners} == {len(learners)}
+    for e in learners:
+        assert e["DILOCO_LEARNER_ID"].startswith(e["DILOCO_REGION"] + "-")
+
+
+def test_dockerfile_and_dockerignore():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert re.search(r"pip install \.", text)
+    for pkg in ("bus", "learner", "aggregator", "monitor"):  # pyproject's packages
+        assert re.search(rf"^COPY {pkg} ", text, re.M), pkg
+    assert re.search(r"^COPY pyproject\.toml README\.md", text, re.M)
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.lstrip().startswith("#")}
+    assert ".git" in ignored and not ignored & {"bus", "learner", "aggregator", "monitor", "pyproject.toml",
+                                                "README.md"}
+
+
+# -- run it -----------------------------------------------------------------------------------------
+
+
+def start_order(compose: dict) -> list[str]:
+    """Services in depends_on order (compose's start order)."""
+    services = diloco_services(compose)
+    done: list[str] = []
+    while len(done) < len(services):
+        for name, svc in services.items():
+            if name not in done and all(d == "nats" or d in done for d in svc.get("depends_on", {})):
+                done.append(name)
+                break
+        else:
+            raise AssertionError("depends_on cycle")
+    return done
+
+
+def local_argv(command: list[str]) -> list[str]:
+    exe = Path(sys.executable).with_name("diloco")
+    return ([str(exe)] if exe.exists() else [sys.executable, "-m", "bus.cli"]) + command[1:]
+
+
+def local_env(env: dict[str, str], nats_url: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    out = {**base, **{k: str(v) for k, v in env.items()}, **TEST_OVERRIDES}
+    out["DILOCO_NATS_URL"] = re.sub(r"nats://nats:\d+", nats_url, out["DILOCO_NATS_URL"])
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_compose_services_train_as_local_processes(compose, tmp_path):
+    from bus.codec import loads_json
+    from bus.config import CommonConfig
+    from bus.conn import connect
+    from bus.launcher import RunState, _child_preexec
+
+    nats = compose["services"]["nats"]
+    mounts = dict(v.split(":")[:2][::-1] for v in nats["volumes"])
+    port, http = free_port(), free_port()
+    conf = tmp_path / "nats.conf"  # the compose config, monitoring moved to loopback for the test
+    conf.write_text(re.sub(r"^http:.*$", f"http: 127.0.0.1:{http}", (ROOT / mounts["/etc/nats/nats.conf"]).read_text(),
+                           flags=re.M))
+    data = tmp_path / "data"
+    paths = {"/etc/nats/nats.conf": str(conf), "/data": str(data)}
+    argv = [find_binary()] + [paths.get(a, a) for a in nats["command"]] + ["-a", "127.0.0.1", "-p", str(port),
+                                                                            "-m", str(http)]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(name: str, argv: list[str], env: dict[str, str] | None) -> None:
+        with open(logs / f"{name}.log", "wb") as log:
+            procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, preexec_fn=_child_preexec)
+
+    def log_tail(name: str) -> str:
+        return (logs / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    async def go() -> RunState:
+        url = f"nats://127.0.0.1:{port}"
+        run = diloco_services(compose)["aggregator"]["environment"]["DILOCO_RUN"]
+        state = RunState(run=run)
+        nc = await connect(CommonConfig(nats_url=url, run=run), name="t-compose")
+
+        async def on_metrics(m):
+            state.on_metrics(loads_json(m.data))
+
+        await nc.subscribe(f"diloco.{run}.metrics.>", cb=on_metrics)
+        services = diloco_services(compose)
+        learners = [n for n in start_order(compose) if role_of(services[n]) == "learner"]
+        for name in start_order(compose):
+            if name not in learners:
+                spawn(name, local_argv(services[name]["command"]), local_env(services[name]["environment"], url))
+        # test convenience: the held-out loss of version 0 before any learner trains
+        deadline = time.monotonic() + 150
+        while not state.evals:
+            for n, p in procs.items():
+                assert p.poll() is None, f"{n} exited: {log_tail(n)}"
+            assert time.monotonic() < deadline, "no evaluation"
+            await asyncio.sleep(0.2)
+        for name in learners:
+            spawn(name, local_argv(services[name]["command"]), local_env(services[name]["environment"], url))
+        tool = diloco_services(compose, include_profiles=True)["metrics"]
+        metrics_started = False
+        deadline = time.monotonic() + 200
+        while any(procs[n].poll() is None for n in learners):
+            assert time.monotonic() < deadline, "learners did not finish"
+            for n, p in procs.items():
+                if n in learners or n == "metrics":
+                    continue
+                assert p.poll() is None, f"{n} exited: {log_tail(n)}"
+            if not metrics_started and any(m.get("step", 0) > 0 for m in state.learners.values()):
+                spawn("metrics", local_argv(tool["command"]), local_env(tool["environment"], url))
+                metrics_started = True
+            await asyncio.sleep(0.2)
+        for n in learners:
+            assert procs[n].returncode == 0, f"{n}: {log_tail(n)}"
+        deadline = time.monotonic() + 30  # the last merges, then one evaluation of them
+        while time.monotonic() < deadline:
+            want = {k: int(v) for k, v in state.versions().items()}
+            if state.evals and {k: int(v) for k, v in (state.evals[-1].get("versions") or {}).items()} == want \
+                    and not (state.aggregator or {}).get("buffered"):
+                break
+            await asyncio.sleep(0.2)
+        await nc.close()
+        return state
+
+    try:
+        spawn("nats", argv, None)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/healthz?js-enabled-only=true", timeout=1):
+                    break
+            except Exception:
+                assert procs["nats"].poll() is None, log_tail("nats")
+                assert time.monotonic() < deadline, "nats not healthy"
+                time.sleep(0.1)
+        state = asyncio.run(go())
+        assert procs["metrics"].wait(30) == 0, log_tail("metrics")
+    finally:
+        for name, p in reversed(list(procs.items())):
+            if p.poll() is None:
+                p.terminate()
+        for name, p in procs.items():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    assert (data / "jetstream").is_dir()  # -sd /data held the store
+    learners = sorted(e["environment"]["DILOCO_LEARNER_ID"] for e in diloco_services(compose).values()
+                      if role_of(e) == "learner")
+    contributions = state.contributions()
+    assert all(contributions.get(lid, 0) > 0 for lid in learners), contributions
+    assert all(v > 0 for v in state.versions().values()), state.versions()
+    first, last = state.evals[0], state.evals[-1]
+    assert first["version"] == 0
+    assert last["eval_loss"] < 0.9 * first["eval_loss"], [e["eval_loss"] for e in state.evals]
+    table = log_tail("metrics")
+    # a snapshot of whatever was sent in its 5 s window: at least a learner row and the central roles
+    assert any(lid in table for lid in learners) and "merges" in table and "eval_loss" in table, table
+    shutil.rmtree(data, ignore_errors=True)

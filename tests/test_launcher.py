@@ -1,0 +1,225 @@
+"""``diloco up``: the pure planning and summary helpers, then real runs as subprocesses (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bus import launcher as L
+
+# -- pure helpers ----------------------------------------------------------------------------------
+
+
+def test_learner_ids_round_robin_over_regions():
+    assert L.learner_ids(5, ["us", "eu"]) == [("us-0", "us"), ("eu-0", "eu"), ("us-1", "us"), ("eu-1", "eu"),
+                                             ("us-2", "us")]
+    assert L.learner_ids(2, ["ap"]) == [("ap-0", "ap"), ("ap-1", "ap")]
+
+
+@pytest.mark.parametrize("text", ["", "us,us", "us,e.u", "a b"])
+def test_bad_regions_are_refused(text):
+    with pytest.raises(ValueError):
+        L.parse_regions(text)
+
+
+def test_env_precedence_preset_then_caller_then_flags():
+    caller = {"PATH": "/bin", "DILOCO_D_MODEL": "48", "DILOCO_N_HEADS": "2", "DILOCO_MAX_STEPS": "77",
+              "XLA_FLAGS": "--mine"}
+    env = L.base_env(caller, "tiny", None, quick=False, n_learners=4, cpu_count=2)
+    assert env["DILOCO_D_MODEL"] == "48"  # the caller's env beats the preset
+    assert env["DILOCO_N_LAYERS"] == "2"  # the preset fills the rest
+    assert env["DILOCO_MAX_STEPS"] == "77" and env["DILOCO_TOTAL_STEPS"] == "77"
+    assert env["DILOCO_QUORUM"] == "4" and env["XLA_FLAGS"] == "--mine" and env["PATH"] == "/bin"
+    env = L.base_env(caller, "tiny", 30, quick=False, n_learners=4, cpu_count=2)
+    assert env["DILOCO_MAX_STEPS"] == "30" and env["DILOCO_TOTAL_STEPS"] == "30"  # the flag beats the env
+    assert int(env["DILOCO_WARMUP_STEPS"]) < 30
+    env = L.base_env({}, "default", None, quick=False, n_learners=4, cpu_count=2)
+    assert env["DILOCO_MAX_STEPS"] == str(L.DEFAULT_STEPS["default"]) and "DILOCO_D_MODEL" not in env
+    assert env["XLA_FLAGS"] == L.SINGLE_THREAD_XLA  # 5 JAX processes on 2 cores
+    assert "XLA_FLAGS" not in L.base_env({}, "default", None, quick=False, n_learners=2, cpu_count=64)
+    assert L.base_env({}, "tiny", None, quick=True)["DILOCO_MAX_STEPS"] == str(L.QUICK_STEPS)
+
+
+def test_plan_gives_every_process_its_identity():
+    env = L.base_env({"DILOCO_RUN": "r1"}, "tiny", 10, quick=False)
+    procs = L.with_urls(L.plan_processes(env, 3, ["us", "eu"]),
+                        lambda region: f"nats://{region or 'hub'}:4222")
+    roles = [p.role for p in procs]
+    assert roles == ["aggregator", "monitor", "eval", "learner", "learner", "learner"]
+    learners = [p for p in procs if p.role == "learner"]
+    assert [p.env["DILOCO_LEARNER_ID"] for p in learners] == ["us-0", "eu-0", "us-1"]
+    assert [p.env["DILOCO_SHARD_INDEX"] for p in learners] == ["0", "1", "2"]  # disjoint data shards
+    assert {p.env["DILOCO_NUM_LEARNERS"] for p in learners} == {"3"}
+    assert learners[1].env["DILOCO_NATS_URL"] == "nats://eu:4222" and learners[1].env["DILOCO_REGION"] == "eu"
+    assert procs[0].env["DILOCO_NATS_URL"] == "nats://hub:4222"
+    assert all(p.env["DILOCO_RUN"] == "r1" for p in procs)
+    L.validate_envs(procs)  # every role accepts its environment
+    assert procs[0].argv()[1:] == ["-m", "bus.cli", "aggregator"]
+
+
+def test_bad_variable_stops_before_anything_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env["DILOCO_INNER_LR"] = "fast"
+    p = subprocess.run([sys.executable, "-m", "bus.cli", "up", "--out", str(tmp_path / "o")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "DILOCO_INNER_LR" in p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_dp_equivalent_bytes():
+    # 4 learners, 1000 params, 100 inner steps in total: 2 * 3/4 * 1000 * 2 bytes * 100
+    assert L.dp_equivalent_bytes(1000, 4, 100) == 300_000
+    assert L.dp_equivalent_bytes(1000, 1, 100) == 0
+
+
+def _metrics(role, **kw):
+    return {"role": role, "run": "r", "ts": kw.pop("ts", time.time()), **kw}
+
+
+def test_run_state_folds_metrics_and_events():
+    st = L.RunState(run="r", t0=0.0)
+    st.on_metrics(_metrics("evaluator", eval_loss=5.5, version=0, ts=1.0))
+    st.on_metrics(_metrics("learner", learner="us-0", region="us", step=10, loss=3.0, incarnation="a", ts=2.0))
+    st.on_metrics(_metrics("learner", learner="us-0", region="us", step=5, loss=4.0, incarnation="a", ts=1.5))
+    st.on_metrics(_metrics("aggregator", versions={"0": 2, "1": 3}, merges=5, contributions={"us-0": 4}, ts=2.0))
+    st.on_metrics(_metrics("evaluator", eval_loss=3.5, version=5, ts=3.0))
+    st.on_metrics({"role": "learner", "run": "other", "learner": "x", "ts": 1.0})
+    ev = {"learner": "us-0", "old": "active", "new": "evicted", "at": 10.0}
+    st.on_event(ev)
+    st.on_event(dict(ev))  # a republished event counts once
+    st.on_event({"learner": "us-0", "old": "evicted", "new": "rejoining", "at": 11.0})
+    assert st.learners["us-0"]["step"] == 10  # an older message does not roll the row back
+    assert st.contributions() == {"us-0": 4} and st.versions() == {"0": 2, "1": 3}
+    assert st.evictions == 1
+    assert st.evictions_while_running({"us-0": 20.0}) == 1
+    assert st.evictions_while_running({"us-0": 5.0}) == 0  # evicted after it finished: not a failure
+    line = st.compact_line(now=12.0)
+    assert "us-0 10 3.000" in line and "v2..3" in line and "eval 3.500 (from 5.500)" in line
+    assert st.snapshot.applied == 4 and st.snapshot.skipped == {"stale": 1, "other_run": 1}  # the live table
+
+
+def test_summary_has_the_promised_keys():
+    st = L.RunState(run="r", t0=0.0)
+    st.on_metrics(_metrics("evaluator", eval_loss=5.0, version=0, ts=1.0, versions={"0": 0}))
+    st.on_metrics(_metrics("evaluator", eval_loss=3.0, version=4, ts=9.0, versions={"0": 4}))
+    st.on_metrics(_metrics("aggregator", versions={"0": 4}, merges=4, contributions={"us-0": 3, "eu-0": 2}))
+    for lid in ("us-0", "eu-0"):
+        st.on_metrics(_metrics("learner", learner=lid, step=50, loss=2.0, contributions=3, incarnation="i"))
+    specs = L.plan_processes(L.base_env({}, "tiny", 50, quick=False), 2, ["us", "eu"])
+    traffic = {"client_bytes": 4000, "servers": {"nats": {"in_bytes": 1, "out_bytes": 2}},
+               "connections": [{"server": "nats", "name": "learner-us-0", "in_bytes": 600, "out_bytes": 400},
+                               {"server": "nats", "name": "learner-eu-0", "in_bytes": 500, "out_bytes": 500},
+                               {"server": "nats", "name": "aggregator-agg-0", "in_bytes": 1000, "out_bytes": 1000}]}
+    s = L.build_summary(state=st, specs=specs, exit_codes={}, traffic=traffic, params=1000, wall_time_s=12.0,
+                        train_time_s=8.0, status="completed", settings={})
+    for key in ("initial_eval_loss", "final_eval_loss", "learners", "versions", "evictions", "broker_bytes",
+                "dp_equivalent_bytes", "broker_over_dp", "wall_time_s"):
+        assert key in s
+    assert s["initial_eval_loss"] == 5.0 and s["final_eval_loss"] == 3.0
+    assert s["learners"]["us-0"] == {**s["learners"]["us-0"], "region": "us", "steps": 50, "contributions": 3,
+                                     "link_bytes": 1000}
+    assert s["total_inner_steps"] == 100
+    assert s["dp_equivalent_bytes"] == L.dp_equivalent_bytes(1000, 2, 100) == 200_000
+    assert s["broker_bytes"] == 4000 and s["learner_link_bytes"] == 2000
+    assert s["dp_over_broker"] == pytest.approx(50.0)
+    assert "held-out loss  5.0000 -> 3.0000" in L.render_summary(s)
+
+
+# -- real runs --------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _survivors(out: Path) -> list[str]:
+    """Processes still alive that belong to this launch: recorded pids, or DILOCO_UP_OUT=<out> in their env."""
+    alive = []
+    procs = json.loads((out / "processes.json").read_text())
+    pids = [procs["launcher"], *procs["servers"].values(), *(c["pid"] for c in procs["children"] if c["pid"])]
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state != "Z":
+            alive.append(f"pid {pid}")
+    marker = f"DILOCO_UP_OUT={out}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if marker in (d / "environ").read_bytes().split(b"\0"):
+                alive.append(f"pid {d.name}: {(d / 'cmdline').read_bytes()[:200]!r}")
+        except OSError:
+            continue
+    return alive
+
+
+# about 20 s each on a quiet 2-core machine; the timeouts leave room for a machine shared with others
+@pytest.mark.timeout(300)
+def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "bus.cli", "up", "--quick", "--steps", "400", "--out", str(out),
+                        "--progress", "line"], env=_env(), capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "completed"
+    assert s["initial_eval_version"] == 0
+    assert s["final_eval_loss"] < 0.9 * s["initial_eval_loss"], s["eval_history"]
+    assert set(s["learners"]) == {"us-0", "eu-0", "us-1", "eu-1"}
+    for lid, l in s["learners"].items():
+        assert l["steps"] == 400 and l["exit_code"] == 0, (lid, l)
+        assert l["contributions"] > 0, (lid, l)  # accepted and applied by the aggregator
+    # the only rejections a healthy run may see: contributions sent while the monitor still lists the
+    # learner as joining (tiny steps outrun its first heartbeats; see docs/deploy.md)
+    assert set(s["rejected"]) <= {"inactive_learner"}, s["rejected"]
+    assert all(v > 0 for v in s["versions"].values())
+    assert s["evictions"] == 0
+    assert s["broker_bytes"] > 0 and s["dp_equivalent_bytes"] > 0 and s["broker_over_dp"] > 0
+    assert (out / "eval_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logs = {p.name for p in (out / "logs").iterdir()}
+    assert {"aggregator.log", "monitor.log", "evaluator.log", "learner-us-0.log", "nats-server.log"} <= logs
+    assert "held-out loss" in p.stdout and "eu-1" in p.stdout  # progress lines and the summary
+    assert _survivors(out) == []
+
+
+@pytest.mark.timeout(300)
+def test_up_sigint_mid_run_stops_everything_and_writes_a_summary(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "bus.cli", "up", "--quick", "--steps", "100000", "--out",
+                             str(out), "--progress", "line", "--progress-interval", "0.5"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # until a learner reports steps
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if any(f"{lid} " in line and not line.split(f"{lid} ")[1].startswith("0 ")
+                   for lid in ("us-0", "eu-0")):
+                break
+        assert proc.poll() is None, "".join(lines)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (0, 130), "".join(lines) + rest
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "interrupted"
+    assert s["initial_eval_loss"] is not None and s["total_inner_steps"] > 0
+    assert _survivors(out) == []
