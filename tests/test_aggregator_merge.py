@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from aggregator.merge import (
+from aggregator.merge import MIN_DIRECTION_NORM, (
     block_slices,
     clip_scales,
     clip_to_median_norm,
@@ -243,7 +243,8 @@ def test_mean_is_inside_the_coordinate_range(batch):
 def direction_is_defined(mat: np.ndarray, w: np.ndarray) -> bool:
     """False when the unit vectors (nearly) cancel: RDA's direction is then ill-conditioned."""
     norms = np.array([l2_norm(v) for v in mat])
-    u = sum((wi / ni * v.astype(np.float64) for wi, ni, v in zip(w, norms, mat) if ni > 0),
+    # vectors with norm <= MIN_DIRECTION_NORM (e.g. subnormals) count as zero for the direction
+    u = sum((wi / ni * v.astype(np.float64) for wi, ni, v in zip(w, norms, mat) if ni > MIN_DIRECTION_NORM),
             np.zeros(mat.shape[1]))
     return bool(np.linalg.norm(u) > 1e-3 * w.max())
 
