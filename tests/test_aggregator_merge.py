@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from aggregator.merge import MIN_DIRECTION_NORM, (
+from aggregator.merge import (
+    MIN_DIRECTION_NORM,
     block_slices,
     clip_scales,
     clip_to_median_norm,
