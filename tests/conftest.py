@@ -40,3 +40,15 @@ async def js(nc):
 
 def pytest_configure(config):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# CI runs property tests with a fixed seed so a landing never depends on a lucky draw; run
+# locally (no CI variable) hypothesis keeps exploring new examples.
+try:
+    from hypothesis import settings as _hsettings
+
+    _hsettings.register_profile("ci", derandomize=True, deadline=None)
+    if os.environ.get("CI"):
+        _hsettings.load_profile("ci")
+except ImportError:  # pragma: no cover
+    pass
