@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import sys
 import time
 
 import orjson
+
+from learner.loop import peak_rss_mib as _peak_rss_mib
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -23,20 +24,7 @@ def machine() -> dict:
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
 
 
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process in MiB.
-
-    Reads VmHWM from /proc (reset by exec), not ``ru_maxrss``, which a child started with
-    fork+exec inherits from its parent on Linux.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak_rss_mib = _peak_rss_mib  # VmHWM: see learner.loop.peak_rss_mib
 
 
 def progress(msg: str) -> None:

@@ -387,3 +387,20 @@ def rss_mib(maxrss_kib: int) -> float:
     """Linux ``ru_maxrss`` (KiB) in MiB."""
     return round(maxrss_kib / 1024.0, 1)
 
+
+def peak_rss_mib() -> float:
+    """Peak RSS of this process in MiB: /proc VmHWM (reset by exec), else ``ru_maxrss``.
+
+    Not ``ru_maxrss`` first: a child started with fork+exec inherits its parent's peak on Linux.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return rss_mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+

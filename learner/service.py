@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import math
-import resource
 import signal
 import sys
 import threading
@@ -161,17 +160,7 @@ async def close_quietly(nc, timeout: float = 5.0) -> None:
             pass
 
 
-def peak_rss_mib() -> float:
-    """Peak RSS in MiB: /proc VmHWM (reset by exec; ``ru_maxrss`` of a fork+exec child starts at
-    its parent's peak on Linux), falling back to ``ru_maxrss`` elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return lp.rss_mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+peak_rss_mib = lp.peak_rss_mib
 
 
 # -- compute backends: everything they do runs in the learner's single worker thread ---------------
