@@ -5,9 +5,14 @@ environment variables exactly as it would be on separate machines; the launcher 
 values, starts the processes, watches the run through the ``metrics`` subjects and stops
 everything at the end. Order of a run:
 
-1. start the broker (:mod:`bus.topology`: one JetStream server, or a hub plus one leaf-node
+1. generate the run's credentials into ``OUT/auth`` (:func:`bus.auth.init`: one account, one
+   least-privilege user per role and per learner; new passwords every time) and start the broker
+   (:mod:`bus.topology`: one JetStream server with those accounts, or a hub plus one leaf-node
    server per region), its JetStream store under ``OUT/nats-store`` (wiped at start: every
-   ``diloco up`` is a fresh run);
+   ``diloco up`` is a fresh run). Each role process gets its user's env file merged into its
+   environment; the launcher itself connects as ``metrics`` (read-only). ``--no-auth``: anonymous
+   access as before; ``--topology leaf`` always runs without auth (leaf servers do not carry the
+   accounts);
 2. start the aggregator (it creates version 0), the monitor and the evaluator; wait for the
    evaluator's first held-out loss of version 0 (the *initial* loss);
 3. start the learners (``<region>-<i>``, spread round-robin over the regions, each on its own
@@ -33,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import json
 import math
 import os
@@ -176,6 +182,34 @@ def plan_processes(env: dict[str, str], n_learners: int, regions: list[str]) -> 
 def with_urls(procs: list[ProcSpec], url_for) -> list[ProcSpec]:
     return [ProcSpec(p.name, p.role, p.region, {**p.env, "DILOCO_NATS_URL": url_for(p.region)}, p.learner_id)
             for p in procs]
+
+
+#: The bus.auth user each role process connects as (learners: ``learner-<id>``).
+ROLE_USERS = {"aggregator": "aggregator", "monitor": "monitor", "eval": "evaluator"}
+
+
+def user_of(spec: ProcSpec) -> str:
+    """The NATS user of ``spec`` in the credentials ``bus.auth.init`` generates."""
+    if spec.role == "learner":
+        return f"learner-{spec.learner_id}"
+    return ROLE_USERS[spec.role]
+
+
+def with_credentials(procs: list[ProcSpec], env_files: dict[str, Any]) -> list[ProcSpec]:
+    """Each process with its user's env file (``DILOCO_NATS_USER``/``PASSWORD``, ...) merged into its env."""
+    from bus.auth import parse_env_file
+
+    out = []
+    for p in procs:
+        with open(env_files[user_of(p)]) as f:
+            creds = parse_env_file(f.read())
+        out.append(ProcSpec(p.name, p.role, p.region, {**p.env, **creds}, p.learner_id))
+    return out
+
+
+def auth_enabled(a: argparse.Namespace) -> bool:
+    """Credentials for this launch: on by default, off with --no-auth and for the leaf topology."""
+    return not a.no_auth and a.topology == "single"
 
 
 def validate_envs(procs: list[ProcSpec]) -> None:
@@ -518,7 +552,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"{QUICK_STEPS} with --quick)")
     p.add_argument("--out", default="./diloco-out", help="output folder: logs, store, summary.json, eval_loss.png")
     p.add_argument("--topology", choices=("single", "leaf"), default="single",
-                   help="single: one server; leaf: a hub plus one leaf-node server per region")
+                   help="single: one server; leaf: a hub plus one leaf-node server per region "
+                        "(always without auth: the leaf servers do not carry the run's accounts)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="anonymous access to the server, as before auth existed. Default (single topology): "
+                        "generate one least-privilege user per role and per learner into OUT/auth (bus.auth, "
+                        "new passwords every launch), start the server with those accounts only and give each "
+                        "process its user's credentials; the launcher reads as the metrics user")
     p.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="tiny | small | default (default: default, or tiny with --quick); DILOCO_* overrides win")
     p.add_argument("--quick", action="store_true", help="tiny model and few steps: a demo in about a minute")
@@ -554,6 +594,8 @@ class Launcher:
         env["DILOCO_UP_OUT"] = self.out  # marks every child (and server) of this launch: find them by it
         self.env = env
         self.specs = plan_processes(env, a.learners, a.regions)
+        self.auth = auth_enabled(a)
+        self.auth_dir = os.path.join(self.out, "auth")
         self.children: list[Child] = []
         self.topology = None
         self.state: RunState | None = None
@@ -576,6 +618,8 @@ class Launcher:
     def write_processes(self) -> None:
         data = {"launcher": os.getpid(),
                 "servers": self.topology.pids() if self.topology else {},
+                "server_urls": {n: s.url for n, s in self.topology.servers.items()} if self.topology else {},
+                "auth": self.auth_dir if self.auth else None,  # the folder of the env files (no secrets here)
                 "children": [{"name": c.spec.name, "role": c.spec.role, "region": c.spec.region,
                               "pid": c.proc.pid if c.proc else None, "exit_code": c.poll(),
                               "log": os.path.relpath(c.log_path, self.out)} for c in self.children]}
@@ -659,20 +703,41 @@ class Launcher:
         rc = 0
         try:
             os.environ["DILOCO_UP_OUT"] = self.out  # the servers inherit the launcher's environment
-            self.topology = make_topology(self.a.topology, self.a.regions, store, os.path.join(self.out, "logs"))
+            auth_conf, me = "", CommonConfig(run=run)
+            if self.auth:
+                from bus.auth import init as auth_init
+                from bus.auth import parse_env_file
+
+                learners = [(p.learner_id, p.region) for p in self.specs if p.role == "learner"]
+                # plain passwords in the 0600 config: the env files next to it hold them anyway, and a
+                # bcrypt check per connection costs the shared cores seconds while every role starts
+                creds = auth_init(self.auth_dir, run, learners, force=True, hash_mode="plain")
+                auth_conf = creds.conf.read_text()
+                self.specs = with_credentials(self.specs, creds.env_files)
+                mine = parse_env_file(creds.env_files["metrics"].read_text())
+                me = CommonConfig(run=run, nats_user=mine["DILOCO_NATS_USER"],
+                                  nats_password=mine["DILOCO_NATS_PASSWORD"])
+            self.topology = make_topology(self.a.topology, self.a.regions, store, os.path.join(self.out, "logs"),
+                                          extra_config=auth_conf)
             self.topology.start()  # in the main thread: PR_SET_PDEATHSIG follows the spawning thread
             self.specs = with_urls(self.specs, self.topology.url_for)
             self.write_processes()
             urls = {n: s.url for n, s in self.topology.servers.items()}
+            access = (f"auth: one user per role, credentials in {self.auth_dir}" if self.auth else
+                      "auth: off (anonymous access" + (", --no-auth)" if self.a.no_auth else
+                                                       ": the leaf topology has no accounts)"))
             self.say(f"diloco up: {self.a.topology} topology {urls}; run {run!r}; "
                      f"{self.a.learners} learners over {','.join(self.a.regions)}; "
-                     f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; out {self.out}")
-            self.say(f"diloco up: logs in {os.path.join(self.out, 'logs')}; watch from another terminal with "
-                     f"DILOCO_NATS_URL={self.topology.hub_url} DILOCO_RUN={run} diloco metrics")
+                     f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; {access}; "
+                     f"out {self.out}")
+            watch = f"DILOCO_NATS_URL={self.topology.hub_url} DILOCO_RUN={run} diloco metrics"
+            if self.auth:
+                watch = f"(set -a; . {os.path.join(self.auth_dir, 'metrics.env')}; set +a; {watch})"
+            self.say(f"diloco up: logs in {os.path.join(self.out, 'logs')}; watch from another terminal with {watch}")
             async def quiet(*_: object) -> None:  # the launcher's own connection logs nothing
                 return None
 
-            nc = await connect(CommonConfig(nats_url=self.topology.hub_url, run=run), name="launcher",
+            nc = await connect(dataclasses.replace(me, nats_url=self.topology.hub_url), name="launcher",
                                error_cb=quiet, disconnected_cb=quiet, reconnected_cb=quiet)
             s = Subjects(run)
 
@@ -815,7 +880,7 @@ class Launcher:
         keys = ("DILOCO_D_MODEL", "DILOCO_N_LAYERS", "DILOCO_N_HEADS", "DILOCO_D_FF", "DILOCO_SEQ_LEN",
                 "DILOCO_NUM_FRAGMENTS", "DILOCO_BATCH_SIZE", "DILOCO_SYNC_EVERY", "DILOCO_MAX_STEPS",
                 "DILOCO_INNER_LR", "DILOCO_QUANTISER", "DILOCO_QUORUM", "DILOCO_MERGE")
-        settings = {"topology": self.a.topology, "regions": self.a.regions, "learners": self.a.learners,
+        settings = {"topology": self.a.topology, "auth": self.auth, "regions": self.a.regions, "learners": self.a.learners,
                     "model_preset": self.a.model_preset, "quick": self.a.quick,
                     "env": {k: self.env[k] for k in keys if k in self.env}}
         train = None

@@ -88,6 +88,9 @@ class Topology:
     regions: list[str]
     store_dir: str
     log_dir: str | None = None
+    #: Config text for the ``single`` server (``bus.auth``'s accounts fragment); the leaf topology
+    #: refuses it: its servers would need the accounts and a leaf remote bound to the run's account.
+    extra_config: str = ""
     servers: dict[str, EmbeddedServer] = field(default_factory=dict)
     _leaf_of: dict[str, str] = field(default_factory=dict)
 
@@ -130,10 +133,13 @@ class Topology:
         try:
             if self.kind == "single":
                 srv = EmbeddedServer(store_dir=os.path.join(self.store_dir, "nats"), server_name="diloco",
-                                     log_file=self._log("nats-server"))
+                                     log_file=self._log("nats-server"), extra_config=self.extra_config)
                 self.servers["nats"] = srv
                 srv.start(timeout)
                 return self
+            if self.extra_config:
+                raise ServerError("the leaf topology runs without auth (no accounts on leaf servers): "
+                                  "use the single topology or diloco up --no-auth")
             hub_store = os.path.join(self.store_dir, "hub")
             leaf_port = free_port()
             hub = EmbeddedServer(store_dir=hub_store, server_name="diloco-hub", log_file=self._log("nats-hub"),
@@ -204,5 +210,8 @@ class Topology:
                 "client_bytes": sum(c["in_bytes"] + c["out_bytes"] for c in conns)}
 
 
-def make_topology(kind: str, regions: list[str], store_dir: str, log_dir: str | None = None) -> Topology:
-    return Topology(kind=kind, regions=list(regions), store_dir=store_dir, log_dir=log_dir)
+def make_topology(kind: str, regions: list[str], store_dir: str, log_dir: str | None = None,
+                  extra_config: str = "") -> Topology:
+    """``extra_config``: appended to the single server's config (e.g. ``bus.auth``'s accounts)."""
+    return Topology(kind=kind, regions=list(regions), store_dir=store_dir, log_dir=log_dir,
+                    extra_config=extra_config)

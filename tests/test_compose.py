@@ -1,11 +1,14 @@
 """compose.yaml and the Dockerfile, without a Docker engine.
 
-The structure is checked from the parsed YAML; then every service is run the way compose would run
-it: the ``nats`` service's command (the real nats-server binary with the compose config file and
-``-js -sd /data``, paths mapped to a temp dir, ports to free loopback ones) and every other
-service's ``command`` with its ``environment`` as local processes, the ``nats`` hostname in
-``DILOCO_NATS_URL`` mapped to that server. Only where the compose values would be too slow for a
-test (the default model, 1000 steps, 10 s evaluations) are they overridden: ``TEST_OVERRIDES``.
+First the documented ``diloco auth init`` command (``INIT_ARGS``, the one to run before ``docker
+compose up``) generates ``./diloco-auth`` in a temp dir. The structure is checked from the parsed
+YAML; then every service is run the way compose would run it: the ``nats`` service's command (the
+real nats-server binary with the generated ``/auth/nats-server.conf``, the ``/auth`` mount mapped to
+a copy of the generated folder, ``/data`` and the ports to temp/free loopback ones) and every other
+service's ``command`` with its ``env_file`` and ``environment`` (which wins, as in compose) as local
+processes, the ``nats`` hostname in ``DILOCO_NATS_URL`` mapped to that server. Only where the
+compose values would be too slow for a test (the default model, 1000 steps, 10 s evaluations) are
+they overridden: ``TEST_OVERRIDES``.
 """
 
 from __future__ import annotations
@@ -43,9 +46,45 @@ MODEL_VARS = ("DILOCO_D_MODEL", "DILOCO_N_LAYERS", "DILOCO_N_HEADS", "DILOCO_D_F
               "DILOCO_NUM_FRAGMENTS", "DILOCO_SEED", "DILOCO_TIED_EMBEDDINGS", "DILOCO_MAX_IMBALANCE")
 
 
+#: What to run before `docker compose up` (docs/deploy.md and compose.yaml say so), from the project root.
+INIT_ARGS = ["auth", "init", "--run", "compose", "--learners", "4", "--regions", "us,eu", "--out", "./diloco-auth",
+             "--path-prefix", "/auth", "--url", "nats://nats:4222"]
+AUTH_MOUNT = "/auth"
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def auth_dir(tmp_path_factory) -> Path:
+    """``./diloco-auth`` as the documented init command writes it (run in a temp project dir)."""
+    cwd = tmp_path_factory.mktemp("project")
+    p = subprocess.run(local_argv(["diloco", *INIT_ARGS]), cwd=cwd, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return cwd / "diloco-auth"
+
+
+def user_of(svc: dict) -> str:
+    """The bus.auth user a service must run as."""
+    role = role_of(svc)
+    if role == "learner":
+        return f"learner-{svc['environment']['DILOCO_LEARNER_ID']}"
+    return {"eval": "evaluator"}.get(role, role)
+
+
+def env_file_of(svc: dict, auth: Path) -> Path:
+    """The service's env_file (``./diloco-auth/<user>.env``) in the generated folder ``auth``."""
+    rel = Path(svc["env_file"])
+    assert rel.parts[0] == "diloco-auth", svc["env_file"]
+    return auth.joinpath(*rel.parts[1:])
+
+
+def nats_mounts(nats: dict) -> dict[str, str]:
+    """Container path -> source of the nats service's volumes."""
+    return {v.split(":")[1]: v.split(":")[0] for v in nats["volumes"]}
 
 
 def diloco_services(compose: dict, include_profiles: bool = False) -> dict[str, dict]:
@@ -60,27 +99,50 @@ def role_of(svc: dict) -> str:
 # -- structure ------------------------------------------------------------------------------------
 
 
-def test_nats_service(compose):
+def test_init_command_is_documented():
+    cmd = "diloco " + " ".join(INIT_ARGS)
+    assert cmd in (ROOT / "docs" / "deploy.md").read_text()
+    assert cmd in COMPOSE.read_text()
+
+
+def test_nats_service(compose, auth_dir):
     nats = compose["services"]["nats"]
     assert nats["image"].split(":")[0] == "nats"  # the official image
     cmd = nats["command"]
-    assert cmd[cmd.index("-sd") + 1] == "/data" and "-js" in cmd
     conf_in_container = cmd[cmd.index("-c") + 1]
-    mounts = dict(v.split(":")[:2][::-1] for v in nats["volumes"])  # container path -> source
+    assert conf_in_container == f"{AUTH_MOUNT}/nats-server.conf"  # the generated config, accounts included
+    mounts = nats_mounts(nats)
     assert mounts["/data"] in compose["volumes"]  # a named volume holds the JetStream store
-    host_conf = ROOT / mounts[conf_in_container]
-    assert host_conf.is_file()
+    assert mounts[AUTH_MOUNT] == "./diloco-auth" and f"./diloco-auth:{AUTH_MOUNT}:ro" in nats["volumes"]
+    assert (auth_dir / Path(conf_in_container).relative_to(AUTH_MOUNT)).is_file()
     assert "healthcheck" in nats
-    assert all(p.startswith("127.0.0.1:") for p in nats.get("ports", []))  # monitoring has no auth
+    assert all(p.startswith("127.0.0.1:") for p in nats.get("ports", []))  # client port on loopback only
 
 
-def test_nats_config_is_valid_and_allows_8mib_messages(compose):
-    nats = compose["services"]["nats"]
-    mounts = dict(v.split(":")[:2][::-1] for v in nats["volumes"])
-    conf = ROOT / mounts[nats["command"][nats["command"].index("-c") + 1]]
-    ok, out = validate_config_file(str(conf))
+def test_nats_config_is_valid_and_allows_8mib_messages(auth_dir):
+    conf = auth_dir / "nats-server.conf"
+    ok, out = validate_config_file(str(conf))  # nats-server -t, the accounts fragment included
     assert ok, out
-    assert re.search(r"^max_payload:\s*8388608\b", conf.read_text(), re.M)
+    text = conf.read_text()
+    assert re.search(r"^max_payload:\s*8388608\b", text, re.M)
+    assert re.search(r'^\s*store_dir:\s*"/data"', text, re.M)  # the named volume
+    assert re.search(r'^http:\s*"127\.0\.0\.1:8222"', text, re.M)  # monitoring (no auth): container loopback
+    assert re.search(r'^include\s+"nats-auth\.conf"', text, re.M)
+    fragment = (auth_dir / "nats-auth.conf").read_text()
+    assert "accounts {" in fragment and "DILOCO_compose" in fragment and "no_auth_user" not in fragment
+
+
+def test_env_files_match_the_services(compose, auth_dir):
+    from bus.auth import parse_env_file
+
+    for name, svc in diloco_services(compose, include_profiles=True).items():
+        creds = parse_env_file(env_file_of(svc, auth_dir).read_text())
+        assert creds["DILOCO_NATS_USER"] == user_of(svc) and creds["DILOCO_NATS_PASSWORD"], name
+        assert creds["DILOCO_RUN"] == svc["environment"]["DILOCO_RUN"], name
+        assert creds["DILOCO_NATS_URL"] == svc["environment"]["DILOCO_NATS_URL"], name
+        for k in ("DILOCO_LEARNER_ID", "DILOCO_REGION"):
+            if k in creds:
+                assert creds[k] == svc["environment"][k], (name, k)
 
 
 def test_diloco_services(compose):
@@ -96,6 +158,8 @@ def test_diloco_services(compose):
         assert svc["command"][0] == "diloco" and svc["command"][1] in COMMANDS, name
         env = svc["environment"]
         assert isinstance(env, dict) and all(isinstance(v, str) for v in env.values()), name  # quoted values
+        assert svc["env_file"] == f"./diloco-auth/{user_of(svc)}.env", name  # its own least-privilege user
+        assert not {"DILOCO_NATS_USER", "DILOCO_NATS_PASSWORD"} & set(env), name  # secrets only in env files
         assert env["DILOCO_NATS_URL"].startswith("nats://nats:"), name
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
         from_env(CommonConfig, env)  # every value parses for its role
@@ -153,30 +217,42 @@ def local_argv(command: list[str]) -> list[str]:
     return ([str(exe)] if exe.exists() else [sys.executable, "-m", "bus.cli"]) + command[1:]
 
 
-def local_env(env: dict[str, str], nats_url: str) -> dict[str, str]:
+def local_env(svc: dict, nats_url: str, auth: Path) -> dict[str, str]:
+    """As compose: the env_file, then `environment:` (wins), then the test's overrides."""
+    from bus.auth import parse_env_file
+
     base = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-    out = {**base, **{k: str(v) for k, v in env.items()}, **TEST_OVERRIDES}
+    creds = parse_env_file(env_file_of(svc, auth).read_text())
+    out = {**base, **creds, **{k: str(v) for k, v in svc["environment"].items()}, **TEST_OVERRIDES}
     out["DILOCO_NATS_URL"] = re.sub(r"nats://nats:\d+", nats_url, out["DILOCO_NATS_URL"])
     return out
 
 
 @pytest.mark.timeout(300)
-def test_compose_services_train_as_local_processes(compose, tmp_path):
+def test_compose_services_train_as_local_processes(compose, auth_dir, tmp_path):
+    import nats as nats_py
+
+    from bus.auth import parse_env_file
     from bus.codec import loads_json
     from bus.config import CommonConfig
     from bus.conn import connect
     from bus.launcher import RunState, _child_preexec
 
     nats = compose["services"]["nats"]
-    mounts = dict(v.split(":")[:2][::-1] for v in nats["volumes"])
     port, http = free_port(), free_port()
-    conf = tmp_path / "nats.conf"  # the compose config, monitoring moved to loopback for the test
-    conf.write_text(re.sub(r"^http:.*$", f"http: 127.0.0.1:{http}", (ROOT / mounts["/etc/nats/nats.conf"]).read_text(),
-                           flags=re.M))
+    auth = tmp_path / "auth"  # what the container sees at /auth: the generated folder (as init wrote it)
+    shutil.copytree(auth_dir, auth)
     data = tmp_path / "data"
-    paths = {"/etc/nats/nats.conf": str(conf), "/data": str(data)}
-    argv = [find_binary()] + [paths.get(a, a) for a in nats["command"]] + ["-a", "127.0.0.1", "-p", str(port),
-                                                                            "-m", str(http)]
+    conf = auth / "nats-server.conf"  # ports and the /data volume mapped for the test; `include` unchanged
+    text = conf.read_text()
+    for pattern, value in [(r'^host: .*$', 'host: "127.0.0.1"'), (r"^port: .*$", f"port: {port}"),
+                           (r"^http: .*$", f'http: "127.0.0.1:{http}"'),
+                           (r'^(\s*)store_dir: "/data"$', f'\\1store_dir: "{data}"')]:
+        text, n = re.subn(pattern, value, text, count=1, flags=re.M)
+        assert n == 1, pattern
+    conf.write_text(text)
+    argv = [find_binary()] + [str(auth) + a[len(AUTH_MOUNT):] if a.startswith(AUTH_MOUNT + "/") else a
+                              for a in nats["command"]]
     logs = tmp_path / "logs"
     logs.mkdir()
     procs: dict[str, subprocess.Popen] = {}
@@ -189,11 +265,20 @@ def test_compose_services_train_as_local_processes(compose, tmp_path):
     def log_tail(name: str) -> str:
         return (logs / f"{name}.log").read_text(errors="replace")[-3000:]
 
+    def log_tail_all(name: str) -> str:
+        return (logs / f"{name}.log").read_text(errors="replace")
+
     async def go() -> RunState:
         url = f"nats://127.0.0.1:{port}"
         run = diloco_services(compose)["aggregator"]["environment"]["DILOCO_RUN"]
         state = RunState(run=run)
-        nc = await connect(CommonConfig(nats_url=url, run=run), name="t-compose")
+        with pytest.raises(Exception) as ei:  # no anonymous access
+            anon = await nats_py.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+            await anon.close()
+        assert "authorization" in repr(ei.value).lower() or isinstance(ei.value, nats_py.errors.NoServersError)
+        me = parse_env_file((auth / "metrics.env").read_text())  # the test watches as the read-only user
+        nc = await connect(CommonConfig(nats_url=url, run=run, nats_user=me["DILOCO_NATS_USER"],
+                                        nats_password=me["DILOCO_NATS_PASSWORD"]), name="t-compose")
 
         async def on_metrics(m):
             state.on_metrics(loads_json(m.data))
@@ -203,7 +288,7 @@ def test_compose_services_train_as_local_processes(compose, tmp_path):
         learners = [n for n in start_order(compose) if role_of(services[n]) == "learner"]
         for name in start_order(compose):
             if name not in learners:
-                spawn(name, local_argv(services[name]["command"]), local_env(services[name]["environment"], url))
+                spawn(name, local_argv(services[name]["command"]), local_env(services[name], url, auth))
         # test convenience: the held-out loss of version 0 before any learner trains
         deadline = time.monotonic() + 150
         while not state.evals:
@@ -212,7 +297,7 @@ def test_compose_services_train_as_local_processes(compose, tmp_path):
             assert time.monotonic() < deadline, "no evaluation"
             await asyncio.sleep(0.2)
         for name in learners:
-            spawn(name, local_argv(services[name]["command"]), local_env(services[name]["environment"], url))
+            spawn(name, local_argv(services[name]["command"]), local_env(services[name], url, auth))
         tool = diloco_services(compose, include_profiles=True)["metrics"]
         metrics_started = False
         deadline = time.monotonic() + 200
@@ -223,7 +308,7 @@ def test_compose_services_train_as_local_processes(compose, tmp_path):
                     continue
                 assert p.poll() is None, f"{n} exited: {log_tail(n)}"
             if not metrics_started and any(m.get("step", 0) > 0 for m in state.learners.values()):
-                spawn("metrics", local_argv(tool["command"]), local_env(tool["environment"], url))
+                spawn("metrics", local_argv(tool["command"]), local_env(tool, url, auth))
                 metrics_started = True
             await asyncio.sleep(0.2)
         for n in learners:
@@ -261,7 +346,12 @@ def test_compose_services_train_as_local_processes(compose, tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    assert (data / "jetstream").is_dir()  # -sd /data held the store
+    assert (data / "jetstream").is_dir()  # the /data volume held the store
+    # every role did its job as its own user; the only permitted denial: the monitor, started right after
+    # the aggregator, may try to create the run before the aggregator has (it then waits for it)
+    denied = [ln for ln in log_tail_all("nats").splitlines() if "Violation" in ln
+              and not ('"DILOCO_compose/user:monitor"' in ln and "$JS.API.STREAM.CREATE." in ln)]
+    assert denied == [], denied
     learners = sorted(e["environment"]["DILOCO_LEARNER_ID"] for e in diloco_services(compose).values()
                       if role_of(e) == "learner")
     contributions = state.contributions()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import nats
 import pytest
 
 from bus import launcher as L
@@ -62,6 +65,24 @@ def test_plan_gives_every_process_its_identity():
     assert all(p.env["DILOCO_RUN"] == "r1" for p in procs)
     L.validate_envs(procs)  # every role accepts its environment
     assert procs[0].argv()[1:] == ["-m", "bus.cli", "aggregator"]
+
+
+def test_each_process_gets_its_own_user(tmp_path):
+    from bus.auth import init
+
+    env = L.base_env({"DILOCO_RUN": "r1"}, "tiny", 10, quick=False)
+    procs = L.plan_processes(env, 3, ["us", "eu"])
+    r = init(tmp_path / "auth", "r1", [(p.learner_id, p.region) for p in procs if p.role == "learner"],
+             hash_mode="plain")
+    procs = L.with_credentials(procs, r.env_files)
+    users = {p.name: p.env["DILOCO_NATS_USER"] for p in procs}
+    assert users == {"aggregator": "aggregator", "monitor": "monitor", "evaluator": "evaluator",
+                     "learner-us-0": "learner-us-0", "learner-eu-0": "learner-eu-0", "learner-us-1": "learner-us-1"}
+    assert len({p.env["DILOCO_NATS_PASSWORD"] for p in procs}) == len(procs)  # nobody shares a password
+    assert [p.env["DILOCO_LEARNER_ID"] for p in procs if p.role == "learner"] == ["us-0", "eu-0", "us-1"]
+    L.validate_envs(procs)
+    assert L.auth_enabled(L.parse_args([])) and not L.auth_enabled(L.parse_args(["--no-auth"]))
+    assert not L.auth_enabled(L.parse_args(["--topology", "leaf"]))  # leaf servers carry no accounts
 
 
 def test_bad_variable_stops_before_anything_starts(tmp_path):
@@ -165,13 +186,51 @@ def _survivors(out: Path) -> list[str]:
     return alive
 
 
+def _server_url(out: Path, proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The launched server's client URL, from OUT/processes.json once the server is up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            urls = json.loads((out / "processes.json").read_text()).get("server_urls") or {}
+            if urls.get("nats"):
+                return urls["nats"]
+        time.sleep(0.1)
+    raise AssertionError("no server URL in processes.json")
+
+
+async def _try_connect(url: str, **kw) -> None:
+    nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3, **kw)
+    await nc.close()
+
+
 # about 20 s each on a quiet 2-core machine; the timeouts leave room for a machine shared with others
 @pytest.mark.timeout(300)
 def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
+    from bus.auth import parse_env_file
+
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "bus.cli", "up", "--quick", "--steps", "400", "--out", str(out),
-                        "--progress", "line"], env=_env(), capture_output=True, text=True, timeout=280)
+    proc = subprocess.Popen([sys.executable, "-m", "bus.cli", "up", "--quick", "--steps", "400", "--out", str(out),
+                             "--progress", "line"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        url = _server_url(out, proc)
+        # auth by default: no anonymous access, and no access with a wrong password
+        for kw in ({}, {"user": "metrics", "password": "not-the-password"}):
+            with pytest.raises(Exception) as ei:
+                asyncio.run(_try_connect(url, **kw))
+            assert "authorization" in repr(ei.value).lower() or isinstance(ei.value, nats.errors.NoServersError), \
+                ei.value
+        creds = parse_env_file((out / "auth" / "metrics.env").read_text())
+        asyncio.run(_try_connect(url, user=creds["DILOCO_NATS_USER"], password=creds["DILOCO_NATS_PASSWORD"]))
+        stdout, stderr = proc.communicate(timeout=280)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert json.loads((out / "processes.json").read_text())["auth"] == str(out / "auth")
+    assert creds["DILOCO_NATS_PASSWORD"] not in p.stdout + p.stderr + (out / "summary.json").read_text()
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "completed"
     assert s["initial_eval_version"] == 0
