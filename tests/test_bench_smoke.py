@@ -1,0 +1,25 @@
+"""Cheap checks of the evidence benchmarks' pure parts (the benchmarks themselves take minutes:
+run them with ``python -m bench.<name> --quick``)."""
+
+from bench.goodput import M, failure_trace
+from bench.runs import Cluster
+
+
+def test_failure_trace_is_seeded_and_alternates():
+    a = failure_trace(7, 100.0, 20.0, 3.0)
+    assert a == failure_trace(7, 100.0, 20.0, 3.0)
+    assert a != failure_trace(8, 100.0, 20.0, 3.0)
+    assert all(0 <= t < 100.0 for t, _, _ in a)
+    for i in range(M):
+        kinds = [k for _, k, j in a if j == i]
+        assert all(x != y for x, y in zip(kinds, kinds[1:]))  # kill, start, kill, ...
+        assert not kinds or kinds[0] == "kill"
+
+
+def test_peak_rate_over_one_second_windows():
+    c = Cluster.__new__(Cluster)
+    # 100 B/s steadily, then a 1000 B burst between t=2.0 and t=2.25
+    c.samples = [(t / 4, {"x": (int(100 * t / 4) + (1000 if t >= 9 else 0), 0)}) for t in range(20)]
+    assert 1000 <= c.peak_rate("x") <= 1100 + 1e-9
+    assert c.bytes_at("x", 1.1) == (100, 0)
+    assert c.peak_rate("missing") == 0.0
