@@ -58,6 +58,8 @@ class AggregatorConfig:
     staleness_b: int = var(4, integer(0), "b of the hinge: no discount up to b versions")
     max_staleness: int = var(16, integer(0), "reject contributions more than this many versions behind")
     norm_outlier_factor: float = var(10.0, number(1.0, lo_open=False), "reject norms above k x median of accepted")
+    norm_min_history: int = var(20, integer(1, 10_000),
+                                "accepted norms of a fragment before the outlier check starts (past the LR warm-up)")
     require_membership: bool = var(True, boolean(),
                                    "accept only learners the monitor lists as active (false: anyone is active)")
     downlink_quantiser: str = var("fp32", choice(*quant.QUANTISERS), "quantiser of published global versions")

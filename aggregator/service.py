@@ -208,7 +208,7 @@ class AggregatorService:
             active=self.active(), known=self.known(),
             applied=st.applied if st else None, pending=pending,
             norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
-            norm_outlier_factor=self.cfg.norm_outlier_factor,
+            norm_outlier_factor=self.cfg.norm_outlier_factor, norm_min_history=self.cfg.norm_min_history,
         ) if st else None
         norm = l2_norm(vec) if vec.dtype == np.float32 else float("nan")
         reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=norm)

@@ -46,7 +46,7 @@ async def _until(pred, timeout=10.0):
 
 async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchanged(nats_server, js):
     svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.1, max_staleness=2,
-                                   norm_outlier_factor=5.0)
+                                   norm_outlier_factor=5.0, norm_min_history=5)
     n = PLAN.sizes[0]
     await set_members(js, RUN, {"good": "active", "sleepy": "evicted"})
     await _until(lambda: svc.members.get("good") == "active")
