@@ -375,6 +375,48 @@ class VersionedStore:
                 await _unsubscribe(sub)
 
 
+async def follow_heads(store: VersionedStore, halt: asyncio.Event, on_head, known, num_fragments: int, log,
+                       verified: dict[int, int] | None = None, poll_interval: float = 5.0) -> None:
+    """Call ``await on_head(head)`` for every newer head of ``store`` until ``halt``.
+
+    Two loops: :meth:`VersionedStore.watch` (re-entered after errors), and, as a safety net after
+    reconnects or a dead subscription, a poll of every fragment's head every ``poll_interval``
+    seconds; ``known(p)`` is the newest version of p the caller already has.
+    """
+
+    async def sleep(seconds: float) -> None:
+        try:
+            await asyncio.wait_for(halt.wait(), max(0.0, seconds))
+        except asyncio.TimeoutError:
+            pass
+
+    async def watching() -> None:
+        while not halt.is_set():
+            try:
+                async for head in store.watch(halt, verified):
+                    await on_head(head)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("global_watch_error", error=repr(e))
+                await sleep(1.0)
+
+    async def polling() -> None:
+        while not halt.is_set():
+            await sleep(poll_interval)
+            for p in range(num_fragments):
+                if halt.is_set():
+                    return
+                try:
+                    head = await store.head(p)
+                except Exception:
+                    break
+                if head is not None and head.version > known(p):
+                    await on_head(head)
+
+    await asyncio.gather(watching(), polling())
+
+
 async def _unsubscribe(sub) -> None:
     try:
         await sub.unsubscribe()

@@ -32,7 +32,7 @@ from bus import codec
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import Head, VersionedStore
+from bus.transport import Head, VersionedStore, follow_heads
 from learner import loop as lp
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
 from learner.service import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, StartupError, close_quietly, connect_until,
@@ -133,26 +133,8 @@ class Evaluator:
             self.versions[p] = head.version
 
     async def _follow(self) -> None:
-        while not self._halt.is_set():
-            try:
-                async for head in self.store.watch(self._halt):
-                    await self._on_head(head)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.log.warning("global_watch_error", error=repr(e))
-                await self._sleep(1.0)
-
-    async def _poll(self) -> None:
-        while not self._halt.is_set():
-            await self._sleep(HEAD_POLL_INTERVAL)
-            for p in range(self.plan.num_fragments):
-                try:
-                    head = await self.store.head(p)
-                except Exception:
-                    break
-                if head is not None and head.version > self.versions.get(p, -1):
-                    await self._on_head(head)
+        await follow_heads(self.store, self._halt, self._on_head, lambda p: self.versions.get(p, -1),
+                           self.plan.num_fragments, self.log, poll_interval=HEAD_POLL_INTERVAL)
 
     async def _sleep(self, seconds: float) -> None:
         try:
@@ -193,7 +175,7 @@ class Evaluator:
                 await self._publish(record)
                 print(orjson.dumps(record).decode(), flush=True)
                 return EXIT_OK
-            tasks += [asyncio.create_task(self._follow()), asyncio.create_task(self._poll())]
+            tasks += [asyncio.create_task(self._follow())]
             while not self._halt.is_set():
                 if self.versions != self.evaluated:
                     await self._publish(await self.evaluate_now())

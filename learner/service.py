@@ -47,7 +47,7 @@ from bus.conn import connect
 from bus.log import get_logger, setup
 from bus.protocol import grad_meta, grad_obj_id
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkPublisher, Head, VersionedStore
+from bus.transport import ChunkPublisher, Head, VersionedStore, follow_heads
 from learner import loop as lp
 from learner.config import LearnerConfig, ModelConfig
 from learner.fragments import FragmentPlan, gather
@@ -330,7 +330,7 @@ class Learner:
                 print(f"diloco learner {self.id}: {e}", file=sys.stderr, flush=True)
                 return e.code
             tasks += [asyncio.create_task(c) for c in (
-                self._heartbeats(), self._metrics_loop(), self._follow_globals(), self._poll_heads(),
+                self._heartbeats(), self._metrics_loop(), self._follow_globals(),
                 self._follow_membership())]
             await self._train()
             await self._drain()
@@ -619,28 +619,8 @@ class Learner:
         self.log.warning("global_version_rejected", reason=reason, fragment=head.fragment, version=head.version, **kw)
 
     async def _follow_globals(self) -> None:
-        while not self._halt.is_set():
-            try:
-                async for head in self.store.watch(self._halt, self._verified):
-                    await self._on_head(head)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.log.warning("global_watch_error", error=repr(e))
-                await self._sleep(1.0)
-
-    async def _poll_heads(self) -> None:
-        while not self._halt.is_set():
-            await self._sleep(HEAD_POLL_INTERVAL)
-            for p in range(self.P):
-                if self._halt.is_set():
-                    return
-                try:
-                    head = await self.store.head(p)
-                except Exception:
-                    break
-                if head is not None and head.version > self.book.frags[p].known_version:
-                    await self._on_head(head)
+        await follow_heads(self.store, self._halt, self._on_head, lambda p: self.book.frags[p].known_version,
+                           self.P, self.log, self._verified, HEAD_POLL_INTERVAL)
 
     # -- membership ---------------------------------------------------------------------------------
 
