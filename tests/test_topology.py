@@ -278,7 +278,7 @@ def test_gateway_supercluster_shares_one_jetstream(tmp_path):
                                         log_file=str(tmp_path / f"{r}.log"))
             servers[r].start(timeout=30)
         code = f"""
-import asyncio, nats
+import asyncio, nats, nats.errors, nats.js.errors
 async def main():
     us = await nats.connect("{servers['us'].url}"); eu = await nats.connect("{servers['eu'].url}")
     jus, jeu = us.jetstream(timeout=10), eu.jetstream(timeout=10)
@@ -289,7 +289,13 @@ async def main():
             await asyncio.sleep(0.2)
     si = await jus.add_stream(name="G", subjects=["g.>"], allow_direct=True)
     assert si.cluster.name == "us", si.cluster
-    await jeu.publish("g.1", b"from-eu")
+    for _ in range(100):  # the stream's interest reaches the other cluster over the gateway shortly
+        try:
+            await jeu.publish("g.1", b"from-eu"); break
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+            await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the stream never became reachable from eu")
     kv = await jus.create_key_value(bucket="gkv")
     await (await jeu.key_value("gkv")).put("k", b"v")
     assert (await kv.get("k")).value == b"v"
