@@ -77,6 +77,18 @@ class NetProxy:
         self._loop.call_soon_threadsafe(lambda: setattr(self, "cut_flag", False))
 
     def close(self) -> None:
-        self.cut()
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        async def shutdown() -> None:
+            self.cut_flag = True
+            for w in list(self._writers):
+                w.close()
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._loop.stop()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
         self._thread.join(5)
