@@ -21,7 +21,6 @@ Several aggregators can share a run, each owning a disjoint fragment range
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 import time
 from collections import Counter
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
-from nats.js.errors import KeyNotFoundError
 
 from aggregator.bootstrap import RunMismatch, bootstrap_run, make_plan
 from aggregator.config import AggregatorConfig, parse_fragments
@@ -39,6 +37,7 @@ from aggregator.quorum import ArrivalStats, GracePolicy, decide
 from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale
 from aggregator.validate import ValidationContext, validate
 from bus import codec
+from bus.signals import install_stop
 from bus.chunks import Assembled, Dropped
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import connect
@@ -399,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def go() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        install_stop(stop)
         await svc.run(stop)
 
     try:

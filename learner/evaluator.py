@@ -29,6 +29,7 @@ import numpy as np
 import orjson
 
 from bus import codec
+from bus.signals import install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
 from bus.subjects import GLOBAL, Subjects
@@ -195,14 +196,11 @@ class Evaluator:
 
 
 async def _amain(once: bool) -> int:
-    import signal
-
+    
     common = from_env(CommonConfig)
     ev = Evaluator(common, from_env(ModelConfig), from_env(LearnerConfig), from_env(EvalConfig))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    install_stop(stop)
     return await ev.run(stop, once=once)
 
 

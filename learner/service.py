@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import math
-import signal
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from bus import codec
+from bus.signals import install_stop
 from bus.config import CommonConfig, from_env
 from bus.conn import connect
 from bus.log import get_logger, setup
@@ -736,9 +736,7 @@ class Learner:
 
 async def _amain(common: CommonConfig, model: ModelConfig, cfg: LearnerConfig) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    install_stop(stop)
     return await Learner(common, model, cfg).run(stop)
 
 

@@ -22,17 +22,17 @@ import dataclasses
 import math
 import re
 import shutil
-import signal
 import sys
 import time
 from typing import Any
 
+from bus.signals import install_stop
 from bus.codec import CodecError, dumps_json, loads_json
 from bus.config import CommonConfig, ConfigError, from_env, nats_urls, token
 from bus.conn import connect
 from bus.log import setup
 from bus.subjects import GLOBAL, Subjects
-from monitor.metrics_view import ROLES, MetricsSnapshot, filter_msg, fold, render_table
+from monitor.metrics_view import ROLES, MetricsSnapshot, filter_msg, fmt_age, fold, render_table
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -124,15 +124,6 @@ def _run_cli(prog: str, coro_fn, a: argparse.Namespace) -> int:
         return 130
 
 
-def _install_stop(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-
-
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -140,19 +131,6 @@ def _fmt_bytes(n: float | None) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return f"{int(n)}B"
-
-
-def _fmt_age(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    s = max(0.0, seconds)
-    if s < 10:
-        return f"{s:.1f}s"
-    if s < 120:
-        return f"{s:.0f}s"
-    if s < 7200:
-        return f"{s / 60:.0f}m"
-    return f"{s / 3600:.0f}h"
 
 
 # --------------------------------------------------------------------------- diloco metrics
@@ -192,7 +170,7 @@ def _bump_malformed(snap: MetricsSnapshot, reason: str) -> MetricsSnapshot:
 
 async def _metrics(cfg: CommonConfig, a: argparse.Namespace) -> int:
     stop = asyncio.Event()
-    _install_stop(stop)
+    install_stop(stop)
     nc = await open_connection(cfg, name="cli-metrics", persistent=not a.once)
     state = {"snap": MetricsSnapshot(run=cfg.run)}
     stream_lines = a.json and not a.once
@@ -408,9 +386,9 @@ def render_status(st: dict[str, Any], width: int = 120) -> str:
     elif "error" in leader:
         lines.append(f"leader     ERROR {leader['error']}")
     elif leader["valid"]:
-        lines.append(f"leader     {leader['id']} (lease valid for {_fmt_age(leader['until'] - now)})")
+        lines.append(f"leader     {leader['id']} (lease valid for {fmt_age(leader['until'] - now)})")
     else:
-        lines.append(f"leader     {leader['id'] or '?'} (lease EXPIRED {_fmt_age(now - leader['until'])} ago)")
+        lines.append(f"leader     {leader['id'] or '?'} (lease EXPIRED {fmt_age(now - leader['until'])} ago)")
 
     ms = st.get("membership")
     if ms is None:
@@ -423,8 +401,8 @@ def render_status(st: dict[str, Any], width: int = 120) -> str:
         if ms["members"]:
             rows = [("LEARNER", "REGION", "STATE", "SINCE", "SEEN", "STEP", "REASON")]
             for m in ms["members"]:
-                rows.append((m["learner"], m["region"], m["state"], _fmt_age(now - m["since"]),
-                             _fmt_age(now - m["last_seen"]), str(m["step"]), m["reason"]))
+                rows.append((m["learner"], m["region"], m["state"], fmt_age(now - m["since"]),
+                             fmt_age(now - m["last_seen"]), str(m["step"]), m["reason"]))
             widths = [max(len(r[i]) for r in rows) for i in range(6)]
             for r in rows:
                 text = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]

@@ -426,8 +426,9 @@ def _fmt_stale(x: float | None) -> str:
     return _fit(5, str(int(x)) if x.is_integer() else f"{x:.1f}", f"{x:.0f}", f"{x:.0e}")
 
 
-def _fmt_age(seconds: float | None) -> str:
-    if seconds is None:
+def fmt_age(seconds: float | None) -> str:
+    """Compact age for tables: 4.2s, 37s, 12m, 5h, 3d ('-' when unknown)."""
+    if seconds is None or not math.isfinite(seconds):
         return "-"
     s = max(0.0, seconds)
     if s < 10:
@@ -521,7 +522,7 @@ def render_table(snapshot: MetricsSnapshot, width: int = 100, now: float | None 
                         _fmt_bytes(r.bytes_sent),
                         _fmt_bytes(r.bytes_received),
                         _fmt_stale(r.staleness),
-                        _fmt_age(None if ref is None else ref - r.ts),
+                        fmt_age(None if ref is None else ref - r.ts),
                     ]
                 )
             )

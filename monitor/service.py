@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from typing import Any
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from bus.signals import install_stop
 from bus.codec import CodecError, dumps_json, loads_json
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import connect
@@ -682,12 +682,7 @@ class MonitorService:
 
 async def _amain(common: CommonConfig, cfg: MonitorConfig) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    install_stop(stop)
     svc = MonitorService(common, cfg)
     try:
         await svc.run(stop)

@@ -7,7 +7,6 @@ from collections import Counter
 
 import numpy as np
 import orjson
-import pytest
 from nats.js.api import DeliverPolicy
 
 from aggregator.config import AggregatorConfig

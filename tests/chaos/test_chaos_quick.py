@@ -13,7 +13,7 @@ async def test_one_of_each_fault_keeps_every_invariant(tmp_path):
         await run.warm_up()
         for fault in FAULTS:
             await run.trial(fault)
-        report = await run.drain_and_check()
+        await run.drain_and_check()
     finally:
         await run.close()
     print(table(run.report), run.report.details)
