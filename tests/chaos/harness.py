@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 import orjson
 from nats.js.api import DeliverPolicy
 
-from bus import codec
 from bus.chunks import Assembled
 from bus.config import CommonConfig
 from bus.conn import connect
 from bus.server import EmbeddedServer
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkConsumer, VersionedStore
+from bus.transport import ChunkConsumer
 from tests.netproxy import NetProxy
 from tests.system import FAST_AGG, FAST_MONITOR, PY, member_states
 
@@ -182,7 +181,8 @@ class ChaosRun:
         if fault == "kill_server":
             self.server.kill()
             await asyncio.sleep(down)
-            await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+            # JetStream recovers the file store before it is healthy: slow on a loaded machine
+            await asyncio.get_running_loop().run_in_executor(None, lambda: self.server.start(timeout=90))
         elif fault == "cut_learner":
             self.proxies[target].cut()
             await asyncio.sleep(down + 1.5)  # past the eviction timeout
