@@ -1,9 +1,10 @@
 """Quality: held-out loss of Decoupled DiLoCo (M=4 learners through the real bus) against data-parallel.
 
 Decoupled: an embedded server, one aggregator (defaults: K=1, adaptive grace, RDA, outer Nesterov
-0.7/0.9, fp32 downlink; the norm-outlier check off, see ``bench.runs.run_learners``) and M=4 real JAX learner processes (defaults: H=24, P=8 staggered
-fragments, int8 outer gradients with error feedback), each running ``steps`` inner steps of batch b
-on its own data shard; then ``diloco eval --once`` on the final global model.
+0.7/0.9, fp32 downlink) and M=4 real JAX learner processes (defaults: H=24, P=8 staggered
+fragments, int8 outer gradients with error feedback, rebase on arrival, one download per fragment
+and round, a final sync at the step budget), each running ``steps`` inner steps of batch b on its
+own data shard; then ``diloco eval --once`` on the final global model.
 Data-parallel: one process, the same model, the same version-0 parameters (same seed), the same
 AdamW settings and schedule, batches of M x b (b from each of the M shards) for the same number
 of steps, so both saw the same number of tokens (``bench/dp.py``); the same held-out batches.
@@ -56,7 +57,7 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
     progress(f"data-parallel eval {dp['eval_loss']:.4f} ({dp['train_seconds']} s)")
     d, b = dec["eval"]["eval_loss"], dp["eval_loss"]
     agg = dec["aggregator"]
-    return {"M": M, "steps": steps, "settings": env, "aggregator": {"DILOCO_NORM_OUTLIER_FACTOR": "1000000"}, "params": dp["params"], "tokens": dp["tokens"],
+    return {"M": M, "steps": steps, "settings": env, "params": dp["params"], "tokens": dp["tokens"],
             "decoupled_loss": d, "dp_loss": b, "loss_gap": (d - b) / b,
             "decoupled": {"wall_s": dec["wall_s"], "merges": agg.get("merges"), "rejected": agg.get("rejected"),
                           "staleness_hist": agg.get("staleness_hist"), "versions": agg.get("versions"),

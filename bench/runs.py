@@ -277,11 +277,6 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
     """
     per_learner = per_learner or {}
     names = [f"learner-{i}" for i in range(M)]
-    # Workaround: the aggregator's norm-outlier check (reject norm > k x median of the last accepted
-    # norms, k=10 by default) freezes a fragment when its first accepted norms come from the LR
-    # warm-up (tiny) and later, normal outer gradients are all > 10x larger: every one is rejected
-    # and the history never moves. Benchmarks of training quality turn it off (k=1e6) unless told.
-    agg = {"DILOCO_NORM_OUTLIER_FACTOR": "1000000", **(agg or {})}
     async with Cluster(run, env) as c:
         c.start("aggregator", "aggregator", DILOCO_REQUIRE_MEMBERSHIP="false", **(agg or {}))
         if sample_connz:

@@ -46,7 +46,14 @@ class LearnerConfig:
                        "model: the JAX transformer; synthetic: sleep DILOCO_STEP_TIME per step with pseudo-gradients "
                        "(any mode; DILOCO_MODE=synthetic is async + synthetic)")
     sync_every: int = var(24, integer(1, 1_000_000), "H: inner steps between two syncs of the same fragment")
-    mix_alpha: float = var(0.0, number(0.0, 0.999), "theta <- a*local + (1-a)*global on arrival (0 overwrites)")
+    on_arrival: str = var("rebase", choice("rebase", "mix"),
+                          "rebase: theta <- global + (theta - base), keeping local progress since the last sync; "
+                          "mix: theta <- a*theta + (1-a)*global (DILOCO_MIX_ALPHA)")
+    mix_alpha: float = var(0.0, number(0.0, 0.999), "DILOCO_ON_ARRIVAL=mix: weight a of the local parameters (0 overwrites)")
+    fetch: str = var("round", choice("round", "every"),
+                     "round: download a fragment once per own sync (the version with our contribution, else the "
+                     "newest after H/2 steps); every: each new version (sync mode always does)")
+    final_sync: bool = var(True, boolean(), "on reaching the step budget, send every fragment's unsent steps before exiting")
     quantiser: str = var("int8", choice(*quant.QUANTISERS), "outer-gradient quantiser")
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
     batch_size: int = var(16, integer(1, 1 << 20), "sequences per inner step")

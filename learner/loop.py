@@ -81,6 +81,7 @@ class FragmentBook:
     pending_version: int = -1  # newest downloaded version not yet mixed in (-1: none)
     known_version: int = -1  # newest global version seen (head), downloaded or not
     last_contrib_base: int | None = None  # base version of the last contribution sent
+    armed: bool = False  # fetch policy "round": one download is due since the last sync
     sent: int = 0
     skipped: int = 0
     failed: int = 0
@@ -146,7 +147,12 @@ class Bookkeeper:
         f.next_round += 1
         f.steps = f.tokens = 0
         f.inflight = True
+        f.armed = True
         return c
+
+    def unsent_fragments(self) -> list[int]:
+        """Fragments holding inner steps not yet sent (for the final sync when the run ends)."""
+        return [p for p, f in enumerate(self.frags) if f.steps > 0]
 
     def end_sync(self, c: Contribution, ok: bool) -> None:
         """A publish finished. A failed one gives its counters back (the work is still in theta)."""
@@ -176,8 +182,21 @@ class Bookkeeper:
         f = self.frags[p]
         return version > f.base_version and version > f.pending_version
 
+    def fetch_due(self, p: int, version: int, own_applied: bool) -> bool:
+        """Fetch policy ``round``: download version ``version`` of p now?
+
+        At most one download per fragment per round of this learner: after a sync of p (armed), take
+        the first newer version that applies our contribution, or, if none did within H/2 inner
+        steps (rejected, aggregator slow or down), the newest version there is.
+        """
+        f = self.frags[p]
+        if not (f.armed and self.wants(p, version)):
+            return False
+        return own_applied or f.steps >= max(1, self.H // 2)
+
     def on_downloaded(self, p: int, version: int) -> None:
         f = self.frags[p]
+        f.armed = False
         f.pending_version = max(f.pending_version, int(version))
         f.known_version = max(f.known_version, int(version))
 
@@ -199,6 +218,7 @@ class Bookkeeper:
             if f.pending_version <= v:
                 f.pending_version = -1
             f.steps = f.tokens = 0
+            f.armed = False
 
     def versions(self) -> dict[int, int]:
         """{fragment: base version} for heartbeats (fragments without a version are left out)."""

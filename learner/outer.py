@@ -58,6 +58,19 @@ def mix(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:
     return (np.float32(alpha) * local + np.float32(1.0 - alpha) * global_).astype(np.float32)
 
 
+def rebase(local: np.ndarray, base: np.ndarray, global_: np.ndarray) -> np.ndarray:
+    """global_ + (local - base), float32 (a new array): take a new global version and keep the local
+    progress made since the reference ``base`` (the parameters at the last sync or arrival).
+
+    That progress is then part of the next outer gradient (base_p becomes global_), so no inner step
+    is lost to an arrival. Overwriting (``mix`` with alpha 0) drops it: with K=1 merges a fragment
+    gets up to M versions per round, and each would discard the learner's work since the previous.
+    """
+    local, base = _pair(local, base, "local/base")
+    local, global_ = _pair(local, global_, "local/global")
+    return (global_ + (local - base)).astype(np.float32, copy=False)
+
+
 def feedback_step(
     delta: np.ndarray,
     residual: np.ndarray | None,

@@ -11,10 +11,15 @@ Life of a learner::
 
     loop until DILOCO_MAX_STEPS (or DILOCO_TOTAL_STEPS) or SIGTERM/SIGINT:
         resync if the monitor evicted this process          (fetch all, overwrite, drop residuals)
-        mix in downloaded global versions                    theta_p <- a theta_p + (1-a) Theta_p
+        take in downloaded global versions                   theta_p <- Theta_p + (theta_p - base_p); base_p <- Theta_p
         one inner step in the worker thread                  (AdamW, or synthetic)
         for every fragment p due: Delta_p = base_p - theta_p (+ error feedback), quantise, publish
                                   in the background; sync mode waits for the merged version
+    at the step budget: a final sync of every fragment with unsent steps, then wait for the publishes
+
+Downlink (async mode, DILOCO_FETCH=round): a fragment is downloaded at most once per own sync, the
+first newer version that applies our contribution (or the newest, H/2 steps after the sync), so a
+learner fetches about N values per H steps, not one version per merge.
 
 Background tasks on the event loop, alive during long steps: heartbeats, metrics, a watch on the
 global heads (plus a slow poll as a safety net after reconnects), the watch on this learner's
@@ -51,7 +56,7 @@ from bus.transport import ChunkPublisher, Head, VersionedStore, follow_heads
 from learner import loop as lp
 from learner.config import LearnerConfig, ModelConfig
 from learner.fragments import FragmentPlan, gather
-from learner.outer import feedback_step, mix, outer_gradient, relative_error
+from learner.outer import feedback_step, mix, outer_gradient, rebase, relative_error
 from learner.spec import ModelSpec, count_params, spec_hash
 
 EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_TIMEOUT = 0, 1, 3, 4
@@ -299,6 +304,9 @@ class Learner:
         self._news = asyncio.Event()
         self._head_lock = asyncio.Lock()
         self._verified: dict[int, int] = {}  # fragment -> newest version whose blob we checked
+        self._candidate: dict[int, Head] = {}  # fetch=round: newest head seen, not downloaded yet
+        self._fetch_all = cfg.fetch == "every" or cfg.mode == "sync"
+        self._fetches: set[asyncio.Task] = set()
         # secret part of our message ids: the incarnation is public (membership records), so without it
         # another learner could publish chunks under our future ids and get ours dropped as duplicates
         self._nonce = uuid.uuid4().hex[:12]
@@ -346,9 +354,9 @@ class Learner:
         finally:
             self._halt.set()
             self._cancel.set()
-            for t in tasks + list(self._publishes):
+            for t in tasks + list(self._publishes) + list(self._fetches):
                 t.cancel()
-            await asyncio.gather(*tasks, *self._publishes, return_exceptions=True)
+            await asyncio.gather(*tasks, *self._publishes, *self._fetches, return_exceptions=True)
             await close_quietly(self.nc)
             self._executor.shutdown(wait=False)
 
@@ -436,7 +444,28 @@ class Learner:
                     waits.append((c, task))
             if cfg.mode == "sync" and waits:
                 await self._sync_wait(waits)
+            if not self._fetch_all:
+                self._fetch_candidates()
+        if cfg.final_sync and not self._halt.is_set():
+            await self._final_sync()
         self.log.info("training_done", step=self.book.step, halted=self._halt.is_set())
+
+    async def _final_sync(self) -> None:
+        """The step budget is reached: send the steps every fragment holds since its last sync.
+
+        Without it about H/2 inner steps per fragment of every learner never reach the global model.
+        """
+        await self._drain()  # a publish still in flight would make begin_sync skip its fragment
+        tasks = []
+        for p in self.book.unsent_fragments():
+            c = self.book.begin_sync(p)
+            if c is None:
+                continue
+            blob, meta = await self._in_worker(self._prepare, c)
+            tasks.append(asyncio.create_task(self._publish(c, blob, meta)))
+        if tasks:
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            self.log.info("final_sync", fragments=len(tasks), published=sum(1 for d in done if d is True))
 
     async def _sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -541,13 +570,16 @@ class Learner:
             self.log.debug("merged", versions=dict(merged))
 
     def _apply(self, items: dict[int, tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
-        """Worker thread, at a step boundary: theta_p <- mix(theta_p, Theta_p, alpha); base_p <- Theta_p."""
+        """Worker thread, at a step boundary: theta_p <- Theta_p + (theta_p - base_p) (rebase) or
+        mix(theta_p, Theta_p, alpha) (mix); then base_p <- Theta_p."""
         alpha = self.cfg.mix_alpha
         merged = []
         for p, (v, vec) in sorted(items.items()):
             if v <= self.book.frags[p].base_version:
                 continue
-            if alpha == 0.0:
+            if self.cfg.on_arrival == "rebase":
+                self.backend.set_fragment(p, rebase(self.backend.get_fragment(p), self.base[p], vec))
+            elif alpha == 0.0:
                 self.backend.set_fragment(p, vec)
             else:
                 self.backend.set_fragment(p, mix(self.backend.get_fragment(p), vec, alpha))
@@ -582,13 +614,38 @@ class Learner:
 
     # -- global versions ----------------------------------------------------------------------------
 
+    def _own_applied(self, head: Head) -> bool:
+        """Does ``head`` apply our newest contribution of its fragment?"""
+        p = head.fragment
+        last = self.book.frags[p].next_round - 1
+        return last >= 0 and last in lp.applied_rounds(head.meta, self.id, self.incarnation, p)
+
+    def _fetch_candidates(self) -> None:
+        """fetch=round, at a step boundary: start the downloads that became due (H/2 fallback)."""
+        for p, head in list(self._candidate.items()):
+            if self.book.fetch_due(p, head.version, False) and not any(
+                    t.get_name() == f"fetch-{p}" for t in self._fetches):
+                task = asyncio.create_task(self._on_head(head), name=f"fetch-{p}")
+                self._fetches.add(task)
+                task.add_done_callback(self._fetches.discard)
+
     async def _on_head(self, head: Head) -> None:
         p = head.fragment
         if not 0 <= p < self.P:
             self._reject_global("wrong_fragment", head)
             return
         async with self._head_lock:
-            if self.book.wants(p, head.version):
+            if self._fetch_all:
+                due = self.book.wants(p, head.version)
+            else:
+                # download later, once per own sync: remember the newest head (the latest received,
+                # so a forged huge version is replaced by the next genuine one)
+                if head.version > self.book.frags[p].base_version:
+                    self._candidate[p] = head
+                due = self.book.fetch_due(p, head.version, self._own_applied(head))
+                if not due:
+                    return
+            if due:
                 # fetch and check the blob before believing the head: a forged or broken head must
                 # not advance what we think the newest version is
                 try:
@@ -598,14 +655,17 @@ class Learner:
                     # replaced by a newer version meanwhile (its head follows), or a head whose
                     # sequences hold something else (forged)
                     self._reject_global("unreadable", head)
+                    self._drop_candidate(head)
                     self._news.set()
                     return
                 except Exception as e:
                     self._reject_global("bad_blob", head, error=repr(e))
+                    self._drop_candidate(head)
                     self._news.set()
                     return
                 self.pending[p] = (head.version, vec)
                 self.book.on_downloaded(p, head.version)
+                self._drop_candidate(head)
             self._verified[p] = max(self._verified.get(p, -1), head.version)
             self.book.on_head(p, head.version)
             for r in lp.applied_rounds(head.meta, self.id, self.incarnation, p):
@@ -613,6 +673,10 @@ class Learner:
                 if key in self._awaiting:
                     self.applied_in[key] = min(self.applied_in.get(key, head.version), head.version)
             self._news.set()
+
+    def _drop_candidate(self, head: Head) -> None:
+        if self._candidate.get(head.fragment) is head:
+            del self._candidate[head.fragment]
 
     def _reject_global(self, reason: str, head: Head, **kw) -> None:
         self.rejected_globals[reason] = self.rejected_globals.get(reason, 0) + 1

@@ -168,3 +168,44 @@ def test_extra_sleep_rate_meter_and_memory_formula():
     assert mem["total"] == 4 * n * 5 + mem["inflight"]
     assert lp.memory_bytes(n, plan.sizes, error_feedback=False)["residual"] == 0
     assert lp.rss_mib(2048) == 2.0
+
+
+def test_fetch_round_once_per_sync_own_version_or_newest_after_half_h():
+    b = lp.Bookkeeper(2, H=8, tokens_per_step=1)
+    b.on_merged(0, 0)
+    b.on_merged(1, 0)
+    # no sync yet: nothing is due, even a version applying "our" contribution
+    assert not b.fetch_due(0, 3, own_applied=True)
+    for _ in range(8):
+        b.on_step()
+    c = b.begin_sync(0)
+    assert c is not None and b.frags[0].armed and not b.frags[1].armed
+    # armed: a foreign version waits, our own is due at once
+    assert not b.fetch_due(0, 1, own_applied=False)
+    assert b.fetch_due(0, 1, own_applied=True)
+    # after H/2 = 4 steps any newer version is due
+    for _ in range(4):
+        b.on_step()
+    assert b.fetch_due(0, 1, own_applied=False)
+    assert not b.fetch_due(0, 0, own_applied=True)  # not newer than the base
+    b.on_downloaded(0, 2)
+    # one download per round: disarmed until the next sync
+    assert not b.frags[0].armed and not b.fetch_due(0, 5, own_applied=True)
+    b.end_sync(c, ok=True)
+    b.on_merged(0, 2)
+    assert not b.fetch_due(0, 5, own_applied=True)
+    b.begin_sync(0)
+    assert b.fetch_due(0, 5, own_applied=True) and not b.fetch_due(0, 2, own_applied=True)
+    b.on_resync({0: 6, 1: 6})
+    assert not b.frags[0].armed
+
+
+def test_unsent_fragments_are_those_with_steps_since_their_sync():
+    b = lp.Bookkeeper(4, H=4, tokens_per_step=2)
+    assert b.unsent_fragments() == []
+    for _ in range(6):
+        for p in b.on_step():
+            b.end_sync(b.begin_sync(p), ok=True)
+    # offsets 0,1,2,3 (p=0 at 4): synced at steps 4 (p0), 1 and 5 (p1), 2 and 6 (p2), 3 (p3)
+    assert b.unsent_fragments() == [0, 1, 3]
+    assert [b.frags[p].steps for p in range(4)] == [2, 1, 0, 3]

@@ -156,3 +156,19 @@ def test_relative_error():
     assert relative_error(np.array([3.0, 4.0]), np.array([0.0, 0.0])) == pytest.approx(1.0)
     assert relative_error(np.array([3.0, 4.0]), np.array([3.0, 3.0])) == pytest.approx(0.2)
     assert relative_error(np.zeros(2), np.zeros(2)) == 0.0
+
+
+def test_rebase_keeps_local_progress_since_the_reference():
+    from learner.outer import rebase
+
+    base = np.array([1.0, 2.0, 3.0], np.float32)
+    local = np.array([0.5, 2.5, 3.0], np.float32)  # progress since base: -0.5, +0.5, 0
+    glob = np.array([10.0, 20.0, 30.0], np.float32)
+    out = rebase(local, base, glob)
+    assert out.dtype == np.float32 and out is not glob
+    np.testing.assert_array_equal(out, [9.5, 20.5, 30.0])
+    # no progress: exactly the global version; the next outer gradient (new base - theta) is the progress
+    np.testing.assert_array_equal(rebase(base, base, glob), glob)
+    np.testing.assert_allclose(outer_gradient(glob, out), base - local)
+    with pytest.raises(ValueError):
+        rebase(local, base[:2], glob)

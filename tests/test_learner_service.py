@@ -202,8 +202,10 @@ async def test_jax_learner_publishes_outer_gradients(nats_server, js):
         assert await proc.wait(60) == 0, "\n".join(proc.err[-20:])
     finally:
         proc.kill()
-    grads = await consume_grads(js, 12)
-    assert len(grads) == 12  # 12 steps, H = 4, P = 4: one fragment per step
+    grads = await consume_grads(js, 15)
+    # 12 steps, H = 4, P = 4: one fragment per step, then the final sync of fragments 1-3 (their
+    # 3, 2 and 1 steps since their last sync; fragment 0 synced at step 12)
+    assert len(grads) == 15
     incs = set()
     by_frag: dict[int, list] = {}
     for g in grads:
@@ -223,11 +225,12 @@ async def test_jax_learner_publishes_outer_gradients(nats_server, js):
     assert len(incs) == 1 and len(next(iter(incs))) == 12
     for p, metas in by_frag.items():
         metas.sort(key=lambda m: m["round"])
-        assert [m["round"] for m in metas] == [0, 1, 2]
-        # fragment p first syncs at step offset_p = p (p = 0: at step H = 4), then every 4 steps
-        assert [m["steps"] for m in metas] == [p or 4, 4, 4]
+        # fragment p first syncs at step offset_p = p (p = 0: at step H = 4), then every 4 steps;
+        # the final sync sends the rest, so every step of every fragment is sent exactly once
+        assert [m["steps"] for m in metas] == ([4, 4, 4] if p == 0 else [p, 4, 4, 4 - p])
+        assert [m["round"] for m in metas] == list(range(len(metas)))
     last = metrics.msgs[-1][1]
-    assert last["step"] == 12 and last["contributions"] == 12 and last["mode"] == "async"
+    assert last["step"] == 12 and last["contributions"] == 15 and last["mode"] == "async"
     assert last["bytes_sent"] == sum(len(g.blob) for g in grads)
     assert last["bytes_received"] > 0 and last["rss_mib"] > 0 and last["loss"] < 5.6
     assert 0 < last["quant_error"] < 0.1 and last["step_seconds_total"] > 0
@@ -503,6 +506,49 @@ async def test_evaluator_publishes_when_versions_change(nats_server, js):
         await put_version(js, 2, 1, np.zeros(PLAN.sizes[2], np.float32))
         m = await metrics.wait_for(lambda m: m["version"] == 1)
         assert m["versions"]["2"] == 1 and m["version_min"] == 0 and m["eval_loss"] != first["eval_loss"]
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
+# -- downlink: one download per fragment and own sync (DILOCO_FETCH=round) -------------------------
+
+
+@pytest.mark.parametrize("fetch", ["round", "every"])
+async def test_fetch_round_downloads_once_per_sync_and_takes_its_own_version(nats_server, js, fetch):
+    from learner.service import Learner
+
+    await bootstrap(js)
+    common, model, cfg = configs(nats_server, learner_id="learner-8", compute="synthetic", sync_every=8,
+                                 step_time=0.03, quantiser="fp32", max_steps=100000, fetch=fetch)
+    learner = Learner(common, model, cfg)
+    grads = await GradSniff().start(js._nc)
+    stop = asyncio.Event()
+    task = asyncio.create_task(learner.run(stop))
+    p = 1
+    size = len(codec.encode_array(V0[p]))
+    try:
+        await grads.wait_count(1, pred=lambda m: m["frag"] == p)
+        received0 = learner.store.bytes_received
+        # 30 foreign versions of fragment 1 over ~1.5 s (the learner syncs it every 8 x 30 ms)
+        for v in range(1, 31):
+            await put_version(js, p, v, V0[p] + 0.001 * v, applied=[["other", "x", p, v]])
+            await asyncio.sleep(0.05)
+        mine = await grads.wait_count(1, pred=lambda m: m["frag"] == p and m["round"] >= 3)
+        m = [x for x in mine if x["frag"] == p and x["round"] >= 3][0]
+        # a version that applies our round is taken at once, whatever arrived before it
+        await put_version(js, p, 40, V0[p] + 0.5, applied=[[m["learner"], m["inc"], p, m["round"]]])
+        t_end = time.monotonic() + 10
+        while learner.book.frags[p].base_version != 40 and time.monotonic() < t_end:
+            await asyncio.sleep(0.02)
+        assert learner.book.frags[p].base_version == 40
+        downloads = (learner.store.bytes_received - received0) / size
+        rounds = learner.book.frags[p].next_round
+        if fetch == "round":
+            assert 1 <= downloads <= rounds, (downloads, rounds)
+        else:
+            assert downloads > rounds, (downloads, rounds)
+        assert downloads == int(downloads)  # no other fragment got a version: nothing else was downloaded
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 15) == 0
