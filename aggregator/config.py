@@ -56,11 +56,14 @@ class AggregatorConfig:
     staleness: str = var("polynomial", choice("constant", "polynomial", "hinge"), "staleness discount s(d)")
     staleness_a: float = var(0.5, number(0.0, 100.0), "a of (1+d)^-a, and slope of the hinge")
     staleness_b: int = var(4, integer(0), "b of the hinge: no discount up to b versions")
-    max_staleness: int = var(16, integer(0), "reject contributions more than this many versions behind")
+    max_staleness: int = var(16, integer(0), "reject contributions more than this many rounds behind (versions / active learners)")
     norm_outlier_factor: float = var(10.0, number(1.0, lo_open=False), "reject norms above k x median of accepted")
     norm_min_history: int = var(20, integer(1, 10_000),
                                 "accepted norms of a fragment before the outlier check starts (past the LR warm-up)")
     require_membership: bool = var(True, boolean(),
                                    "accept only learners the monitor lists as active (false: anyone is active)")
-    downlink_quantiser: str = var("fp32", choice(*quant.QUANTISERS), "quantiser of published global versions")
+    downlink_quantiser: str = var("fp32", choice(*quant.QUANTISERS),
+                                  "global versions: fp32 = whole; else this quantiser of the delta against a keyframe")
+    keyframe_every: int = var(64, integer(1, 1_000_000),
+                              "quantised downlink: versions of a fragment between two whole fp32 keyframes")
     ack_wait: float = var(30.0, number(1.0), "seconds before JetStream redelivers an unacked chunk (crash recovery time)")

@@ -41,6 +41,7 @@ from bus.signals import install_stop
 from bus.chunks import Assembled, Dropped
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import connect
+from bus.downlink import Keyframe, encode_version
 from bus.log import get_logger, setup
 from bus.protocol import parse_grad_meta
 from bus.streams import Limits, ensure_run
@@ -95,6 +96,9 @@ class AggregatorService:
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
         self.log = get_logger(role="aggregator", aggregator=cfg.aggregator_id)
         self.states: dict[int, FragmentState] = {}
+        # newest keyframe published per fragment (quantised downlink); not persisted: after a
+        # restart the first version of each fragment is a keyframe again
+        self.keys: dict[int, Keyframe] = {}
         self.buffers: dict[int, list[Pending]] = {p: [] for p in self.owned}
         self.unpublished: set[int] = set()
         self.members: dict[str, str] = {}  # learner -> membership state
@@ -147,7 +151,10 @@ class AggregatorService:
             if got is None:
                 if gh is None:
                     raise RuntimeError(f"fragment {p} has neither state nor global version after bootstrap")
-                _, blob = await gstore.get(p)
+                gh, blob = await gstore.get(p)
+                if "ref" in gh.meta:
+                    raise RunMismatch(f"fragment {p}: no aggregator state, and global version {gh.version} is a "
+                                      "delta against a keyframe: the state stream was lost")
                 st = FragmentState.initial(p, gh.version, np.array(codec.decode_array(blob)), self.settings)
                 await sstore.put(p, st.version, st.to_bytes(), {"model": self.model_hash})
                 self.log.info("fragment_initialised", fragment=p, version=st.version)
@@ -207,6 +214,7 @@ class AggregatorService:
             active=self.active(), known=self.known(),
             applied=st.applied if st else None, pending=pending,
             norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
+            per_round=max(1, len(self.active())),
             norm_outlier_factor=self.cfg.norm_outlier_factor, norm_min_history=self.cfg.norm_min_history,
         ) if st else None
         norm = l2_norm(vec) if vec.dtype == np.float32 else float("nan")
@@ -252,7 +260,8 @@ class AggregatorService:
         learners = {x.c.learner for x in items}
         scale = (participation_scale(len(learners), len(self.active() | learners))
                  if self.cfg.scale_by_participation else 1.0)
-        new, blob = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale)
+        per_round = max(1, len(self.active() | learners))
+        new, blob = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
         try:
             await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
         except Exception as e:  # state not committed: keep the contributions, try again later
@@ -269,7 +278,7 @@ class AggregatorService:
         firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
         self.stats.quorum_wait += firsts[min(self.cfg.quorum, len(firsts)) - 1] - first
         for x in items:
-            self.stats.staleness[st.version - x.c.base_version] += 1
+            self.stats.staleness[st.version - x.c.base_version] += 1  # in versions
             self.stats.contributions[x.c.learner] += 1
         self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
                       learners=sorted({x.c.learner for x in items}))
@@ -281,13 +290,20 @@ class AggregatorService:
         try:
             head = await self.gstore.head(p) if blob is None else None
             if head is None or head.version < st.version:
-                if blob is None:
-                    blob = codec.encode_array(st.params, self.settings.downlink_quantiser)
-                await self.gstore.put(p, st.version, blob, {"model": self.model_hash, "plan": self.plan.plan_hash(),
+                meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
+                if self.settings.downlink_quantiser != "fp32" or blob is None:
+                    blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
+                                                      self.settings.downlink_quantiser, self.cfg.keyframe_every)
+                    if key is not None:  # a keyframe: on its own subjects first, then as the version
+                        await self.kstore.put(p, st.version, blob, {**meta, **extra})
+                        self.keys[p] = key
+                    meta.update(extra)
+                await self.gstore.put(p, st.version, blob, {**meta,
                                                            "applied": applied})
             if st.version > 0:
                 await self.js.publish(self.s.event("merge"), orjson.dumps(
                     {"fragment": p, "version": st.version, "applied": applied, "scale": st.last_scale,
+                     "per_round": st.last_per_round,
                      "ts": time.time()}),
                     headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
             self.unpublished.discard(p)
@@ -342,6 +358,7 @@ class AggregatorService:
         await ensure_run(js, self.common.run, Limits.from_config(self.common), update=True)
         pub = ChunkPublisher(js, self.common.max_chunk_bytes, self.common.inflight_chunks)
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
+        self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
         await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
                             fragments=self.owned)

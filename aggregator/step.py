@@ -21,7 +21,7 @@ from aggregator.contribution import Contribution, ContributionKey
 from aggregator.merge import l2_norm, merge
 from aggregator.outer_opt import DelayedNesterovState, NesterovState, make_outer_optimizer
 from aggregator.validate import AppliedSet, NormHistory
-from aggregator.weights import StalenessPolicy, contribution_weights, token_weight
+from aggregator.weights import StalenessPolicy, contribution_weights, rounds_behind, token_weight
 from bus import codec
 
 
@@ -59,6 +59,7 @@ class FragmentState:
     norms: NormHistory
     last_merge: list[ContributionKey] = field(default_factory=list)
     last_scale: float = 1.0
+    last_per_round: int = 1
 
     @classmethod
     def initial(cls, fragment: int, version: int, params: np.ndarray, settings: MergeSettings) -> "FragmentState":
@@ -73,7 +74,7 @@ class FragmentState:
             "f": self.fragment, "v": self.version, "params": bytes(codec.encode_array(self.params)),
             "opt_kind": type(self.opt).__name__, "opt_arrays": opt_arrays, "opt_other": opt_other,
             "applied": self.applied.to_dict(), "norms": self.norms.to_dict(),
-            "last": [list(k) for k in self.last_merge], "scale": self.last_scale,
+            "last": [list(k) for k in self.last_merge], "scale": self.last_scale, "per_round": self.last_per_round,
         }, use_bin_type=True)
 
     @classmethod
@@ -84,7 +85,7 @@ class FragmentState:
         opt_cls = {"NesterovState": NesterovState, "DelayedNesterovState": DelayedNesterovState}[d["opt_kind"]]
         return cls(int(d["f"]), int(d["v"]), np.array(codec.decode_array(d["params"])), opt_cls.from_dict(opt),
                    AppliedSet.from_dict(d["applied"]), NormHistory.from_dict(d["norms"]),
-                   [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)))
+                   [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)), int(d.get("per_round", 1)))
 
 
 def participation_scale(merged_learners: int, active_learners: int) -> float:
@@ -101,39 +102,39 @@ def participation_scale(merged_learners: int, active_learners: int) -> float:
 
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
-               norms: list[float] | None = None, scale: float = 1.0) -> tuple[FragmentState, bytearray]:
+               norms: list[float] | None = None, scale: float = 1.0,
+               per_round: int = 1) -> tuple[FragmentState, bytearray]:
     """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step, quantise for the
-    downlink. ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
+    downlink (the whole fp32 parameters; a quantised downlink is encoded by the service, see
+    :mod:`bus.downlink`). ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
 
     The merged outer gradient is multiplied by ``scale`` and by the token-weighted mean staleness
-    factor of the contributions. Returns the new state and the blob of the global version to publish; the new state's params
-    are exactly what a learner decodes from that blob. ``state`` is not modified. ``contribs``
+    factor of the contributions; staleness is counted in rounds of ``per_round`` versions (the
+    active learners; see :func:`aggregator.weights.rounds_behind`). Returns the new state and the fp32 blob of its parameters. ``state`` is not modified. ``contribs``
     must already be validated (and not duplicates).
     """
     if not contribs:
         raise ValueError("merge_step needs at least one contribution")
     if norms is None:
         norms = [l2_norm(c.vector) for c in contribs]
-    w = contribution_weights(contribs, state.version, settings.staleness)
+    w = contribution_weights(contribs, state.version, settings.staleness, per_round=per_round)
     # weights are relative (they sum to 1), so a lone stale contribution would get a full step:
     # also discount the merge by the token-weighted mean staleness factor, as FedAsync does
     q = np.array([token_weight(c.tokens, c.inner_steps) for c in contribs])
-    f = np.array([settings.staleness.factor(state.version - c.base_version) for c in contribs])
+    f = np.array([settings.staleness.factor(rounds_behind(state.version, c.base_version, per_round))
+                  for c in contribs])
     total = scale * float((q * f).sum() / q.sum())
     g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
               trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64))
     if total != 1.0:
         g = g * np.float32(total)
     params, opt = settings.make_optimizer().step(state.params, g, state.opt)
-    blob = codec.encode_array(params, settings.downlink_quantiser)
-    if settings.downlink_quantiser != "fp32":
-        # everyone (learners, evaluator, our own next step) holds exactly the published values
-        params = np.array(codec.decode_array(blob))
+    blob = codec.encode_array(params)
     applied = state.applied.copy()
     hist = NormHistory.from_dict(state.norms.to_dict())
     for c, n in zip(contribs, norms):
         applied.record(c)
         hist.add(state.fragment, float(n) / max(1, c.inner_steps))  # norm per inner step
     new = FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
-                        float(scale))
+                        float(scale), max(1, int(per_round)))
     return new, blob

@@ -13,7 +13,7 @@ another run never costs a pass over its vector:
                          max_tokens_per_step, steps above max_inner_steps, round < 0 or
                          base_version < 0 (or any of them not an int)
     7. future_version    base_version > current version of the fragment
-    8. too_stale         current - base_version > max_staleness
+    8. too_stale         (current - base_version) // per_round > max_staleness (rounds behind)
     9. duplicate         key already applied (see AppliedSet) or buffered for the next merge
    10. wrong_dtype       vector is not a float32 ndarray
    11. wrong_shape       vector is not 1-D of the fragment's size
@@ -263,6 +263,7 @@ class ValidationContext:
     pending: AbstractSet[ContributionKey] = frozenset()
     norms: NormHistory = field(default_factory=NormHistory)
     max_staleness: int | None = 16
+    per_round: int = 1  # versions per round (active learners): staleness is counted in rounds
     norm_outlier_factor: float | None = 10.0
     norm_min_history: int = 5
     max_tokens_per_step: float | None = None
@@ -323,7 +324,7 @@ def validate(
     current = ctx.current_version[c.fragment]
     if c.base_version > current:
         return Reason.future_version
-    if ctx.max_staleness is not None and current - c.base_version > ctx.max_staleness:
+    if ctx.max_staleness is not None and (current - c.base_version) // max(1, ctx.per_round) > ctx.max_staleness:
         return Reason.too_stale
     if c.key in ctx.pending or ctx.applied.is_duplicate(c):
         return Reason.duplicate

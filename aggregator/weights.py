@@ -5,7 +5,10 @@ fragment, while the fragment is now at version v:
 
     token weight     q_m = T_m * (T_m / S_m)        ("quantity x quality": tokens, times tokens
                                                       per step, i.e. the learner's batch size)
-    staleness        d_m = v - b_m  (>= 0; validation rejects d < 0 and d > max_staleness)
+    staleness        d_m = (v - b_m) // R  in rounds: R = versions per round, the number of active
+                     learners (each merges on its own with K=1); >= 0, validation rejects d < 0
+                     and d > max_staleness. Contributions of the same round are not stale: with
+                     K=1 the third to arrive is 2 versions behind the base all three started from.
     factor           s(d) = 1                                  constant
                      s(d) = (1 + d)^-a                         polynomial (FedAsync, a=0.5 common)
                      s(d) = 1 if d <= b else 1/(a (d - b) + 1) hinge
@@ -85,14 +88,21 @@ def normalise(raw: np.ndarray | Sequence[float]) -> np.ndarray:
     return arr / total
 
 
+def rounds_behind(current_version: int, base_version: int, per_round: int = 1) -> int:
+    """Staleness in rounds: (current - base) // per_round (negative for a base from the future)."""
+    return (int(current_version) - int(base_version)) // max(1, int(per_round))
+
+
 def contribution_weights(
     contribs: Sequence[Contribution],
     current_version: int | Mapping[int, int],
     policy: StalenessPolicy = StalenessPolicy(),
     *,
     token_weighted: bool = True,
+    per_round: int = 1,
 ) -> np.ndarray:
-    """w_m = q_m * s(current_version - base_version_m), normalised to sum 1 (float64, len M).
+    """w_m = q_m * s(rounds_behind(current_version, base_version_m, per_round)), normalised to sum 1
+    (float64, len M).
 
     ``current_version`` is the fragment's version now (an int, or a mapping fragment -> version
     when the contributions are of several fragments). ``token_weighted=False`` sets every q_m = 1
@@ -107,5 +117,5 @@ def contribution_weights(
     for i, c in enumerate(contribs):
         v = current_version[c.fragment] if isinstance(current_version, Mapping) else current_version
         q = token_weight(c.tokens, c.inner_steps) if token_weighted else 1.0
-        raw[i] = q * policy.factor(v - c.base_version)
+        raw[i] = q * policy.factor(rounds_behind(v, c.base_version, per_round))
     return normalise(raw)

@@ -265,20 +265,41 @@ class Cluster:
 # -- a whole decoupled run of JAX (or synthetic) learners ------------------------------------------
 
 
+#: Aggregator variants of the JAX benchmarks (see docs/BENCHMARKS.md, Quality):
+#: ``quorum``: K = M with the adaptive grace window, as ``diloco up`` runs it (learners never wait:
+#: the aggregator merges a round once every active learner's outer gradient is in);
+#: ``k1``: the aggregator's own defaults, K = 1 (every arrival its own merge, Nesterov per merge,
+#: participation scale); ``k1dn``: K = 1 with Delayed Nesterov, N = M, no participation scale
+#: (DN already averages over N merges).
+AGG_VARIANTS = ("quorum", "k1", "k1dn")
+
+
+def aggregator_settings(variant: str, M: int) -> dict:
+    if variant == "quorum":
+        return {"DILOCO_QUORUM": str(M)}
+    if variant == "k1":
+        return {}
+    if variant == "k1dn":
+        return {"DILOCO_OUTER_OPTIMIZER": "delayed", "DILOCO_DELAY_N": str(M), "DILOCO_SCALE_BY_PARTICIPATION": "false"}
+    raise ValueError(f"unknown aggregator variant {variant!r}, expected one of {AGG_VARIANTS}")
+
+
 async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg: dict | None = None,
                        learner: dict | None = None, per_learner: dict[int, dict] | None = None,
                        sample_connz: bool = False, evaluate: bool = True, timeout: float = 900.0,
                        label: str = "") -> dict:
-    """An aggregator (no monitor: DILOCO_REQUIRE_MEMBERSHIP=false) and M learners ``learner-<i>``
-    that each run ``steps`` inner steps and exit; then the held-out loss of the global model.
+    """An aggregator (no monitor: DILOCO_REQUIRE_MEMBERSHIP=false; variant ``quorum`` unless ``agg``
+    says otherwise) and M learners ``learner-<i>`` that each run ``steps`` inner steps and exit;
+    then the held-out loss of the global model.
 
     Returns per-learner metrics (last message), /connz bytes per learner connection (total and
     peak 1 s rate when ``sample_connz``), the aggregator's last metrics and the evaluation.
     """
     per_learner = per_learner or {}
     names = [f"learner-{i}" for i in range(M)]
+    agg = {**aggregator_settings("quorum", M), **(agg or {})}
     async with Cluster(run, env) as c:
-        c.start("aggregator", "aggregator", DILOCO_REQUIRE_MEMBERSHIP="false", **(agg or {}))
+        c.start("aggregator", "aggregator", DILOCO_REQUIRE_MEMBERSHIP="false", **agg)
         if sample_connz:
             c.start_sampler()
         t0 = time.monotonic()

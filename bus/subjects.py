@@ -8,6 +8,7 @@ subject                              carried by       what
 ``diloco.R.grad.<frag>.<learner>``   stream GRAD      outer-gradient chunks, learner -> aggregator
 ``diloco.R.global.<frag>.c<i>``      stream GLOBAL    chunk i of the newest global versions of a fragment
 ``diloco.R.global.<frag>.head``      stream GLOBAL    commit record of a global version (version, seqs)
+``diloco.R.global.<frag>.kc<i>/khead`` stream GLOBAL  keyframes of a quantised downlink (``bus.downlink``)
 ``diloco.R.state.<frag>.c<i>/head``  stream STATE     aggregator's durable state (params, momentum, set)
 ``diloco.R.hb.<learner>``            core NATS        heartbeats, learner -> monitor (1 s)
 ``diloco.R.metrics.<role>.<id>``     core NATS        metrics of every process -> ``diloco metrics``
@@ -58,11 +59,11 @@ class Subjects:
         return f"{self.prefix}.grad.>"
 
     # global versions (downlink) and aggregator state: versioned objects
-    def versioned_chunk(self, kind: str, fragment: int, index: int) -> str:
-        return f"{self.prefix}.{kind}.{int(fragment)}.c{int(index)}"
+    def versioned_chunk(self, kind: str, fragment: int, index: int, tag: str = "") -> str:
+        return f"{self.prefix}.{kind}.{int(fragment)}.{tag}c{int(index)}"
 
-    def versioned_head(self, kind: str, fragment: int) -> str:
-        return f"{self.prefix}.{kind}.{int(fragment)}.head"
+    def versioned_head(self, kind: str, fragment: int, tag: str = "") -> str:
+        return f"{self.prefix}.{kind}.{int(fragment)}.{tag}head"
 
     def versioned_heads(self, kind: str) -> str:
         return f"{self.prefix}.{kind}.*.head"

@@ -256,10 +256,11 @@ class VersionedStore:
     """Newest versions of each fragment of ``kind`` (``global`` or ``state``) of a run."""
 
     def __init__(self, js: JetStreamContext, run: str, kind: str, publisher: ChunkPublisher | None = None,
-                 fetch_parallel: int = 8, attempts: int = 5):
+                 fetch_parallel: int = 8, attempts: int = 5, tag: str = ""):
         self.js = js
         self.s = Subjects(run)
         self.kind = kind
+        self.tag = tag  # "k": the keyframes of a quantised downlink, beside the versions of ``kind``
         self.stream = self.s.stream(kind)
         self.publisher = publisher or ChunkPublisher(js)
         self.fetch_parallel = fetch_parallel
@@ -268,18 +269,18 @@ class VersionedStore:
         self.bad_heads = 0  # head messages that did not parse (garbage on a head subject)
 
     def obj_id(self, fragment: int, version: int) -> str:
-        return f"{self.s.run}.{self.kind}.{fragment}.v{version}"
+        return f"{self.s.run}.{self.kind}{'.' + self.tag if self.tag else ''}.{fragment}.v{version}"
 
     async def put(self, fragment: int, version: int, blob, meta: dict | None = None) -> Head:
         """Publish version ``version`` of ``fragment``: chunks first, then the head that commits it."""
         meta = dict(meta or {})
         n = len(split(blob, self.publisher.max_chunk))
-        subjects = [self.s.versioned_chunk(self.kind, fragment, i) for i in range(n)]
+        subjects = [self.s.versioned_chunk(self.kind, fragment, i, self.tag) for i in range(n)]
         oid = self.obj_id(fragment, version)
         acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})
         head = Head(fragment, version, n, memoryview(blob).nbytes, checksum(blob), tuple(a.seq for a in acks), meta)
         await self.publisher._publish_one(
-            self.s.versioned_head(self.kind, fragment), memoryview(head.to_bytes()),
+            self.s.versioned_head(self.kind, fragment, self.tag), memoryview(head.to_bytes()),
             {"Nats-Msg-Id": f"{oid}.head"}, time.monotonic() + self.publisher.deadline,
         )
         return head
@@ -287,7 +288,8 @@ class VersionedStore:
     async def head(self, fragment: int) -> Head | None:
         """The newest committed head of ``fragment``, or None if it has none yet."""
         try:
-            m = await self.js.get_msg(self.stream, subject=self.s.versioned_head(self.kind, fragment), direct=True)
+            m = await self.js.get_msg(self.stream, subject=self.s.versioned_head(self.kind, fragment, self.tag),
+                                      direct=True)
         except NotFoundError:
             return None
         return Head.from_bytes(m.data)

@@ -51,8 +51,9 @@ class LearnerConfig:
                           "mix: theta <- a*theta + (1-a)*global (DILOCO_MIX_ALPHA)")
     mix_alpha: float = var(0.0, number(0.0, 0.999), "DILOCO_ON_ARRIVAL=mix: weight a of the local parameters (0 overwrites)")
     fetch: str = var("round", choice("round", "every"),
-                     "round: download a fragment once per own sync (the version with our contribution, else the "
-                     "newest after H/2 steps); every: each new version (sync mode always does)")
+                     "round: download a fragment once per own sync, the newest version DILOCO_FETCH_DELAY steps "
+                     "after it; every: each new version (sync mode always does)")
+    fetch_delay: int = var(-1, integer(-1), "fetch=round: inner steps from a sync to the download (-1: H/4)")
     final_sync: bool = var(True, boolean(), "on reaching the step budget, send every fragment's unsent steps before exiting")
     quantiser: str = var("int8", choice(*quant.QUANTISERS), "outer-gradient quantiser")
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
@@ -83,6 +84,11 @@ class LearnerConfig:
     def synthetic(self) -> bool:
         """Synthetic compute (no JAX): DILOCO_MODE=synthetic or DILOCO_COMPUTE=synthetic."""
         return self.mode == "synthetic" or self.compute == "synthetic"
+
+    @property
+    def fetch_delay_steps(self) -> int:
+        """DILOCO_FETCH_DELAY, or H/4 (at least 1) when it is -1."""
+        return self.fetch_delay if self.fetch_delay >= 0 else max(1, self.sync_every // 4)
 
     @property
     def steps_to_run(self) -> int:

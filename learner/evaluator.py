@@ -32,12 +32,13 @@ from bus import codec
 from bus.signals import install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
-from bus.subjects import GLOBAL, Subjects
-from bus.transport import Head, VersionedStore, follow_heads
+from bus.subjects import Subjects
+from bus.global_reader import GlobalReader
+from bus.transport import Head, follow_heads
 from learner import loop as lp
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
 from learner.service import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, StartupError, close_quietly, connect_until,
-                             decode_fragment, fetch_newest, join_run, peak_rss_mib)
+                             fetch_newest, global_reader, join_run, peak_rss_mib)
 from learner.spec import spec_hash
 
 
@@ -59,7 +60,7 @@ class Evaluator:
         self.last: dict | None = None
         self.evaluations = 0
         self.nc = None
-        self.store: VersionedStore | None = None
+        self.store: GlobalReader | None = None
         self._halt = asyncio.Event()
         self._lock = asyncio.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
@@ -113,9 +114,9 @@ class Evaluator:
         try:
             self.nc = await connect_until(self.common, f"eval-{self.ecfg.eval_id}", deadline, self.log)
             js = self.nc.jetstream(timeout=10)
-            self.store = VersionedStore(js, self.common.run, GLOBAL)
+            self.store = global_reader(js, self.common.run, self.plan, self.model_hash)
             await join_run(js, self.common, self.spec, self.plan, deadline)
-            self.vectors, self.versions = await fetch_newest(self.store, self.plan, self.model_hash, deadline,
+            self.vectors, self.versions = await fetch_newest(self.store, self.plan, deadline,
                                                              self.log)
         finally:
             await prep
@@ -126,7 +127,7 @@ class Evaluator:
             if not 0 <= p < self.plan.num_fragments or head.version <= self.versions.get(p, -1):
                 return
             try:
-                vec = decode_fragment(self.plan, head, await self.store.fetch(head), self.model_hash)
+                vec = await self.store.read(head)
             except Exception as e:  # replaced meanwhile (its successor follows) or unusable
                 self.log.debug("global_fetch_skipped", fragment=p, version=head.version, error=repr(e))
                 return
@@ -134,7 +135,7 @@ class Evaluator:
             self.versions[p] = head.version
 
     async def _follow(self) -> None:
-        await follow_heads(self.store, self._halt, self._on_head, lambda p: self.versions.get(p, -1),
+        await follow_heads(self.store.store, self._halt, self._on_head, lambda p: self.versions.get(p, -1),
                            self.plan.num_fragments, self.log, poll_interval=HEAD_POLL_INTERVAL)
 
     async def _sleep(self, seconds: float) -> None:

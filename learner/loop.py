@@ -182,17 +182,16 @@ class Bookkeeper:
         f = self.frags[p]
         return version > f.base_version and version > f.pending_version
 
-    def fetch_due(self, p: int, version: int, own_applied: bool) -> bool:
+    def fetch_due(self, p: int, version: int, delay: int) -> bool:
         """Fetch policy ``round``: download version ``version`` of p now?
 
-        At most one download per fragment per round of this learner: after a sync of p (armed), take
-        the first newer version that applies our contribution, or, if none did within H/2 inner
-        steps (rejected, aggregator slow or down), the newest version there is.
+        At most one download per fragment per round of this learner: ``delay`` inner steps after a
+        sync of p (armed), the newest version there is. The delay lets the other learners' outer
+        gradients of the same round be merged first (Streaming DiLoCo's overlap tau); the local
+        steps meanwhile are kept (rebase) and sent with the next outer gradient.
         """
         f = self.frags[p]
-        if not (f.armed and self.wants(p, version)):
-            return False
-        return own_applied or f.steps >= max(1, self.H // 2)
+        return f.armed and self.wants(p, version) and f.steps >= max(0, int(delay))
 
     def on_downloaded(self, p: int, version: int) -> None:
         f = self.frags[p]

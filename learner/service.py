@@ -18,8 +18,8 @@ Life of a learner::
     at the step budget: a final sync of every fragment with unsent steps, then wait for the publishes
 
 Downlink (async mode, DILOCO_FETCH=round): a fragment is downloaded at most once per own sync, the
-first newer version that applies our contribution (or the newest, H/2 steps after the sync), so a
-learner fetches about N values per H steps, not one version per merge.
+newest version DILOCO_FETCH_DELAY (H/4) steps after it, so a learner fetches about N values per H
+steps, not one version per merge.
 
 Background tasks on the event loop, alive during long steps: heartbeats, metrics, a watch on the
 global heads (plus a slow poll as a safety net after reconnects), the watch on this learner's
@@ -51,8 +51,9 @@ from bus.config import CommonConfig, from_env
 from bus.conn import connect
 from bus.log import get_logger, setup
 from bus.protocol import grad_meta, grad_obj_id
-from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkPublisher, Head, VersionedStore, follow_heads
+from bus.subjects import Subjects
+from bus.global_reader import GlobalReader
+from bus.transport import ChunkPublisher, Head, follow_heads
 from learner import loop as lp
 from learner.config import LearnerConfig, ModelConfig
 from learner.fragments import FragmentPlan, gather
@@ -110,15 +111,16 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
         raise StartupError(EXIT_MISMATCH, f"refusing to start: {e}") from None
 
 
-def decode_fragment(plan: FragmentPlan, head: Head, blob, model_hash: str) -> np.ndarray:
-    """The float32 vector of a global version; ValueError saying why it does not fit this run."""
+def check_fragment(plan: FragmentPlan, head: Head, vec: np.ndarray, model_hash: str) -> np.ndarray:
+    """``vec`` (the decoded version ``head``) as a flat float32 vector; ValueError saying why it does
+    not fit this run."""
     p = head.fragment
     if not 0 <= p < plan.num_fragments:
         raise ValueError(f"fragment {p} out of range [0, {plan.num_fragments})")
     model = head.meta.get("model")
     if model is not None and model != model_hash:
         raise ValueError(f"fragment {p} v{head.version} is of model {model}, ours is {model_hash}")
-    vec = codec.decode_array(blob).reshape(-1)
+    vec = np.asarray(vec, dtype=np.float32).reshape(-1)
     if vec.size != plan.sizes[p]:
         raise ValueError(f"fragment {p} v{head.version} has {vec.size} values, the plan says {plan.sizes[p]}")
     if not np.isfinite(vec).all():
@@ -126,7 +128,12 @@ def decode_fragment(plan: FragmentPlan, head: Head, blob, model_hash: str) -> np
     return vec
 
 
-async def fetch_newest(store: VersionedStore, plan: FragmentPlan, model_hash: str, deadline: float,
+def global_reader(js, run: str, plan: FragmentPlan, model_hash: str) -> GlobalReader:
+    """The reader of this run's global versions, checking each against the plan and the model."""
+    return GlobalReader(js, run, lambda head, vec: check_fragment(plan, head, vec, model_hash))
+
+
+async def fetch_newest(reader: GlobalReader, plan: FragmentPlan, deadline: float,
                        log) -> tuple[list[np.ndarray], dict[int, int]]:
     """The newest global version of every fragment, waiting (until ``deadline``) for missing ones."""
     vectors: list[np.ndarray] = []
@@ -136,10 +143,10 @@ async def fetch_newest(store: VersionedStore, plan: FragmentPlan, model_hash: st
         while True:
             why = "no version yet"
             try:
-                got = await store.get(p)
+                got = await reader.newest(p)
                 if got is not None:
-                    head, blob = got
-                    vectors.append(decode_fragment(plan, head, blob, model_hash))
+                    head, vec = got
+                    vectors.append(vec)
                     versions[p] = head.version
                     break
             except Exception as e:  # connection trouble, a bad version: try again
@@ -296,7 +303,7 @@ class Learner:
         self.backend = None
         self.nc = None
         self.js = None
-        self.store: VersionedStore | None = None
+        self.store: GlobalReader | None = None
         self.publisher: ChunkPublisher | None = None
         self.rate = lp.RateMeter()
         self._resync_requested = False
@@ -378,9 +385,9 @@ class Learner:
         self.nc = await connect_until(self.common, f"learner-{self.id}", deadline, self.log)
         self.js = self.nc.jetstream(timeout=10)
         self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks)
-        self.store = VersionedStore(self.js, self.common.run, GLOBAL)
+        self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
         await join_run(self.js, self.common, self.spec, self.plan, deadline)
-        vectors, versions = await fetch_newest(self.store, self.plan, self.model_hash, deadline, self.log)
+        vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
         self.backend = await self._in_worker(self._make_backend)
         await self._in_worker(self.backend.load, vectors)
         if hasattr(self.backend, "compile"):
@@ -592,7 +599,7 @@ class Learner:
         self._resync_requested = False
         t0 = time.monotonic()
         try:
-            vectors, versions = await fetch_newest(self.store, self.plan, self.model_hash,
+            vectors, versions = await fetch_newest(self.store, self.plan,
                                                    t0 + max(30.0, self.cfg.sync_timeout), self.log)
         except StartupError as e:
             self.log.warning("resync_failed", reason=str(e))
@@ -614,16 +621,10 @@ class Learner:
 
     # -- global versions ----------------------------------------------------------------------------
 
-    def _own_applied(self, head: Head) -> bool:
-        """Does ``head`` apply our newest contribution of its fragment?"""
-        p = head.fragment
-        last = self.book.frags[p].next_round - 1
-        return last >= 0 and last in lp.applied_rounds(head.meta, self.id, self.incarnation, p)
-
     def _fetch_candidates(self) -> None:
-        """fetch=round, at a step boundary: start the downloads that became due (H/2 fallback)."""
+        """fetch=round, at a step boundary: start the downloads that became due."""
         for p, head in list(self._candidate.items()):
-            if self.book.fetch_due(p, head.version, False) and not any(
+            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_steps) and not any(
                     t.get_name() == f"fetch-{p}" for t in self._fetches):
                 task = asyncio.create_task(self._on_head(head), name=f"fetch-{p}")
                 self._fetches.add(task)
@@ -642,15 +643,14 @@ class Learner:
                 # so a forged huge version is replaced by the next genuine one)
                 if head.version > self.book.frags[p].base_version:
                     self._candidate[p] = head
-                due = self.book.fetch_due(p, head.version, self._own_applied(head))
+                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_steps)
                 if not due:
                     return
             if due:
                 # fetch and check the blob before believing the head: a forged or broken head must
                 # not advance what we think the newest version is
                 try:
-                    blob = await self.store.fetch(head)
-                    vec = decode_fragment(self.plan, head, blob, self.model_hash)
+                    vec = await self.store.read(head)
                 except NotFoundError:
                     # replaced by a newer version meanwhile (its head follows), or a head whose
                     # sequences hold something else (forged)
@@ -683,7 +683,7 @@ class Learner:
         self.log.warning("global_version_rejected", reason=reason, fragment=head.fragment, version=head.version, **kw)
 
     async def _follow_globals(self) -> None:
-        await follow_heads(self.store, self._halt, self._on_head, lambda p: self.book.frags[p].known_version,
+        await follow_heads(self.store.store, self._halt, self._on_head, lambda p: self.book.frags[p].known_version,
                            self.P, self.log, self._verified, HEAD_POLL_INTERVAL)
 
     # -- membership ---------------------------------------------------------------------------------

@@ -91,19 +91,19 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
         try:
             m = await sub.next_msg(timeout=0.5)
         except Exception:
-            applied = {tuple(k) for keys, _ in events.values() for k in keys}
+            applied = {tuple(k) for keys, _, _ in events.values() for k in keys}
             if set(sent) <= applied:
                 break
             continue
         e = orjson.loads(m.data)
         key = (e["fragment"], e["version"])
-        rec = ([tuple(k) for k in e["applied"]], e["scale"])
+        rec = ([tuple(k) for k in e["applied"]], e["scale"], e["per_round"])
         assert events.setdefault(key, rec) == rec, "two different merges recorded for the same version"
     agg.send_signal(signal.SIGTERM)
     assert agg.wait(20) in (0, -signal.SIGTERM)
     tasks[2].cancel()
 
-    applied_lists = [k for keys, _ in events.values() for k in keys]
+    applied_lists = [k for keys, _, _ in events.values() for k in keys]
     assert len(applied_lists) == len(set(applied_lists)), "a contribution was applied twice"
     assert set(sent) <= set(applied_lists), f"lost: {len(set(sent) - set(applied_lists))} contributions"
     assert set(applied_lists) <= set(sent)
@@ -120,13 +120,13 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
         assert versions == list(range(1, len(versions) + 1)), "merge events are not contiguous"
         for v in versions:
             contribs = []
-            keys, scale = events[(p, v)]
+            keys, scale, per_round = events[(p, v)]
             for (lrn, inc, frag, rnd) in keys:
                 vec, base = sent[(lrn, inc, frag, rnd)]
                 contribs.append(Contribution(RUN, HASH, lrn, inc, frag, rnd, base, 10, 640, vec))
-            st, _ = merge_step(st, contribs, SETTINGS, scale=scale)
+            st, _ = merge_step(st, contribs, SETTINGS, scale=scale, per_round=per_round)
         head, blob = await store.get(p)
         assert head.version == st.version
         assert np.array_equal(codec.decode_array(blob), st.params)
-    assert len(sent) > 100 and sum(len(k) for k, _ in events.values()) == len(sent)
-    assert any(scale < 1 for _, scale in events.values())  # the participation scale was exercised
+    assert len(sent) > 100 and sum(len(k) for k, _, _ in events.values()) == len(sent)
+    assert any(scale < 1 for _, scale, _ in events.values())  # the participation scale was exercised

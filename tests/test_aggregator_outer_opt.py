@@ -194,3 +194,22 @@ def test_validation():
     assert make_outer_optimizer("delayed", period=2, lr=0.5) == DelayedNesterov(0.5, 0.9, 2)
     with pytest.raises(ValueError):
         make_outer_optimizer("adam")
+
+
+def test_merge_step_discounts_staleness_in_rounds():
+    """Same-round contributions (per_round = 4, 3 versions behind) get no discount; counted in
+    versions they would (polynomial, a = 0.5: 1/sqrt(4) = 0.5)."""
+    from aggregator.contribution import Contribution
+    from aggregator.step import FragmentState, MergeSettings, merge_step
+
+    from aggregator.weights import StalenessPolicy
+
+    s = MergeSettings(method="mean", optimizer="nesterov", lr=1.0, momentum=0.0,
+                      staleness=StalenessPolicy("polynomial", 0.5))
+    st = FragmentState.initial(0, 3, np.zeros(4, np.float32), s)
+    c = Contribution("r", "h", "a", "i", 0, 0, 0, 10, 1000, np.ones(4, np.float32))
+    rounds, _ = merge_step(st, [c], s, per_round=4)
+    versions, _ = merge_step(st, [c], s)
+    np.testing.assert_allclose(rounds.params, -1.0)
+    np.testing.assert_allclose(versions.params, -0.5)
+    assert rounds.last_per_round == 4 and FragmentState.from_bytes(rounds.to_bytes()).last_per_round == 4

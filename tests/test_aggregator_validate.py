@@ -274,3 +274,11 @@ def test_contribution_is_frozen():
     c = make()
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.round = 4  # type: ignore[misc]
+
+
+def test_too_stale_counts_rounds_of_active_learners():
+    # current 6, max 3 rounds: base 2 is 4 versions = 4 rounds behind with one learner per round,
+    # 2 rounds behind with two (each merging on its own)
+    assert validate(make(base_version=2), context()) is Reason.too_stale
+    assert validate(make(base_version=2), context(per_round=2)) is None
+    assert validate(make(base_version=5), context(current_version={0: 14, 1: 0}, per_round=2)) is Reason.too_stale

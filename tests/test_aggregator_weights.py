@@ -122,3 +122,17 @@ def test_weights_are_a_distribution_and_staleness_never_helps(items, policy):
     # making one contribution staler never increases its weight
     older = [make(c.tokens, c.inner_steps, c.base_version - (i == 0)) for i, c in enumerate(cs)]
     assert contribution_weights(older, 30, policy)[0] <= w[0] + 1e-12
+
+
+def test_staleness_is_counted_in_rounds_of_active_learners():
+    from aggregator.weights import rounds_behind
+
+    assert [rounds_behind(10, b, 4) for b in (10, 9, 7, 6, 2)] == [0, 0, 0, 1, 2]
+    assert rounds_behind(10, 7, 1) == 3 and rounds_behind(10, 7, 0) == 3  # per_round < 1 counts as 1
+    assert rounds_behind(5, 6, 4) < 0  # a base from the future stays negative (rejected by validation)
+    # four learners of one round, merged one by one (K=1): 0..3 versions behind, all weighted alike
+    cs = [make(1000, 10, base) for base in (7, 8, 9, 10)]
+    np.testing.assert_allclose(contribution_weights(cs, 10, StalenessPolicy("polynomial", 0.5), per_round=4),
+                               [0.25] * 4)
+    w = contribution_weights(cs, 10, StalenessPolicy("polynomial", 0.5))  # counted in versions
+    assert w[0] < w[1] < w[2] < w[3]

@@ -23,3 +23,16 @@ def test_peak_rate_over_one_second_windows():
     assert 1000 <= c.peak_rate("x") <= 1100 + 1e-9
     assert c.bytes_at("x", 1.1) == (100, 0)
     assert c.peak_rate("missing") == 0.0
+
+
+def test_aggregator_variants_of_the_jax_benchmarks():
+    import pytest
+
+    from bench.runs import AGG_VARIANTS, aggregator_settings
+
+    assert aggregator_settings("quorum", 4) == {"DILOCO_QUORUM": "4"}
+    assert aggregator_settings("k1", 4) == {}
+    assert aggregator_settings("k1dn", 4)["DILOCO_DELAY_N"] == "4"
+    assert set(AGG_VARIANTS) == {"quorum", "k1", "k1dn"}
+    with pytest.raises(ValueError):
+        aggregator_settings("k2", 4)

@@ -170,32 +170,29 @@ def test_extra_sleep_rate_meter_and_memory_formula():
     assert lp.rss_mib(2048) == 2.0
 
 
-def test_fetch_round_once_per_sync_own_version_or_newest_after_half_h():
+def test_fetch_round_once_per_sync_after_the_delay():
     b = lp.Bookkeeper(2, H=8, tokens_per_step=1)
     b.on_merged(0, 0)
     b.on_merged(1, 0)
-    # no sync yet: nothing is due, even a version applying "our" contribution
-    assert not b.fetch_due(0, 3, own_applied=True)
     for _ in range(8):
         b.on_step()
+    assert not b.fetch_due(0, 3, delay=0)  # no sync of fragment 0 yet: nothing is due
     c = b.begin_sync(0)
     assert c is not None and b.frags[0].armed and not b.frags[1].armed
-    # armed: a foreign version waits, our own is due at once
-    assert not b.fetch_due(0, 1, own_applied=False)
-    assert b.fetch_due(0, 1, own_applied=True)
-    # after H/2 = 4 steps any newer version is due
-    for _ in range(4):
-        b.on_step()
-    assert b.fetch_due(0, 1, own_applied=False)
-    assert not b.fetch_due(0, 0, own_applied=True)  # not newer than the base
+    assert b.fetch_due(0, 1, delay=0)
+    assert not b.fetch_due(0, 1, delay=2)  # armed, but the delay has not passed
+    b.on_step()
+    b.on_step()
+    assert b.fetch_due(0, 1, delay=2)
+    assert not b.fetch_due(0, 0, delay=2)  # not newer than the base
     b.on_downloaded(0, 2)
     # one download per round: disarmed until the next sync
-    assert not b.frags[0].armed and not b.fetch_due(0, 5, own_applied=True)
+    assert not b.frags[0].armed and not b.fetch_due(0, 5, delay=0)
     b.end_sync(c, ok=True)
     b.on_merged(0, 2)
-    assert not b.fetch_due(0, 5, own_applied=True)
+    assert not b.fetch_due(0, 5, delay=0)
     b.begin_sync(0)
-    assert b.fetch_due(0, 5, own_applied=True) and not b.fetch_due(0, 2, own_applied=True)
+    assert b.fetch_due(0, 5, delay=0) and not b.fetch_due(0, 2, delay=0)
     b.on_resync({0: 6, 1: 6})
     assert not b.frags[0].armed
 

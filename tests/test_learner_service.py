@@ -515,40 +515,46 @@ async def test_evaluator_publishes_when_versions_change(nats_server, js):
 
 
 @pytest.mark.parametrize("fetch", ["round", "every"])
-async def test_fetch_round_downloads_once_per_sync_and_takes_its_own_version(nats_server, js, fetch):
+async def test_fetch_round_downloads_once_per_sync_after_the_delay(nats_server, js, fetch):
     from learner.service import Learner
 
     await bootstrap(js)
     common, model, cfg = configs(nats_server, learner_id="learner-8", compute="synthetic", sync_every=8,
-                                 step_time=0.03, quantiser="fp32", max_steps=100000, fetch=fetch)
+                                 step_time=0.03, quantiser="fp32", max_steps=100000, fetch=fetch, fetch_delay=3)
     learner = Learner(common, model, cfg)
     grads = await GradSniff().start(js._nc)
     stop = asyncio.Event()
     task = asyncio.create_task(learner.run(stop))
     p = 1
     size = len(codec.encode_array(V0[p]))
+    taken: list[tuple[int, int]] = []  # (version, steps since the sync of fragment 1) at each download
+    on_downloaded = learner.book.on_downloaded
+
+    def spy(q, version):
+        if q == p:
+            taken.append((version, learner.book.frags[p].steps))
+        on_downloaded(q, version)
+
+    learner.book.on_downloaded = spy
     try:
         await grads.wait_count(1, pred=lambda m: m["frag"] == p)
         received0 = learner.store.bytes_received
         # 30 foreign versions of fragment 1 over ~1.5 s (the learner syncs it every 8 x 30 ms)
         for v in range(1, 31):
-            await put_version(js, p, v, V0[p] + 0.001 * v, applied=[["other", "x", p, v]])
+            await put_version(js, p, v, V0[p] + 0.001 * v)
             await asyncio.sleep(0.05)
-        mine = await grads.wait_count(1, pred=lambda m: m["frag"] == p and m["round"] >= 3)
-        m = [x for x in mine if x["frag"] == p and x["round"] >= 3][0]
-        # a version that applies our round is taken at once, whatever arrived before it
-        await put_version(js, p, 40, V0[p] + 0.5, applied=[[m["learner"], m["inc"], p, m["round"]]])
         t_end = time.monotonic() + 10
-        while learner.book.frags[p].base_version != 40 and time.monotonic() < t_end:
+        while learner.book.frags[p].base_version != 30 and time.monotonic() < t_end:
             await asyncio.sleep(0.02)
-        assert learner.book.frags[p].base_version == 40
+        assert learner.book.frags[p].base_version == 30
         downloads = (learner.store.bytes_received - received0) / size
         rounds = learner.book.frags[p].next_round
+        assert downloads == int(downloads) == len(taken)  # nothing else was downloaded
         if fetch == "round":
             assert 1 <= downloads <= rounds, (downloads, rounds)
+            assert all(steps >= 3 for _, steps in taken), taken  # 3 steps after the sync
         else:
             assert downloads > rounds, (downloads, rounds)
-        assert downloads == int(downloads)  # no other fragment got a version: nothing else was downloaded
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 15) == 0

@@ -1,0 +1,88 @@
+"""Reading global versions (learners, the evaluator): whole ones, or deltas against a keyframe.
+
+:class:`GlobalReader` wraps the run's GLOBAL :class:`~bus.transport.VersionedStore` and its
+keyframe store (tag ``k``), and caches the newest keyframe of every fragment it has seen, so a
+delta version costs one quantised blob (see :mod:`bus.downlink`). Every vector goes through the
+caller's ``check`` before it is returned or cached as a keyframe, so a blob that does not fit the
+run never becomes a reference for later deltas.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from nats.js.errors import NotFoundError
+
+from bus.downlink import Keyframe, MissingKeyframe, decode_version
+from bus.subjects import GLOBAL
+from bus.transport import Head, VersionedStore
+
+#: ``check(head, vector) -> vector``: raises ValueError if the vector does not fit the run.
+Check = Callable[[Head, np.ndarray], np.ndarray]
+
+
+class GlobalReader:
+    def __init__(self, js, run: str, check: Check):
+        self.store = VersionedStore(js, run, GLOBAL)
+        self.keystore = VersionedStore(js, run, GLOBAL, tag="k")
+        self.check = check
+        self.keys: dict[int, Keyframe] = {}
+        self.keyframes_fetched = 0
+
+    @property
+    def bytes_received(self) -> int:
+        return self.store.bytes_received + self.keystore.bytes_received
+
+    @property
+    def bad_heads(self) -> int:
+        return self.store.bad_heads
+
+    async def read(self, head: Head) -> np.ndarray:
+        """The checked parameters of version ``head``.
+
+        Raises NotFoundError when the blob (or the keyframe a delta refers to) is gone or not there
+        yet: a newer version replaced it, and its head follows. ValueError/TransportError for a
+        version that does not decode or fit.
+        """
+        return await self._decode(head, await self.store.fetch(head))
+
+    async def newest(self, fragment: int) -> tuple[Head, np.ndarray] | None:
+        """The newest version of ``fragment``, checked, or None if it has none yet."""
+        for _ in range(self.store.attempts):
+            got = await self.store.get(fragment)
+            if got is None:
+                return None
+            try:
+                return got[0], await self._decode(*got)
+            except NotFoundError:
+                continue  # its keyframe was replaced meanwhile: read the newer head
+        raise NotFoundError
+
+    async def _decode(self, head: Head, blob) -> np.ndarray:
+        p = head.fragment
+        try:
+            vec = decode_version(blob, head.meta, self.keys.get(p))
+        except MissingKeyframe as e:
+            key = await self._fetch_key(p, e.ref)
+            vec = decode_version(blob, head.meta, key)
+        vec = self.check(head, vec)
+        if head.meta.get("key") == head.version:
+            self._remember(p, Keyframe(head.version, np.array(vec, dtype=np.float32, copy=True)))
+        return vec
+
+    async def _fetch_key(self, p: int, ref: int) -> Keyframe:
+        got = await self.keystore.get(p)
+        if got is None or got[0].version != ref:
+            raise NotFoundError  # not published yet, or already replaced by a newer keyframe
+        head, blob = got
+        vec = self.check(head, decode_version(blob, {}, None))
+        key = Keyframe(ref, np.array(vec, dtype=np.float32, copy=True))
+        self.keyframes_fetched += 1
+        self._remember(p, key)
+        return key
+
+    def _remember(self, p: int, key: Keyframe) -> None:
+        old = self.keys.get(p)
+        if old is None or key.version >= old.version:
+            self.keys[p] = key

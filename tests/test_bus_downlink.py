@@ -1,0 +1,127 @@
+"""Quantised downlink: keyframes and deltas (pure), and the reader + aggregator on a real server."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from bus import codec
+from bus.downlink import Keyframe, MissingKeyframe, decode_version, encode_version, is_keyframe_due
+
+RNG = np.random.default_rng(5)
+
+
+def test_fp32_is_whole_without_keyframes():
+    x = RNG.standard_normal(1000).astype(np.float32)
+    blob, meta, key = encode_version(x, 7, None, "fp32", 4)
+    assert meta == {} and key is None
+    np.testing.assert_array_equal(decode_version(blob, meta, None), x)
+
+
+def test_keyframe_cadence():
+    assert is_keyframe_due(1, None, 4)
+    k = Keyframe(3, np.zeros(2, np.float32))
+    assert [is_keyframe_due(v, k, 4) for v in (4, 5, 6, 7, 8)] == [False, False, False, True, True]
+    assert is_keyframe_due(3, k, 4) and is_keyframe_due(2, k, 4)  # republished or rolled back: whole again
+    with pytest.raises(ValueError):
+        encode_version(np.zeros(2, np.float32), 1, None, "int8", 0)
+
+
+@pytest.mark.parametrize("q,bound", [("int8", 1 / 127), ("bf16", 1 / 128), ("int4", 1 / 7)])
+def test_deltas_against_the_keyframe_reconstruct_within_one_step_and_do_not_accumulate(q, bound):
+    """A random walk of 200 versions with keyframes every 16: every reconstruction is within one
+    quantisation step of its delta since the keyframe, and keyframes are exact."""
+    theta = RNG.standard_normal(4096).astype(np.float32)
+    key_pub = key_reader = None
+    keys = 0
+    for v in range(1, 201):
+        theta = theta - np.float32(1e-3) * RNG.standard_normal(4096).astype(np.float32)
+        blob, meta, new = encode_version(theta, v, key_pub, q, 16)
+        if new is not None:
+            keys += 1
+            key_pub = new
+            assert meta == {"key": v}
+            got = decode_version(blob, meta, None)
+            np.testing.assert_array_equal(got, theta)
+            key_reader = Keyframe(v, got.copy())
+            continue
+        assert meta == {"ref": key_pub.version}
+        got = decode_version(blob, meta, key_reader)
+        span = np.abs(theta - key_pub.params).max()
+        assert np.abs(got - theta).max() <= bound * span * 1.01 + 1e-7, (v, span)
+    assert keys == 13  # versions 1, 17, 33, ..., 193
+
+
+def test_small_updates_survive_unlike_quantised_parameters():
+    """Outer updates far below bf16's resolution of the parameters: quantising the parameters
+    loses them all; a bf16 delta against an exact keyframe keeps them."""
+    theta = np.full(512, 1.0, np.float32)
+    key = None
+    for v in range(1, 11):
+        theta = theta - np.float32(1e-4)
+        blob, meta, new = encode_version(theta, v, key, "bf16", 64)
+        key = new or key
+    got = decode_version(blob, meta, key)
+    np.testing.assert_allclose(got, theta, rtol=0, atol=1e-6)
+    rounded = codec.decode_array(codec.encode_array(theta, "bf16"))
+    assert np.abs(rounded - theta).max() > 5e-4  # the parameters themselves in bf16: 1.0 - 1e-3 -> 1.0 or so
+
+
+def test_decode_refuses_missing_wrong_or_malformed_references():
+    x = np.arange(8, dtype=np.float32)
+    k = Keyframe(2, x.copy())
+    blob, meta, _ = encode_version(x + 1, 3, k, "int8", 8)
+    with pytest.raises(MissingKeyframe) as e:
+        decode_version(blob, meta, None)
+    assert e.value.ref == 2
+    with pytest.raises(MissingKeyframe):
+        decode_version(blob, meta, Keyframe(1, x.copy()))
+    for bad in ("2", -1, True, 2.0):
+        with pytest.raises(ValueError):
+            decode_version(blob, {"ref": bad}, k)
+    with pytest.raises(ValueError):
+        decode_version(blob, meta, Keyframe(2, np.zeros(9, np.float32)))
+
+
+# -- the aggregator publishes keyframes and deltas; a reader reconstructs them ----------------------
+
+
+async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruct(nats_server, js):
+    from tests.test_aggregator_service import RUN, _start, _until
+    from tests.agg_helpers import FakeLearner
+    from bus.global_reader import GlobalReader
+    from bus.subjects import GLOBAL
+    from bus.transport import VersionedStore
+
+    svc, stop, task = await _start(nats_server, require_membership=False, grace="fixed", grace_seconds=0.02,
+                                   quorum=1, downlink_quantiser="int8", keyframe_every=3, max_staleness=100)
+    seen = []
+    reader = GlobalReader(js, RUN, lambda head, vec: seen.append(head.version) or vec)
+    late = GlobalReader(js, RUN, lambda head, vec: vec)
+    store = VersionedStore(js, RUN, GLOBAL)
+    learner = FakeLearner(js, RUN, "a", 1, scale=1e-2)
+    metas = {}
+    try:
+        for v in range(8):
+            await learner.send(0, base=v)
+            assert await _until(lambda: svc.states[0].version == v + 1)
+            head = await store.head(0)
+            assert head.version == v + 1
+            metas[head.version] = {k: head.meta[k] for k in ("key", "ref") if k in head.meta}
+            got = await reader.read(head)
+            exact = svc.states[0].params
+            span = np.abs(exact - svc.keys[0].params).max()
+            assert np.abs(got - exact).max() <= span / 127 * 1.01 + 1e-7
+        # keyframes at 1, 4, 7 (every 3 versions); the rest are deltas against the newest keyframe
+        assert metas == {1: {"key": 1}, 2: {"ref": 1}, 3: {"ref": 1}, 4: {"key": 4}, 5: {"ref": 4},
+                         6: {"ref": 4}, 7: {"key": 7}, 8: {"ref": 7}}
+        assert reader.keyframes_fetched == 0  # it saw every keyframe version itself
+        # a reader that joins now fetches keyframe 7 from the keyframe subjects, then the delta
+        head, vec = await late.newest(0)
+        assert head.version == 8 and late.keyframes_fetched == 1 and late.keys[0].version == 7
+        np.testing.assert_allclose(vec, svc.states[0].params, atol=np.abs(svc.states[0].params).max() / 100)
+        # the aggregator's own parameters stay exact float32 (never rounded by the downlink)
+        assert svc.states[0].params.dtype == np.float32
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
