@@ -1,8 +1,9 @@
 """Bandwidth: bytes through the broker per learner (the server's own /connz counters) against
 data-parallel ring all-reduce in bf16, for outer-gradient precisions x H, each with its held-out loss.
 
-Every configuration is a fresh run: embedded server, one aggregator (defaults: K=1, adaptive
-grace, RDA, outer Nesterov; ``DILOCO_DOWNLINK_QUANTISER`` fp32 or bf16), M=4 real JAX learners
+Every configuration is a fresh run: embedded server, one aggregator (K = M with the adaptive grace
+as ``diloco up`` runs it, RDA, outer Nesterov; ``DILOCO_DOWNLINK_QUANTISER`` int8, i.e. int8 deltas
+against fp32 keyframes, or fp32 whole versions), M=4 real JAX learners
 (defaults: one download per fragment and own sync, rebase on arrival, final sync) of a small model (``SMALL_MODEL``: d_model 64,
 2 layers, seq 64, ~0.12M parameters; batch 8) that run ``steps`` inner steps with P=8 staggered
 fragments and exit, then ``diloco eval --once``. A learner's traffic is what the server counts for
@@ -30,7 +31,7 @@ import asyncio
 
 from bench.common import finish, parser, progress
 from bench.dp import train_dp
-from bench.runs import SMALL_MODEL, model_config, run_learners
+from bench.runs import SMALL_MODEL, aggregator_settings, model_config, run_learners
 from learner.spec import count_params
 
 M = 4
@@ -39,9 +40,9 @@ M = 4
 def configs(quick: bool) -> list[tuple[str, int, str, str]]:
     """(uplink quantiser, H, downlink quantiser, aggregator variant)."""
     if quick:
-        return [("int8", 25, "fp32", "default"), ("e3m0", 100, "bf16", "default")]
-    out = [(q, h, "fp32", "default") for h in (25, 100, 250) for q in ("fp32", "bf16", "int8", "e3m0")]
-    out += [("e3m0", h, "bf16", "default") for h in (25, 100, 250)]
+        return [("int8", 25, "int8", "quorum"), ("e3m0", 100, "int8", "quorum")]
+    out = [(q, h, "int8", "quorum") for h in (25, 100, 250) for q in ("fp32", "bf16", "int8", "e3m0")]
+    out += [("e3m0", 100, "fp32", "quorum")]  # the same with whole fp32 versions on the downlink
     return out
 
 
@@ -59,7 +60,7 @@ async def main_async(quick: bool, steps: int, plot: str | None) -> dict:
         label = f"{up}/H{H}/down-{down}/{variant}"
         r = await run_learners(env, M, steps, label=label, sample_connz=True,
                                learner={"DILOCO_QUANTISER": up, "DILOCO_SYNC_EVERY": str(H)},
-                               agg={"DILOCO_DOWNLINK_QUANTISER": down})
+                               agg={**aggregator_settings(variant, M), "DILOCO_DOWNLINK_QUANTISER": down})
         ls = list(r["learners"].values())
         steps_done = sum(x["step"] or 0 for x in ls) / len(ls)
         up_b = sum(x["connz_in"] for x in ls) / len(ls)
@@ -141,7 +142,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--plot", default=None, help="write a PNG of reduction vs loss gap")
     a = p.parse_args()
-    steps = a.steps or (60 if a.quick else 500)
+    steps = a.steps or (60 if a.quick else 300)
     r = asyncio.run(main_async(a.quick, steps, a.plot))
     finish({"bench": "bandwidth", "quick": a.quick, **r}, a.out)
 
