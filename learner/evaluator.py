@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import orjson
+from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus.signals import install_stop
@@ -59,6 +60,7 @@ class Evaluator:
         self.evaluated: dict[int, int] | None = None
         self.last: dict | None = None
         self.evaluations = 0
+        self.rejected_globals: dict[str, int] = {}  # versions not taken, by reason
         self.nc = None
         self.store: GlobalReader | None = None
         self._halt = asyncio.Event()
@@ -104,6 +106,7 @@ class Evaluator:
             "versions": {str(p): v for p, v in sorted(versions.items())},
             "tokens": int(self._batches.shape[0] * self._batches.shape[1] * self.spec.seq_len),
             "eval_seconds": round(time.monotonic() - t0, 4), "rss_mib": peak_rss_mib(),
+            "rejected_globals": dict(self.rejected_globals),
         }
         self.log.info("evaluated", eval_loss=loss, version=self.last["version"], versions=versions)
         return self.last
@@ -128,11 +131,18 @@ class Evaluator:
                 return
             try:
                 vec = await self.store.read(head)
-            except Exception as e:  # replaced meanwhile (its successor follows) or unusable
-                self.log.debug("global_fetch_skipped", fragment=p, version=head.version, error=repr(e))
+            except NotFoundError:  # replaced meanwhile (its successor follows), or a forged head
+                self._reject("unreadable", head)
+                return
+            except Exception as e:  # does not decode or fit the run
+                self._reject("bad_blob", head, error=repr(e))
                 return
             self.vectors[p] = vec
             self.versions[p] = head.version
+
+    def _reject(self, reason: str, head: Head, **kw) -> None:
+        self.rejected_globals[reason] = self.rejected_globals.get(reason, 0) + 1
+        self.log.warning("global_version_rejected", reason=reason, fragment=head.fragment, version=head.version, **kw)
 
     async def _follow(self) -> None:
         await follow_heads(self.store.store, self._halt, self._on_head, lambda p: self.versions.get(p, -1),

@@ -506,6 +506,13 @@ async def test_evaluator_publishes_when_versions_change(nats_server, js):
         await put_version(js, 2, 1, np.zeros(PLAN.sizes[2], np.float32))
         m = await metrics.wait_for(lambda m: m["version"] == 1)
         assert m["versions"]["2"] == 1 and m["version_min"] == 0 and m["eval_loss"] != first["eval_loss"]
+        assert m["rejected_globals"] == {}
+        # a version of the wrong size is counted, not taken
+        await put_version(js, 1, 4, np.zeros(PLAN.sizes[1] + 1, np.float32))
+        await asyncio.sleep(0.3)
+        await put_version(js, 3, 1, np.zeros(PLAN.sizes[3], np.float32))
+        m = await metrics.wait_for(lambda m: m["versions"]["3"] == 1)
+        assert m["versions"]["1"] == 0 and m["rejected_globals"] == {"bad_blob": 1}
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 15) == 0
