@@ -39,7 +39,7 @@ from bus.transport import Head, follow_heads
 from learner import loop as lp
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
 from learner.service import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, StartupError, close_quietly, connect_until,
-                             fetch_newest, global_reader, join_run, peak_rss_mib)
+                             fetch_newest, global_reader, initial_blobs, join_run, peak_rss_mib)
 from learner.spec import spec_hash
 
 
@@ -118,9 +118,10 @@ class Evaluator:
             self.nc = await connect_until(self.common, f"eval-{self.ecfg.eval_id}", deadline, self.log)
             js = self.nc.jetstream(timeout=10)
             self.store = global_reader(js, self.common.run, self.plan, self.model_hash)
-            await join_run(js, self.common, self.spec, self.plan, deadline)
-            self.vectors, self.versions = await fetch_newest(self.store, self.plan, deadline,
-                                                             self.log)
+            manifest = await join_run(js, self.common, self.spec, self.plan, deadline)
+            self.store.local = initial_blobs(self.spec, self.plan, manifest.seed)
+            self.vectors, self.versions = await fetch_newest(self.store, self.plan, deadline, self.log)
+            self.store.local = None
         finally:
             await prep
 

@@ -94,7 +94,7 @@ async def connect_until(common: CommonConfig, name: str, deadline: float, log):
             delay = min(delay * 2, 2.0)
 
 
-async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan, deadline: float) -> None:
+async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan, deadline: float):
     """Wait for the manifest and check it: StartupError(3) on mismatch, (4) on timeout.
 
     Learners and the evaluator never create streams (their least-privilege users may not): the
@@ -109,6 +109,26 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
         check_manifest(m, spec, plan)
     except RunMismatch as e:
         raise StartupError(EXIT_MISMATCH, f"refusing to start: {e}") from None
+    return m
+
+
+def initial_blobs(spec: ModelSpec, plan: FragmentPlan, seed: int):
+    """``head -> blob``: version 0 built here, as ``aggregator.bootstrap`` builds it (numpy init from
+    the manifest's seed, bit-identical), so a fresh run starts without downloading its parameters
+    (data-parallel workers do not download their init either). The reader takes it only when its
+    size and crc32 equal the head's; anything else (a later version, another seed) is downloaded."""
+    from learner.spec import init_params
+
+    cache: dict = {}
+
+    def blob(head: Head):
+        if head.version != 0 or not 0 <= head.fragment < plan.num_fragments:
+            return None
+        if "params" not in cache:
+            cache["params"] = init_params(spec, seed)
+        return codec.encode_array(gather(plan, cache["params"], head.fragment))
+
+    return blob
 
 
 def check_fragment(plan: FragmentPlan, head: Head, vec: np.ndarray, model_hash: str) -> np.ndarray:
@@ -386,8 +406,12 @@ class Learner:
         self.js = self.nc.jetstream(timeout=10)
         self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks)
         self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
-        await join_run(self.js, self.common, self.spec, self.plan, deadline)
-        vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
+        manifest = await join_run(self.js, self.common, self.spec, self.plan, deadline)
+        self.store.local = initial_blobs(self.spec, self.plan, manifest.seed)
+        try:
+            vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
+        finally:
+            self.store.local = None
         self.backend = await self._in_worker(self._make_backend)
         await self._in_worker(self.backend.load, vectors)
         if hasattr(self.backend, "compile"):

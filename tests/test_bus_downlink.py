@@ -125,3 +125,27 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+
+
+async def test_reader_builds_version_0_locally_when_its_crc_matches(nats_server, js):
+    from bus.global_reader import GlobalReader
+    from learner.service import initial_blobs
+    from tests.test_learner_service import PLAN, RUN, SPEC, V0, bootstrap, put_version
+
+    await bootstrap(js)  # version 0 of every fragment from seed 0, as the aggregator makes it
+    reader = GlobalReader(js, RUN, lambda head, vec: vec)
+    reader.local = initial_blobs(SPEC, PLAN, 0)
+    head, vec = await reader.newest(0)
+    assert head.version == 0 and reader.local_hits == 1 and reader.bytes_received == 0
+    np.testing.assert_array_equal(vec, V0[0])
+    # another seed does not match the head's crc: downloaded
+    reader.local = initial_blobs(SPEC, PLAN, 1)
+    head, vec = await reader.newest(1)
+    assert reader.local_hits == 1 and reader.bytes_received > 0
+    np.testing.assert_array_equal(vec, V0[1])
+    # a later version is always downloaded
+    await put_version(js, 2, 3, V0[2] + 1.0)
+    before = reader.bytes_received
+    reader.local = initial_blobs(SPEC, PLAN, 0)
+    head, vec = await reader.newest(2)
+    assert head.version == 3 and reader.local_hits == 1 and reader.bytes_received > before
