@@ -169,6 +169,25 @@ class AggregatorService:
                 self.log.info("fragment_recovered", fragment=p, version=st.version,
                               global_behind=gh is None or gh.version < st.version)
             self.states[p] = st
+            await self._recover_keyframe(p, st)
+
+    async def _recover_keyframe(self, p: int, st: FragmentState) -> None:
+        """Quantised downlink: the keyframe deltas refer to after a (re)start. The newest one on the
+        keyframe subjects while it is still current; else, for a fresh fragment, version 0 (every
+        reader holds it whole, learners build it from the seed), put on the keyframe subjects for
+        readers that join later. Otherwise the first version published is a keyframe."""
+        if self.settings.downlink_quantiser == "fp32":
+            return
+        got = await self.kstore.get(p)
+        if got is not None:
+            head, blob = got
+            if head.version <= st.version and st.version - head.version < self.cfg.keyframe_every:
+                self.keys[p] = Keyframe(head.version, np.array(codec.decode_array(blob), dtype=np.float32))
+                return
+        if st.version == 0:
+            await self.kstore.put(p, 0, codec.encode_array(st.params),
+                                  {"model": self.model_hash, "plan": self.plan.plan_hash(), "key": 0})
+            self.keys[p] = Keyframe(0, np.array(st.params, dtype=np.float32, copy=True))
 
     # -- contributions ----------------------------------------------------------------------------
 

@@ -78,7 +78,8 @@ class GlobalReader:
             key = await self._fetch_key(p, e.ref)
             vec = decode_version(blob, head.meta, key)
         vec = self.check(head, vec)
-        if head.meta.get("key") == head.version:
+        # a keyframe; so is version 0, always whole (the aggregator takes it as its first keyframe)
+        if head.meta.get("key") == head.version or (head.version == 0 and "ref" not in head.meta):
             self._remember(p, Keyframe(head.version, np.array(vec, dtype=np.float32, copy=True)))
         return vec
 

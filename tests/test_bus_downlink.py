@@ -102,6 +102,8 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
     learner = FakeLearner(js, RUN, "a", 1, scale=1e-2)
     metas = {}
     try:
+        head, _ = await reader.newest(0)  # version 0: whole, kept as keyframe 0
+        assert head.version == 0 and reader.keys[0].version == 0
         for v in range(8):
             await learner.send(0, base=v)
             assert await _until(lambda: svc.states[0].version == v + 1)
@@ -112,16 +114,33 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
             exact = svc.states[0].params
             span = np.abs(exact - svc.keys[0].params).max()
             assert np.abs(got - exact).max() <= span / 127 * 1.01 + 1e-7
-        # keyframes at 1, 4, 7 (every 3 versions); the rest are deltas against the newest keyframe
-        assert metas == {1: {"key": 1}, 2: {"ref": 1}, 3: {"ref": 1}, 4: {"key": 4}, 5: {"ref": 4},
-                         6: {"ref": 4}, 7: {"key": 7}, 8: {"ref": 7}}
+        # version 0 is the first keyframe; then keyframes at 3 and 6 (every 3 versions); the rest
+        # are deltas against the newest keyframe
+        assert metas == {1: {"ref": 0}, 2: {"ref": 0}, 3: {"key": 3}, 4: {"ref": 3}, 5: {"ref": 3},
+                         6: {"key": 6}, 7: {"ref": 6}, 8: {"ref": 6}}
         assert reader.keyframes_fetched == 0  # it saw every keyframe version itself
-        # a reader that joins now fetches keyframe 7 from the keyframe subjects, then the delta
+        # a reader that joins now fetches keyframe 6 from the keyframe subjects, then the delta
         head, vec = await late.newest(0)
-        assert head.version == 8 and late.keyframes_fetched == 1 and late.keys[0].version == 7
+        assert head.version == 8 and late.keyframes_fetched == 1 and late.keys[0].version == 6
         np.testing.assert_allclose(vec, svc.states[0].params, atol=np.abs(svc.states[0].params).max() / 100)
         # the aggregator's own parameters stay exact float32 (never rounded by the downlink)
         assert svc.states[0].params.dtype == np.float32
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    # a restarted aggregator (keyframes every 4 now) takes keyframe 6 back, still current at
+    # version 8: version 9 is a delta against it
+    svc, stop, task = await _start(nats_server, require_membership=False, grace="fixed", grace_seconds=0.02,
+                                   quorum=1, downlink_quantiser="int8", keyframe_every=4, max_staleness=100)
+    try:
+        assert svc.keys[0].version == 6 and svc.keys[1].version == 0
+        await learner.send(0, base=8)
+        assert await _until(lambda: svc.states[0].version == 9)
+        head = await store.head(0)
+        assert head.version == 9 and head.meta.get("ref") == 6
+        got = await reader.read(head)
+        assert reader.keyframes_fetched == 0
+        np.testing.assert_allclose(got, svc.states[0].params, atol=np.abs(svc.states[0].params).max() / 100)
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
