@@ -5,9 +5,8 @@ Model d_model 512, 16 layers, d_ff 2048, seq 128 (50.5M parameters, P=8 fragment
 ``--quick`` uses d_model 256, 6 layers (4.9M). Learners: ``DILOCO_COMPUTE=synthetic`` (no JAX:
 each step sleeps 0.1 s and moves the real 50M-value fragment vectors), H=24, int8 outer gradients
 without error feedback (one model copy less per learner: 16 learners must fit in RAM next to
-other jobs), heartbeats every 1 s; a monitor; global versions published in int8
-(``DILOCO_DOWNLINK_QUANTISER=int8``; 16 learners downloading every fp32 version would need about
-16 x 4 bytes x 50M per merge round from one loopback broker). Aggregator defaults otherwise (K=1).
+other jobs), heartbeats every 1 s; a monitor; a quantised downlink (``DILOCO_DOWNLINK_QUANTISER=int8``:
+int8 deltas against fp32 keyframes, ``bus.downlink``). Aggregator defaults otherwise (K=1).
 
 Measured over a window of ``window`` seconds once every learner stepped: versions per second
 (sum over fragments and aggregators), the aggregators' merge_latency_p50/max (first arrival ->

@@ -81,6 +81,8 @@ RUN_DEFAULTS: dict[str, str] = {
     # a fragment's first sync covers only its offset's few warm-up steps, so "10 x the median norm"
     # rejects honest later deltas, and a rejected fragment's base never moves again: see docs/deploy.md
     "DILOCO_NORM_OUTLIER_FACTOR": "1000",
+    # int8 deltas against fp32 keyframes: a quarter of the downlink, no measured loss (docs/BENCHMARKS.md)
+    "DILOCO_DOWNLINK_QUANTISER": "int8",
 }
 
 #: DILOCO_REGION of the aggregator, monitor and evaluator (they connect to the hub server).
