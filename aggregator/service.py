@@ -96,8 +96,8 @@ class AggregatorService:
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
         self.log = get_logger(role="aggregator", aggregator=cfg.aggregator_id)
         self.states: dict[int, FragmentState] = {}
-        # newest keyframe published per fragment (quantised downlink); not persisted: after a
-        # restart the first version of each fragment is a keyframe again
+        # newest keyframe per fragment (quantised downlink); after a restart taken back from the
+        # keyframe subjects while current (see _recover_keyframe)
         self.keys: dict[int, Keyframe] = {}
         self.buffers: dict[int, list[Pending]] = {p: [] for p in self.owned}
         self.unpublished: set[int] = set()
