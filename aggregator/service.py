@@ -2,7 +2,7 @@
 
 Order of a merge of fragment p (what makes a kill -9 at any instant safe):
 
-1. ``merge_step`` (pure) computes state v+1 and the global blob;
+1. ``merge_step`` (pure) computes state v+1;
 2. the state record v+1 is committed to the STATE stream (write-ahead: params, optimizer state,
    applied-set);
 3. the contributions' chunk messages are acknowledged;
@@ -280,7 +280,7 @@ class AggregatorService:
         scale = (participation_scale(len(learners), len(self.active() | learners))
                  if self.cfg.scale_by_participation else 1.0)
         per_round = max(1, len(self.active() | learners))
-        new, blob = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
+        new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
         try:
             await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
         except Exception as e:  # state not committed: keep the contributions, try again later
@@ -290,7 +290,7 @@ class AggregatorService:
         self.states[p] = new
         for x in items:
             await ack_all(x.tokens)
-        await self._publish_global(p, blob)
+        await self._publish_global(p, fresh=True)
         self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
         self.stats.merges += 1
         self.stats.merge_latency.append(time.monotonic() - first)
@@ -302,23 +302,21 @@ class AggregatorService:
         self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
                       learners=sorted({x.c.learner for x in items}))
 
-    async def _publish_global(self, p: int, blob=None) -> None:
-        """Publish the global version of the state (unless already there) and its merge event."""
+    async def _publish_global(self, p: int, fresh: bool = False) -> None:
+        """Publish the global version of the state and its merge event. ``fresh``: just merged, so
+        not published yet; otherwise (recovery, retry) only if the global head is behind."""
         st = self.states[p]
         applied = [list(k) for k in st.last_merge]
         try:
-            head = await self.gstore.head(p) if blob is None else None
+            head = None if fresh else await self.gstore.head(p)
             if head is None or head.version < st.version:
                 meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
-                if self.settings.downlink_quantiser != "fp32" or blob is None:
-                    blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
-                                                      self.settings.downlink_quantiser, self.cfg.keyframe_every)
-                    if key is not None:  # a keyframe: on its own subjects first, then as the version
-                        await self.kstore.put(p, st.version, blob, {**meta, **extra})
-                        self.keys[p] = key
-                    meta.update(extra)
-                await self.gstore.put(p, st.version, blob, {**meta,
-                                                           "applied": applied})
+                blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
+                                                  self.settings.downlink_quantiser, self.cfg.keyframe_every)
+                if key is not None:  # a keyframe: on its own subjects first, then as the version
+                    await self.kstore.put(p, st.version, blob, {**meta, **extra})
+                    self.keys[p] = key
+                await self.gstore.put(p, st.version, blob, {**meta, **extra, "applied": applied})
             if st.version > 0:
                 await self.js.publish(self.s.event("merge"), orjson.dumps(
                     {"fragment": p, "version": st.version, "applied": applied, "scale": st.last_scale,

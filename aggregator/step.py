@@ -103,15 +103,15 @@ def participation_scale(merged_learners: int, active_learners: int) -> float:
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
                norms: list[float] | None = None, scale: float = 1.0,
-               per_round: int = 1) -> tuple[FragmentState, bytearray]:
-    """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step, quantise for the
-    downlink (the whole fp32 parameters; a quantised downlink is encoded by the service, see
-    :mod:`bus.downlink`). ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
+               per_round: int = 1) -> FragmentState:
+    """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step. The global version
+    is encoded for the downlink when it is published (:func:`bus.downlink.encode_version`).
+    ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
 
     The merged outer gradient is multiplied by ``scale`` and by the token-weighted mean staleness
     factor of the contributions; staleness is counted in rounds of ``per_round`` versions (the
-    active learners; see :func:`aggregator.weights.rounds_behind`). Returns the new state and the fp32 blob of its parameters. ``state`` is not modified. ``contribs``
-    must already be validated (and not duplicates).
+    active learners; see :func:`aggregator.weights.rounds_behind`). Returns the new state; ``state``
+    is not modified. ``contribs`` must already be validated (and not duplicates).
     """
     if not contribs:
         raise ValueError("merge_step needs at least one contribution")
@@ -129,7 +129,6 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     if total != 1.0:
         g = g * np.float32(total)
     params, opt = settings.make_optimizer().step(state.params, g, state.opt)
-    blob = codec.encode_array(params)
     applied = state.applied.copy()
     hist = NormHistory.from_dict(state.norms.to_dict())
     for c, n in zip(contribs, norms):
@@ -137,4 +136,4 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         hist.add(state.fragment, float(n) / max(1, c.inner_steps))  # norm per inner step
     new = FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
                         float(scale), max(1, int(per_round)))
-    return new, blob
+    return new

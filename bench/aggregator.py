@@ -4,7 +4,8 @@ For M = 4, 16, 64 contributions of one fragment (n float32 values each), times w
 does per merge once contributions are validated (their norms are known from validation):
 
 * ``core``: token x staleness weights, merge (RDA by default), outer Nesterov step;
-* ``merge_step``: the whole pure step, also encoding the global blob and updating the applied-set.
+* ``merge_step``: the whole pure step (updating the applied-set), plus encoding the global blob
+  (``bus.downlink.encode_version``, fp32) as the service does when it publishes.
 
 Throughput is GB of outer-gradient data (M x n x 4 bytes) per second; ``merge_vs_memcpy`` is the
 worst (over M) core throughput over the bandwidth of ``np.copyto`` on buffers larger than the L3
@@ -28,6 +29,7 @@ from aggregator.merge import l2_norm, merge
 from aggregator.step import FragmentState, MergeSettings, merge_step
 from aggregator.weights import contribution_weights
 from bench.common import finish, parser, peak_rss_mib, progress
+from bus.downlink import encode_version
 
 MS = (4, 16, 64)
 
@@ -65,17 +67,23 @@ def measure(m: int, n: int, reps: int, method: str) -> dict:
         opt.step(st.params, g, st.opt, inplace=True)
 
     core_t = min(_timed(core) for _ in range(reps))
-    step_t = min(_timed(lambda: merge_step(st, cs, settings, norms)) for _ in range(reps))
+    step_t = min(_timed(lambda: step_and_blob(st, cs, settings, norms)) for _ in range(reps))
     gb = m * n * 4 / 1e9
     return {"M": m, "n": n, "core_gbps": round(gb / core_t, 3), "merge_step_gbps": round(gb / step_t, 3),
             "core_ms": round(core_t * 1e3, 2)}
+
+
+def step_and_blob(st: FragmentState, cs: list, settings: MergeSettings, norms) -> None:
+    """What the service does per merge before I/O: the merge step, then the fp32 global blob."""
+    new = merge_step(st, cs, settings, norms)
+    encode_version(new.params, new.version, None, "fp32", 1)
 
 
 def child(m: int, n: int) -> None:
     cs = _contribs(m, n)
     settings = MergeSettings()
     st = FragmentState.initial(0, 1, np.zeros(n, np.float32), settings)
-    merge_step(st, cs, settings, [l2_norm(c.vector) for c in cs])
+    step_and_blob(st, cs, settings, [l2_norm(c.vector) for c in cs])
     print(orjson.dumps({"peak_rss_mib": peak_rss_mib()}).decode())
 
 

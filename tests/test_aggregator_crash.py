@@ -124,7 +124,7 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
             for (lrn, inc, frag, rnd) in keys:
                 vec, base = sent[(lrn, inc, frag, rnd)]
                 contribs.append(Contribution(RUN, HASH, lrn, inc, frag, rnd, base, 10, 640, vec))
-            st, _ = merge_step(st, contribs, SETTINGS, scale=scale, per_round=per_round)
+            st = merge_step(st, contribs, SETTINGS, scale=scale, per_round=per_round)
         head, blob = await store.get(p)
         assert head.version == st.version
         assert np.array_equal(codec.decode_array(blob), st.params)

@@ -208,8 +208,8 @@ def test_merge_step_discounts_staleness_in_rounds():
                       staleness=StalenessPolicy("polynomial", 0.5))
     st = FragmentState.initial(0, 3, np.zeros(4, np.float32), s)
     c = Contribution("r", "h", "a", "i", 0, 0, 0, 10, 1000, np.ones(4, np.float32))
-    rounds, _ = merge_step(st, [c], s, per_round=4)
-    versions, _ = merge_step(st, [c], s)
+    rounds = merge_step(st, [c], s, per_round=4)
+    versions = merge_step(st, [c], s)
     np.testing.assert_allclose(rounds.params, -1.0)
     np.testing.assert_allclose(versions.params, -0.5)
     assert rounds.last_per_round == 4 and FragmentState.from_bytes(rounds.to_bytes()).last_per_round == 4
