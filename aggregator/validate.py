@@ -27,6 +27,7 @@ After a merge the caller records each applied contribution in :class:`AppliedSet
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import OrderedDict, deque
@@ -106,17 +107,53 @@ class NormHistory:
         return h
 
 
+def _in_runs(runs: list[list[int]], r: int) -> bool:
+    """Is round r in one of the sorted, disjoint runs [lo, hi]?"""
+    i = bisect.bisect_right(runs, r, key=lambda run: run[0]) - 1
+    return i >= 0 and runs[i][1] >= r
+
+
+def _add_to_runs(runs: list[list[int]], floor: int, r: int, max_gaps: int) -> int:
+    """Record round r (> floor, not yet in ``runs``) in place; return the new floor.
+
+    Runs stay sorted, disjoint and non-adjacent, and every run starts above floor + 1 (a run that
+    reaches the floor is absorbed into it). With more than ``max_gaps`` runs, the floor jumps over
+    the oldest gap."""
+    i = bisect.bisect_right(runs, r, key=lambda run: run[0])  # runs[:i] start at or below r
+    joins_prev = i > 0 and runs[i - 1][1] + 1 == r
+    joins_next = i < len(runs) and runs[i][0] - 1 == r
+    if joins_prev and joins_next:
+        runs[i - 1][1] = runs[i][1]
+        del runs[i]
+    elif joins_prev:
+        runs[i - 1][1] = r
+    elif joins_next:
+        runs[i][0] = r
+    else:
+        runs.insert(i, [r, r])
+    if runs[0][0] == floor + 1:
+        floor = runs.pop(0)[1]
+    while len(runs) > max_gaps:  # give up on the oldest gap: bounded state
+        floor = runs.pop(0)[1]
+    return floor
+
+
 class AppliedSet:
     """Bounded record of applied contributions, to reject duplicates and replays.
 
     Per (learner, incarnation, fragment) it keeps a round *floor* (every round <= floor counts as
-    applied) and the exact set of applied rounds above it (and the highest base version applied).
-    Rounds can arrive out of order (after an aggregator crash, a chunk set that was mid-assembly is
-    redelivered only after ``ack_wait``, when later rounds were already applied), so a round below
-    the highest applied one is NOT a duplicate unless it was applied itself. The floor rises over
-    contiguous applied rounds; when more than ``max_gaps`` rounds sit above it (rounds that were
-    rejected and will never be applied), the floor jumps to the oldest of them, so state stays
-    bounded and only a round older than ``max_gaps`` newer applied ones could be lost.
+    applied), the applied rounds above it as sorted runs of consecutive rounds ``[lo, hi]``, and
+    the highest base version applied. Rounds can arrive out of order: after an aggregator crash, a
+    chunk set that was mid-assembly is redelivered only after ``ack_wait``, and under repeated
+    crashes its chunks can keep landing on processes that die before they hold all of them, while
+    hundreds of later rounds are applied. So a round below the highest applied one is NOT a
+    duplicate unless it was applied itself. The floor rises over contiguous applied rounds.
+
+    State grows with the number of *gaps* (missing rounds between runs), not with the number of
+    rounds applied after a late one: a round in flight for any length of time costs one gap. When
+    more than ``max_gaps`` gaps are open (rounds rejected, so never applied, or a learner that
+    skips round numbers), the floor jumps over the oldest gap, so only a round that is still in
+    flight while ``max_gaps`` newer gaps open after it could be taken for a duplicate.
 
     Per learner at most ``max_incarnations`` incarnations are kept, least recently applied first
     out. When an incarnation is evicted, the highest base version it had applied per fragment is
@@ -128,17 +165,18 @@ class AppliedSet:
     (a learner restarted from a stale copy). Keep ``max_incarnations`` above the number of
     restarts a learner makes while its old messages can still be redelivered.
 
-    Memory: O(learners x max_incarnations x fragments) small entries.
+    Memory: O(learners x max_incarnations x fragments x open gaps) small entries.
     """
 
-    FORMAT = 2
+    FORMAT = 3  # 2: applied rounds above the floor as a flat list (still read)
     max_gaps = 256
 
     def __init__(self, max_incarnations: int = 4) -> None:
         if max_incarnations < 1:
             raise ValueError(f"max_incarnations must be >= 1, got {max_incarnations}")
         self.max_incarnations = max_incarnations
-        # learner -> incarnation (LRU order) -> fragment -> [round floor, highest base, {rounds > floor}]
+        # learner -> incarnation (LRU order) -> fragment -> [round floor, highest base, runs], runs
+        # a sorted list of disjoint, non-adjacent [lo, hi] (applied rounds above floor + 1)
         self._seen: dict[str, OrderedDict[str, dict[int, list]]] = {}
         # (learner, fragment) -> highest base version applied by an evicted incarnation
         self._floor: dict[tuple[str, int], int] = {}
@@ -153,12 +191,14 @@ class AppliedSet:
 
     def highest_round(self, learner: str, incarnation: str, fragment: int) -> int | None:
         entry = self._seen.get(learner, {}).get(incarnation, {}).get(fragment)
-        return max([entry[0], *entry[2]]) if entry is not None else None
+        if entry is None:
+            return None
+        return entry[2][-1][1] if entry[2] else entry[0]
 
     def is_duplicate(self, c: Contribution) -> bool:
         """True if round ``c.round`` of its incarnation and fragment was already applied."""
         entry = self._seen.get(c.learner, {}).get(c.incarnation, {}).get(c.fragment)
-        if entry is not None and (c.round <= entry[0] or c.round in entry[2]):
+        if entry is not None and (c.round <= entry[0] or _in_runs(entry[2], c.round)):
             return True
         # Not held (new, or its entry was evicted; possibly its incarnation re-entered the set
         # since): the floor of evicted incarnations' base versions covers evicted entries.
@@ -180,18 +220,9 @@ class AppliedSet:
         incs.move_to_end(incarnation)
         entry = frags.get(fragment)
         if entry is None:
-            entry = frags[fragment] = [-1, base, set()]
+            entry = frags[fragment] = [-1, base, []]
         entry[1] = max(entry[1], base)
-        entry[2].add(rnd)
-        while entry[0] + 1 in entry[2]:  # contiguous applied rounds raise the floor
-            entry[0] += 1
-            entry[2].discard(entry[0])
-        while len(entry[2]) > self.max_gaps:  # give up on the oldest gap: bounded state
-            entry[0] = min(entry[2])
-            entry[2].discard(entry[0])
-            while entry[0] + 1 in entry[2]:
-                entry[0] += 1
-                entry[2].discard(entry[0])
+        entry[0] = _add_to_runs(entry[2], entry[0], rnd, self.max_gaps)
         while len(incs) > self.max_incarnations:
             _, old = incs.popitem(last=False)
             for f, (_, old_base, _) in old.items():
@@ -204,8 +235,8 @@ class AppliedSet:
     def to_dict(self) -> dict[str, Any]:
         """Plain, msgpack-friendly form (str keys only, ints, lists)::
 
-            {"format": 1, "max_incarnations": int,
-             "learners": [[learner, [[incarnation, [[fragment, floor, base, [rounds]], ...]], ...]], ...],
+            {"format": 3, "max_incarnations": int,
+             "learners": [[learner, [[incarnation, [[fragment, floor, base, [[lo, hi], ...]], ...]], ...]], ...],
              "floors": [[learner, fragment, base], ...]}
 
         Incarnations are listed least recently applied first, which restores the LRU order.
@@ -214,7 +245,7 @@ class AppliedSet:
             "format": self.FORMAT,
             "max_incarnations": self.max_incarnations,
             "learners": [
-                [learner, [[inc, [[f, e[0], e[1], sorted(e[2])] for f, e in sorted(frags.items())]]
+                [learner, [[inc, [[f, e[0], e[1], [list(r) for r in e[2]]] for f, e in sorted(frags.items())]]
                            for inc, frags in incs.items()]]
                 for learner, incs in sorted(self._seen.items())
             ],
@@ -223,13 +254,23 @@ class AppliedSet:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AppliedSet:
-        if data.get("format") != cls.FORMAT:
-            raise ValueError(f"unknown AppliedSet format {data.get('format')!r}")
+        fmt = data.get("format")
+        if fmt not in (2, cls.FORMAT):
+            raise ValueError(f"unknown AppliedSet format {fmt!r}")
         s = cls(int(data["max_incarnations"]))
         for learner, incs in data["learners"]:
             od: OrderedDict[str, dict[int, list]] = OrderedDict()
             for inc, frags in incs:
-                od[str(inc)] = {int(f): [int(r), int(b), {int(x) for x in rs}] for f, r, b, rs in frags}
+                entries = {}
+                for f, floor, b, rs in frags:
+                    floor, runs = int(floor), []
+                    if fmt == 2:  # the applied rounds themselves
+                        for x in sorted(int(x) for x in rs):
+                            floor = _add_to_runs(runs, floor, x, cls.max_gaps)
+                    else:
+                        runs = [[int(lo), int(hi)] for lo, hi in rs]
+                    entries[int(f)] = [floor, int(b), runs]
+                od[str(inc)] = entries
             s._seen[str(learner)] = od
         for learner, f, b in data["floors"]:
             s._floor[(str(learner), int(f))] = int(b)

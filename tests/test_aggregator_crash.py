@@ -36,6 +36,20 @@ def _spawn(url):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+async def _rejections(js, keys) -> str:
+    """What the audit trail says about ``keys`` (the reject events), for the failure message."""
+    sub = await js.subscribe(S.event("reject"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    found = []
+    while True:
+        try:
+            e = orjson.loads((await sub.next_msg(timeout=1.0)).data)
+        except Exception:
+            break
+        if (e.get("learner"), e.get("incarnation"), e.get("fragment"), e.get("round")) in keys:
+            found.append(e)
+    return f"their reject events: {found}" if found else "no reject event names them"
+
+
 async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_server, nc, js):
     heads_seen: list[tuple[int, int]] = []
 
@@ -105,7 +119,8 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
 
     applied_lists = [k for keys, _, _ in events.values() for k in keys]
     assert len(applied_lists) == len(set(applied_lists)), "a contribution was applied twice"
-    assert set(sent) <= set(applied_lists), f"lost: {len(set(sent) - set(applied_lists))} contributions"
+    lost = set(sent) - set(applied_lists)
+    assert not lost, f"lost: {len(lost)} contributions {sorted(lost)[:5]}; " + await _rejections(js, lost)
     assert set(applied_lists) <= set(sent)
     # versions monotonic per fragment, as every head publication was seen live
     last = {}

@@ -183,6 +183,64 @@ def test_applied_set_gaps_are_bounded():
     assert all(s.is_duplicate(make(round=r)) for r in range(1, 2 + 2 * AppliedSet.max_gaps, 2))
 
 
+def test_a_late_round_is_never_taken_for_a_duplicate_however_many_rounds_overtake_it():
+    """The crash loop can hold one round's chunks in flight while hundreds of later rounds are
+    applied: that costs one gap, not one entry per later round (the CI failure of stop 10)."""
+    s = AppliedSet()
+    late, last = 5, 5 + 10 * AppliedSet.max_gaps
+    for r in [*range(late), *range(late + 1, last + 1)]:
+        s.record(make(round=r))
+    assert not s.is_duplicate(make(round=late))
+    (entry,) = s.to_dict()["learners"][0][1][0][1]
+    assert entry[1:] == [late - 1, 5, [[late + 1, last]]]  # floor 4, base 5, one run
+    s.record(make(round=late))
+    assert s.is_duplicate(make(round=late))
+    assert s.to_dict()["learners"][0][1][0][1] == [[0, last, 5, []]]
+    assert s.highest_round("a", "i1", 0) == last
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.permutations(list(range(40))), st.sets(st.integers(0, 39), max_size=6), st.integers(1, 8))
+def test_applied_set_matches_a_plain_set_while_gaps_fit(order, never, max_gaps):
+    """Any arrival order: exact while at most ``max_gaps`` rounds are missing; beyond that only
+    rounds at or below the floor are given up, and every applied round stays a duplicate."""
+    s = AppliedSet()
+    s.max_gaps = max_gaps
+    applied: set[int] = set()
+    given_up: list[int] = []
+    always_fit = True
+    for r in order:
+        if r in never:
+            continue
+        if s.is_duplicate(make(round=r)):  # the aggregator would reject it
+            given_up.append(r)
+        else:
+            s.record(make(round=r))
+            applied.add(r)
+        (entry,) = s.to_dict()["learners"][0][1][0][1]
+        floor, runs = entry[1], entry[3]
+        assert len(runs) <= max_gaps
+        assert all(lo > floor + 1 and hi >= lo for lo, hi in runs)
+        assert all(a[1] + 1 < b[0] for a, b in zip(runs, runs[1:]))  # sorted, disjoint, non-adjacent
+        for q in range(45):
+            assert s.is_duplicate(make(round=q)) == (q in applied or q <= floor)
+        always_fit &= sum(1 for q in range(max(applied)) if q not in applied) <= max_gaps
+    assert all(q <= max(applied) for q in given_up)
+    if always_fit:
+        assert not given_up
+
+
+def test_applied_set_reads_format_2():
+    """States written before the runs (format 2: applied rounds above the floor as a list)."""
+    old = {"format": 2, "max_incarnations": 4, "floors": [["a", 1, 3]],
+           "learners": [["a", [["i1", [[0, 2, 7, [4, 5, 6, 9]]]]]]]}
+    s = AppliedSet.from_dict(old)
+    assert [r for r in range(12) if s.is_duplicate(make(round=r))] == [0, 1, 2, 4, 5, 6, 9]
+    assert s.to_dict()["learners"] == [["a", [["i1", [[0, 2, 7, [[4, 6], [9, 9]]]]]]]]
+    assert s.to_dict()["format"] == 3
+    assert s.is_duplicate(make(incarnation="gone", fragment=1, base_version=3))
+
+
 def test_applied_set_is_bounded_and_still_catches_evicted_replays():
     s = AppliedSet(max_incarnations=2)
     for k in range(10):
