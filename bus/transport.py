@@ -20,6 +20,7 @@ Three pieces, thin I/O around :mod:`bus.chunks`:
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -234,17 +235,21 @@ class Head:
     crc: int
     seqs: tuple[int, ...]
     meta: dict
+    obj: str = ""  # object id of the chunks when not the default one of (fragment, version)
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps({"f": self.fragment, "v": self.version, "n": self.count, "s": self.size,
-                             "c": self.crc, "q": list(self.seqs), "m": self.meta})
+        d = {"f": self.fragment, "v": self.version, "n": self.count, "s": self.size,
+             "c": self.crc, "q": list(self.seqs), "m": self.meta}
+        if self.obj:
+            d["o"] = self.obj
+        return orjson.dumps(d)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Head":
         try:
             d = orjson.loads(data)
             h = cls(int(d["f"]), int(d["v"]), int(d["n"]), int(d["s"]), int(d["c"]),
-                    tuple(int(x) for x in d["q"]), dict(d["m"]))
+                    tuple(int(x) for x in d["q"]), dict(d["m"]), str(d.get("o", "")))
         except Exception:
             raise ValueError("bad_head: not a head record") from None
         if h.count != len(h.seqs) or h.version < 0 or h.fragment < 0:
@@ -267,23 +272,51 @@ class VersionedStore:
         self.attempts = attempts
         self.bytes_received = 0
         self.bad_heads = 0  # head messages that did not parse (garbage on a head subject)
+        self.rewrites = 0  # versions republished under a fresh object id (see put)
 
     def obj_id(self, fragment: int, version: int) -> str:
         return f"{self.s.run}.{self.kind}{'.' + self.tag if self.tag else ''}.{fragment}.v{version}"
 
     async def put(self, fragment: int, version: int, blob, meta: dict | None = None) -> Head:
-        """Publish version ``version`` of ``fragment``: chunks first, then the head that commits it."""
+        """Publish version ``version`` of ``fragment``: chunks first, then the head that commits it.
+
+        Chunk ids are deterministic, so a republication of a committed version is deduplicated.
+        But a writer killed between its chunks and its head leaves chunks under the same ids: if
+        the next writer's content differs (a merge redone after a crash), JetStream drops its
+        chunks as duplicates and acks the old ones. Duplicate acks are therefore checked against
+        the stored chunk's crc, and on a mismatch the version is published under a fresh object
+        id that the head names."""
         meta = dict(meta or {})
         n = len(split(blob, self.publisher.max_chunk))
         subjects = [self.s.versioned_chunk(self.kind, fragment, i, self.tag) for i in range(n)]
-        oid = self.obj_id(fragment, version)
+        base = oid = self.obj_id(fragment, version)
+        crc = checksum(blob)
         acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})
-        head = Head(fragment, version, n, memoryview(blob).nbytes, checksum(blob), tuple(a.seq for a in acks), meta)
+        if not await self._stored_as_sent(acks, oid, crc):
+            oid = f"{base}.{secrets.token_hex(4)}"
+            self.rewrites += 1
+            acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})
+        head = Head(fragment, version, n, memoryview(blob).nbytes, crc, tuple(a.seq for a in acks), meta,
+                    "" if oid == base else oid)
         await self.publisher._publish_one(
             self.s.versioned_head(self.kind, fragment, self.tag), memoryview(head.to_bytes()),
-            {"Nats-Msg-Id": f"{oid}.head"}, time.monotonic() + self.publisher.deadline,
+            {"Nats-Msg-Id": f"{base}.head"}, time.monotonic() + self.publisher.deadline,
         )
         return head
+
+    async def _stored_as_sent(self, acks: list, oid: str, crc: int) -> bool:
+        """False if a chunk the server called a duplicate is not ours (another write's content, or gone)."""
+        for i, a in enumerate(acks):
+            if not getattr(a, "duplicate", False):
+                continue
+            try:
+                m = await self.js.get_msg(self.stream, seq=a.seq, direct=True)
+                c = parse_chunk(m.headers, m.data or b"")
+            except (NotFoundError, ValueError):
+                return False
+            if c.obj_id != oid or c.index != i or c.crc != crc:
+                return False
+        return True
 
     async def head(self, fragment: int) -> Head | None:
         """The newest committed head of ``fragment``, or None if it has none yet."""
@@ -304,7 +337,7 @@ class VersionedStore:
                 return parse_chunk(m.headers, m.data or b"")
 
         chunks = await asyncio.gather(*(one(q) for q in head.seqs))
-        want = self.obj_id(head.fragment, head.version)
+        want = head.obj or self.obj_id(head.fragment, head.version)
         if any(c.obj_id != want or c.index != i for i, c in enumerate(chunks)):
             raise NotFoundError  # the sequence now holds something else: a newer version replaced it
         blob = b"".join(c.data for c in chunks)

@@ -217,7 +217,7 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
         await store.put(0, v, codec.encode_array(np.full(60_000, v, np.float32)), {"note": v})
     await store.put(1, 0, codec.encode_array(np.zeros(10, np.float32)))
     head, blob = await store.get(0)
-    assert head.version == 2 and head.meta == {"note": 2} and head.count == 3
+    assert head.version == 2 and head.meta == {"note": 2} and head.count == 3 and store.rewrites == 0
     assert np.all(codec.decode_array(blob) == 2)
     # a writer killed mid-version: chunks of v3 without a head, the newest complete version stays v2
     partial = codec.encode_array(np.full(60_000, 3, np.float32))
@@ -226,6 +226,17 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
                      headers=chunk_headers(store.obj_id(0, 3), 0, len(parts), len(partial), checksum(partial), {}))
     head, blob = await store.get(0)
     assert head.version == 2 and np.all(codec.decode_array(blob) == 2)
+    # the next writer (a restarted aggregator) commits v3 with other content, within the dedupe
+    # window of the killed writer's chunk: its own chunks must be stored and read, not the old one
+    redo = codec.encode_array(np.full(60_000, 33, np.float32))
+    await store.put(0, 3, redo)
+    head, blob = await store.get(0)
+    assert head.version == 3 and np.all(codec.decode_array(blob) == 33) and store.rewrites == 1
+    # a republication of a committed version does not replace its head (the head id is deduplicated)
+    committed = await store.head(0)
+    await store.put(0, 3, codec.encode_array(np.full(60_000, 34, np.float32)))
+    assert await store.head(0) == committed
+    assert np.all(codec.decode_array((await store.get(0))[1]) == 33)
     # a late watcher first sees the newest of each fragment, then live ones, monotonic per fragment
     stop = asyncio.Event()
     seen = []
@@ -243,4 +254,4 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     await store.put(0, 1, codec.encode_array(np.full(10, 1, np.float32)))
     await store.put(0, 5, codec.encode_array(np.full(10, 5, np.float32)))
     await asyncio.wait_for(t, 10)
-    assert sorted(seen) == [(0, 2), (0, 4), (0, 5), (1, 0)]
+    assert sorted(seen) == [(0, 3), (0, 4), (0, 5), (1, 0)]
