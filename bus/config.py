@@ -156,7 +156,7 @@ class CommonConfig:
     stream_max_bytes: int = var(
         2 * 1024**3, integer(1024 * 1024), "bytes each stream of a run may hold (bounded disk use)"
     )
-    global_history: int = var(2, integer(2, 64), "global versions kept per fragment (>= 2 so readers never race)")
+    global_history: int = var(2, integer(2, 64), "global versions kept per fragment, rounded up to even (>= 2 so readers never race)")
     partial_timeout: float = var(60.0, number(0.1, 86400), "seconds before an incomplete fragment is dropped")
 
 

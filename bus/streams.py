@@ -5,8 +5,10 @@ cannot fill the disk:
 
 * GRAD: outer-gradient chunks, limits retention, ``max_age`` = ``DILOCO_STREAM_MAX_AGE``, dedupe
   window 2 min (a retried chunk with the same ``Nats-Msg-Id`` is stored once).
-* GLOBAL and STATE: versioned objects, ``global_history`` messages per subject (>= 2, so a reader
-  of version v is not raced by the writer of v+1), direct get enabled for fast chunk reads.
+* GLOBAL and STATE: versioned objects. Even and odd versions have their own chunk subjects, and
+  each keeps ``ceil(global_history / 2)`` messages: at least versions v and v+1 are held, so a
+  reader of v is not raced by the writer of v+1, and no number of writes of v+1 that die before
+  their head can evict v's chunks. Direct get enabled for fast chunk reads.
 * EVENTS: membership transitions and run events, 10k messages per subject.
 
 ``ensure_run`` may be called by every process of a run at start; existing streams are updated in
@@ -37,6 +39,11 @@ class Limits:
     def from_config(cls, cfg) -> "Limits":  # CommonConfig
         return cls(cfg.stream_max_age, cfg.stream_max_bytes, cfg.global_history)
 
+    @property
+    def per_slot(self) -> int:
+        """Messages per subject of GLOBAL and STATE: versions alternate between two chunk subjects."""
+        return (self.global_history + 1) // 2
+
 
 def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
     """The stream configs of a run (pure)."""
@@ -55,7 +62,7 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             name=s.stream(GLOBAL),
             subjects=[s.versioned_all(GLOBAL)],
             retention=RetentionPolicy.LIMITS,
-            max_msgs_per_subject=lim.global_history,
+            max_msgs_per_subject=lim.per_slot,
             allow_direct=True,
             duplicate_window=120.0,
             **common,
@@ -64,7 +71,7 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             name=s.stream(STATE),
             subjects=[s.versioned_all(STATE)],
             retention=RetentionPolicy.LIMITS,
-            max_msgs_per_subject=lim.global_history,
+            max_msgs_per_subject=lim.per_slot,
             allow_direct=True,
             duplicate_window=120.0,
             **common,

@@ -9,7 +9,7 @@ Three pieces, thin I/O around :mod:`bus.chunks`:
   the caller gets whole objects and acks their messages only once it has used them (the aggregator
   acks after persisting a merge, so a crash never loses an acknowledged contribution).
 * :class:`VersionedStore` keeps the newest versions of a fragment (global parameters, aggregator
-  state): the chunks go to ``<kind>.<frag>.c<i>``, then a small *head* record with the version and
+  state): the chunks go to ``<kind>.<frag>.c<i>.<v%2>``, then a small *head* record with the version and
   the chunks' stream sequences goes to ``<kind>.<frag>.head``. A version exists once its head
   does, so a writer killed mid-publish leaves the previous version readable. Readers fetch chunks
   by sequence (direct get) and verify the crc32; a reader raced by two newer versions retries.
@@ -285,14 +285,18 @@ class VersionedStore:
         the next writer's content differs (a merge redone after a crash), JetStream drops its
         chunks as duplicates and acks the old ones. Duplicate acks are therefore checked against
         the stored chunk's crc, and on a mismatch the version is published under a fresh object
-        id that the head names."""
+        id that the head names, unless a head of this version or a newer one is committed: then
+        that head is returned and nothing more is written."""
         meta = dict(meta or {})
         n = len(split(blob, self.publisher.max_chunk))
-        subjects = [self.s.versioned_chunk(self.kind, fragment, i, self.tag) for i in range(n)]
+        subjects = [self.s.versioned_chunk(self.kind, fragment, i, self.tag, version) for i in range(n)]
         base = oid = self.obj_id(fragment, version)
         crc = checksum(blob)
         acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})
         if not await self._stored_as_sent(acks, oid, crc):
+            committed = await self.head(fragment)
+            if committed is not None and committed.version >= version:
+                return committed  # this version exists already: never evict it with another copy
             oid = f"{base}.{secrets.token_hex(4)}"
             self.rewrites += 1
             acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})

@@ -48,7 +48,8 @@ async def test_provisioning_is_idempotent_and_inspectable(js):
     assert info[S.stream("grad")]["messages"] == 0 and info[S.stream("grad")]["bytes"] == 0
     assert info[f"KV_{S.bucket('members')}"] is not None
     si = await js.stream_info(S.stream(GLOBAL))
-    assert si.config.max_msgs_per_subject == 2 and si.config.allow_direct
+    # global_history 2: one message per chunk subject, and even and odd versions have their own
+    assert si.config.max_msgs_per_subject == 1 and si.config.allow_direct
     assert si.config.max_bytes > 0
     deleted = await delete_run(js, RUN)
     assert S.stream("grad") in deleted and S.bucket("members") in deleted
@@ -222,8 +223,14 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     # a writer killed mid-version: chunks of v3 without a head, the newest complete version stays v2
     partial = codec.encode_array(np.full(60_000, 3, np.float32))
     parts = split(partial, 100_000)
-    await js.publish(S.versioned_chunk(GLOBAL, 0, 0), bytes(parts[0]),
+    await js.publish(S.versioned_chunk(GLOBAL, 0, 0, version=3), bytes(parts[0]),
                      headers=chunk_headers(store.obj_id(0, 3), 0, len(parts), len(partial), checksum(partial), {}))
+    head, blob = await store.get(0)
+    assert head.version == 2 and np.all(codec.decode_array(blob) == 2)
+    # ... however many writers of v3 die before their head: v2's chunks are never evicted
+    for k in range(3):
+        await store.publisher.publish([S.versioned_chunk(GLOBAL, 0, i, version=3) for i in range(len(parts))],
+                                      f"{store.obj_id(0, 3)}.dead{k}", partial, {})
     head, blob = await store.get(0)
     assert head.version == 2 and np.all(codec.decode_array(blob) == 2)
     # the next writer (a restarted aggregator) commits v3 with other content, within the dedupe
