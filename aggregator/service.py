@@ -44,7 +44,7 @@ from bus.conn import connect
 from bus.downlink import Keyframe, encode_version
 from bus.log import get_logger, setup
 from bus.protocol import parse_grad_meta
-from bus.streams import Limits, ensure_run
+from bus.streams import Limits, ensure_run, missing_parts
 from bus.subjects import GLOBAL, STATE, Subjects
 from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore, ack_all, term_all
 from learner.config import ModelConfig
@@ -372,7 +372,11 @@ class AggregatorService:
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}")
         js = self.js = self.nc.jetstream(timeout=30)
-        await ensure_run(js, self.common.run, Limits.from_config(self.common), update=True)
+        if self.cfg.provision:
+            await ensure_run(js, self.common.run, Limits.from_config(self.common), update=True)
+        elif missing := await missing_parts(js, self.common.run):
+            raise RunMismatch(f"run {self.common.run!r} is not provisioned (missing {', '.join(missing)}) and "
+                              "DILOCO_PROVISION=false: create it first with `diloco run create` (admin credentials)")
         pub = ChunkPublisher(js, self.common.max_chunk_bytes, self.common.inflight_chunks)
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")

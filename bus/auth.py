@@ -460,7 +460,7 @@ def _env_value(v: str) -> str:
 
 
 def render_env(user: User, run: str, password: str, *, url: str | None = None, tls_ca: str | None = None,
-               tls_cert: str | None = None, tls_key: str | None = None) -> str:
+               tls_cert: str | None = None, tls_key: str | None = None, provision: bool = True) -> str:
     """``<user>.env``: KEY=VALUE lines that ``set -a; . file`` and compose ``env_file:`` both read."""
     rows: list[tuple[str, str]] = [("DILOCO_RUN", run)]
     if url:
@@ -474,6 +474,8 @@ def render_env(user: User, run: str, password: str, *, url: str | None = None, t
         rows.append(("DILOCO_TLS_CA", tls_ca))
     if tls_cert and tls_key:
         rows += [("DILOCO_TLS_CERT", tls_cert), ("DILOCO_TLS_KEY", tls_key)]
+    if user.role == "aggregator" and not provision:
+        rows.append(("DILOCO_PROVISION", "false"))  # --strict: only admin creates the run
     head = (f"{ENV_HEADER} user {user.name} (role {user.role}) of run {run}. Secret: keep it 0600.\n"
             f"# Start the process with: set -a; . ./{user.env_name}; set +a; diloco {_command(user.role)}\n")
     return head + "".join(f"{k}={_env_value(v)}\n" for k, v in rows)
@@ -751,7 +753,7 @@ def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | N
                 kw["tls_cert"] = str(seen / "tls" / f"{u.name}.pem")
                 kw["tls_key"] = str(seen / "tls" / f"{u.name}.key")
         path = out_dir / u.env_name
-        _write_private(path, render_env(u, run, passwords[u.name], url=url, **kw))
+        _write_private(path, render_env(u, run, passwords[u.name], url=url, provision=provision, **kw))
         env_files[u.name] = path
 
     summary = {
@@ -784,7 +786,7 @@ def _cmd_init(argv: list[str]) -> int:
     p.add_argument("--hash", dest="hash_mode", choices=["auto", "bcrypt", "plain"], default="auto",
                    help="how the server config holds passwords (auto: bcrypt when this Python can)")
     p.add_argument("--strict", action="store_true", help="only admin may create/update streams (the aggregator "
-                   "then needs `diloco run create` first and must not call ensure_run)")
+                   "env gets DILOCO_PROVISION=false; run `diloco run create` as admin first)")
     p.add_argument("--path-prefix", default=None, help="the output folder as the server/processes see it "
                    "(container mount); default: its absolute path")
     p.add_argument("--listen", default="0.0.0.0:4222", help="client address of the standalone nats-server.conf")

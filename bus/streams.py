@@ -135,6 +135,11 @@ async def inspect_run(js: JetStreamContext, run: str) -> dict:
     return out
 
 
+async def missing_parts(js: JetStreamContext, run: str) -> list[str]:
+    """Streams and buckets of ``run`` that do not exist (stream info only: no create rights needed)."""
+    return sorted(name for name, info in (await inspect_run(js, run)).items() if info is None)
+
+
 async def delete_run(js: JetStreamContext, run: str) -> list[str]:
     """Delete every stream and bucket of ``run``; returns what was deleted."""
     s = Subjects(run)

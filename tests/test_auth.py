@@ -571,9 +571,35 @@ async def test_strict_mode_only_admin_provisions(tmp_path):
         try:
             await expect_denied(agg, f"$JS.API.STREAM.CREATE.{S.stream('grad')}",
                                 lambda: ensure_run(agg.js(DENY_TIMEOUT), RUN))
+            # the aggregator's env file says DILOCO_PROVISION=false: before the run exists it stops
+            # with one line that names what to do, and no permission violation
+            assert env_of(r, "aggregator")["DILOCO_PROVISION"] == "false"
+            assert "DILOCO_PROVISION" not in env_of(r, "learner-us-0")
+            since = log_offset(srv)
+            early = subprocess.run([sys.executable, "-m", "aggregator"], env=_proc_env(r, "aggregator", srv),
+                                   capture_output=True, text=True, timeout=60)
+            assert early.returncode == 3, early.stderr[-2000:]
+            line = early.stderr.strip().splitlines()[-1]
+            assert "not provisioned" in line and "DILOCO_PROVISION=false" in line and "diloco run create" in line
+            assert server_violations(srv, since) == []
             await ensure_run(admin.js(), RUN)
             assert all(v is not None for v in (await inspect_run(admin.js(), RUN)).values())
-            await bootstrap_run(agg.js(), RUN, SPEC, MODEL.seed, PLAN)  # works once the run exists
+            # once admin created it, the aggregator runs: it bootstraps version 0 of every fragment
+            proc = subprocess.Popen([sys.executable, "-m", "aggregator"], env=_proc_env(r, "aggregator", srv),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            try:
+                store = VersionedStore(agg.js(), RUN, GLOBAL)
+                for _ in range(300):
+                    if all([await store.head(p) for p in range(PLAN.num_fragments)]) or proc.poll() is not None:
+                        break
+                    await asyncio.sleep(0.1)
+                assert proc.poll() is None, proc.stderr.read()[-2000:]
+                assert all([await store.head(p) for p in range(PLAN.num_fragments)])
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            assert server_violations(srv, since) == []
+            await bootstrap_run(agg.js(), RUN, SPEC, MODEL.seed, PLAN)  # idempotent with the aggregator's
             await expect_denied(admin, S.versioned_head(GLOBAL, 0),
                                 lambda: admin.js(DENY_TIMEOUT).publish(S.versioned_head(GLOBAL, 0), b"{}"))
             from bus.streams import delete_run
