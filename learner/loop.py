@@ -381,13 +381,14 @@ class RateMeter:
 
 
 def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback: bool, synthetic: bool = False,
-                 inflight_fragments: int = 1, pending_fragments: int = 1) -> dict[str, int]:
+                 inflight_fragments: int = 1, pending_fragments: int = 1, keyframe_params: int = 0) -> dict[str, int]:
     """Expected resident bytes of a learner's training state (float32), by part.
 
     params + 2 AdamW moments (JAX mode; synthetic mode has a noise bank of one model instead)
     + one base copy + the error-feedback residual (if on) + in-flight buffers: outgoing blobs
     (at most ``inflight_fragments`` of the largest fragment, counted at fp32 for a bound) and
-    downloaded versions queued for mixing (``pending_fragments``).
+    downloaded versions queued for mixing (``pending_fragments``) + the keyframes the global
+    reader holds for a quantised downlink (``keyframe_params``, up to N).
     """
     b = 4
     big = max(fragment_sizes) if fragment_sizes else 0
@@ -397,6 +398,7 @@ def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback
         "base": n_params * b,
         "residual": n_params * b if error_feedback else 0,
         "inflight": (inflight_fragments + pending_fragments) * big * b,
+        "keyframes": keyframe_params * b,
     }
     parts["total"] = sum(parts.values())
     return parts

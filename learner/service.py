@@ -437,9 +437,10 @@ class Learner:
         return JaxBackend(self.spec, self.plan, self.cfg, shard)
 
     def memory(self) -> dict[str, int]:
+        keys = self.store.keys.values() if self.store is not None else ()
         return lp.memory_bytes(count_params(self.spec), self.plan.sizes,
                                error_feedback=self.cfg.error_feedback and self.cfg.quantiser != "fp32",
-                               synthetic=self.cfg.synthetic)
+                               synthetic=self.cfg.synthetic, keyframe_params=sum(k.params.size for k in keys))
 
     # -- the training loop --------------------------------------------------------------------------
 

@@ -165,8 +165,11 @@ def test_extra_sleep_rate_meter_and_memory_formula():
     mem = lp.memory_bytes(n, plan.sizes, error_feedback=True)
     assert mem["params"] == 4 * n and mem["optimizer"] == 8 * n and mem["base"] == 4 * n
     assert mem["residual"] == 4 * n and mem["inflight"] == 2 * 4 * max(plan.sizes)
-    assert mem["total"] == 4 * n * 5 + mem["inflight"]
+    assert mem["total"] == 4 * n * 5 + mem["inflight"] and mem["keyframes"] == 0
     assert lp.memory_bytes(n, plan.sizes, error_feedback=False)["residual"] == 0
+    # a quantised downlink: the reader's keyframes (up to one per fragment, N in all) count too
+    with_keys = lp.memory_bytes(n, plan.sizes, error_feedback=True, keyframe_params=n)
+    assert with_keys["keyframes"] == 4 * n and with_keys["total"] == mem["total"] + 4 * n
     assert lp.rss_mib(2048) == 2.0
 
 
