@@ -65,6 +65,9 @@ class MonitorConfig:
         2, integer(0, 1_000_000), "a (re)joining learner turns active once it holds every fragment at >= current - lag"
     )
     max_members: int = var(10_000, integer(1, 10_000_000), "learners the monitor tracks at most (bounds a heartbeat flood)")
+    forget_after: float = var(
+        86400.0, number(0.0, 1e9), "seconds after its eviction that a silent learner is deleted from membership (0: never)"
+    )
     kv_refresh: float = var(
         5.0, number(0.05, 86400), "seconds between KV rewrites of a member whose state did not change (last_seen, step)"
     )

@@ -382,6 +382,18 @@ def on_tick(
     return out, transitions
 
 
+def forgettable(members: Mapping[str, Member], now: float, forget_after: float) -> list[str]:
+    """Evicted members silent for ``forget_after`` seconds since their eviction (0: never), sorted.
+
+    The leader deletes them from membership, so a run with churn (spot machines, new learner ids)
+    does not list dead learners for ever. A forgotten learner that comes back joins as new.
+    """
+    if forget_after <= 0:
+        return []
+    return sorted(n for n, m in members.items()
+                  if m.state is State.EVICTED and now - max(m.since, m.last_seen) >= forget_after)
+
+
 def is_counted_in_quorum(member: Member) -> bool:
     """Only active members count towards the aggregator's quorum (suspects are waited on by no one)."""
     return member.state is State.ACTIVE

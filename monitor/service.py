@@ -55,6 +55,7 @@ from monitor.membership import (
     Member,
     Transition,
     count_states,
+    forgettable,
     member_from_dict,
     member_to_dict,
     on_heartbeat,
@@ -282,6 +283,7 @@ class MonitorService:
             "events_published": 0,
             "events_dropped": 0,
             "leader_changes": 0,
+            "forgotten": 0,
         }
         self.started_at: float | None = None
         self.ready = asyncio.Event()
@@ -523,6 +525,25 @@ class MonitorService:
             await asyncio.gather(*(self._write_member(n) for n in todo[i : i + _WRITE_PARALLEL]))
         if self.is_leader:
             await self._publish_events()
+        if self.is_leader:
+            await self._forget(now)
+
+    async def _forget(self, now: float) -> None:
+        """Delete members evicted ``forget_after`` ago from KV (CAS on the revision we wrote)."""
+        for name in forgettable(self.members, now, self.cfg.forget_after):
+            if name in self._dirty or not self.is_leader:
+                continue  # its eviction is not written yet: next flush
+            try:
+                await self._members_kv.delete(name, last=self._revs.get(name))
+            except Exception as e:  # noqa: BLE001 - a conflict or timeout: tried again next flush
+                self.stats["kv_errors"] += 1
+                self.log.warning("member_forget_failed", learner=name, error=repr(e))
+                continue
+            m = self.members.pop(name)
+            self._revs.pop(name, None)
+            self._written.pop(name, None)
+            self.stats["forgotten"] += 1
+            self.log.info("member_forgotten", learner=name, evicted_at=m.since, last_seen=m.last_seen)
 
     # -- loops ------------------------------------------------------------------------------------
 

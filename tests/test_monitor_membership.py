@@ -19,6 +19,7 @@ from monitor.membership import (
     State,
     Transition,
     count_states,
+    forgettable,
     heartbeat_to_dict,
     holds_current,
     is_counted_in_quorum,
@@ -200,6 +201,22 @@ def test_active_becomes_suspect_then_evicted_then_rejoins():
     members, ts = on_heartbeat(members, hb(versions={0: 20}), T0 + 61, current, CFG)
     assert edges(ts) == [(State.REJOINING, State.ACTIVE)]
     assert is_counted_in_quorum(members["l0"])
+
+
+def test_only_members_evicted_forget_after_ago_are_forgotten():
+    started = T0 - 100
+    members = {**active_member(), **active_member(learner="l1", now=T0 + 1)}
+    members, _ = on_tick(members, T0 + 5.0, started, CFG)  # l0 evicted at T0 + 5; l1 suspect
+    assert members["l0"].state is State.EVICTED and members["l1"].state is State.SUSPECT
+    assert forgettable(members, T0 + 65.0, 60.0) == ["l0"]
+    assert forgettable(members, T0 + 64.9, 60.0) == []  # counted from the eviction, not the silence
+    assert forgettable(members, T0 + 1e6, 0.0) == []  # 0: never
+    members, _ = on_tick(members, T0 + 9.0, started, CFG)  # l1 evicted at T0 + 9
+    assert forgettable(members, T0 + 69.0, 60.0) == ["l0", "l1"]
+    # a forgotten learner that comes back is new: it joins again
+    del members["l0"]
+    members, ts = on_heartbeat(members, hb(), T0 + 70, None, CFG)
+    assert edges(ts) == [(None, State.JOINING), (State.JOINING, State.ACTIVE)]
 
 
 def test_suspect_recovers_when_heartbeats_return_before_eviction():

@@ -335,6 +335,41 @@ async def test_silent_learner_is_evicted_and_readmitted(nats_server, nc, js):
         await mon.stop()
 
 
+async def test_evicted_learner_is_forgotten_after_forget_after_and_can_join_again(nats_server, nc, js):
+    run = "forget"
+    mon = await start_monitor(nats_server.url, run, "mon-a", forget_after=1.0)
+    l0 = FakeLearner(nc, run, "l0").start()
+    kv = await js.key_value(Subjects(run).bucket("members"))
+    watcher = await kv.watch("l0")  # what the aggregator follows
+    try:
+        await wait_until(kv_state_is(js, run, "l0", "active"), 5)
+        await wait_until(lambda: mon.svc.started_at + EVICT < time.time(), 5)
+        l0.paused = True
+        await wait_until(kv_state_is(js, run, "l0", "evicted"), EVICT + 3)
+        t_evicted = time.monotonic()
+        await wait_until(lambda: "l0" not in mon.svc.members, 5)
+        assert time.monotonic() - t_evicted >= 1.0 - 0.3  # not before forget_after
+        assert await kv_member(js, run, "l0") is None and mon.svc.stats["forgotten"] == 1
+        ops = []
+        while True:
+            try:
+                e = await watcher.updates(timeout=0.5)
+            except Exception:
+                break
+            if e is not None:
+                ops.append(e.operation)
+        assert ops and ops[-1] == "DEL"
+        # it comes back: a new member, joining then active, written again
+        l0.paused = False
+        await wait_until(kv_state_is(js, run, "l0", "active"), 5)
+        events = await read_events(js, run)
+        assert edges(events, "l0")[-2:] == [(None, "joining"), ("joining", "active")]
+    finally:
+        await watcher.stop()
+        await l0.stop()
+        await mon.stop()
+
+
 async def test_restarted_monitor_evicts_nobody_alive(nats_server, nc, js):
     run = "restart"
     mon = await start_monitor(nats_server.url, run, "mon-a")
