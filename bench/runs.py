@@ -25,6 +25,7 @@ from bench.common import progress
 from bus.config import CommonConfig
 from bus.conn import connect
 from bus.server import EmbeddedServer
+from bus.signals import terminate_all
 from bus.subjects import Subjects
 
 PY = sys.executable
@@ -153,16 +154,7 @@ class Cluster:
         return True
 
     def close_procs(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        t_end = time.monotonic() + 10
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, t_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        terminate_all(self.procs.values(), 10)
 
     def pid_hwm_mib(self, name: str) -> float | None:
         """VmHWM (peak RSS) of a running process, MiB."""

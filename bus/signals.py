@@ -1,9 +1,13 @@
-"""SIGTERM / SIGINT -> an asyncio.Event, the way every role process stops cleanly."""
+"""SIGTERM / SIGINT -> an asyncio.Event, the way every role process stops cleanly; and the way a
+parent (benchmarks, tests) stops the role processes it started."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import time
+from collections.abc import Iterable
 
 
 def install_stop(stop: asyncio.Event) -> None:
@@ -14,3 +18,18 @@ def install_stop(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+
+
+def terminate_all(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
+    """SIGTERM every live process, wait up to ``timeout`` seconds in all, SIGKILL the stragglers."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    t_end = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, t_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -38,8 +38,9 @@ from bus.global_reader import GlobalReader
 from bus.transport import Head, follow_heads
 from learner import loop as lp
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
-from learner.service import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, StartupError, close_quietly, connect_until,
-                             fetch_newest, global_reader, initial_blobs, join_run, peak_rss_mib)
+from learner.service import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, close_quietly, connect_until,
+                             fetch_newest, global_reader, initial_blobs, join_run, peak_rss_mib,
+                             start_unless_halted)
 from learner.spec import spec_hash
 
 
@@ -169,20 +170,9 @@ class Evaluator:
                 self._halt.set()
             tasks.append(asyncio.create_task(relay()))
         try:
-            start = asyncio.create_task(self._start())
-            halted = asyncio.create_task(self._halt.wait())
-            await asyncio.wait({start, halted}, return_when=asyncio.FIRST_COMPLETED)
-            halted.cancel()
-            if not start.done():
-                start.cancel()
-                await asyncio.gather(start, return_exceptions=True)
-                return EXIT_OK
-            try:
-                start.result()
-            except StartupError as e:
-                self.log.error("startup_failed", reason=str(e), code=e.code)
-                print(f"diloco eval: {e}", file=sys.stderr, flush=True)
-                return e.code
+            code = await start_unless_halted(self._start(), self._halt, self.log, "diloco eval")
+            if code is not None:
+                return code
             if once:
                 record = await self.evaluate_now()
                 await self._publish(record)

@@ -69,6 +69,27 @@ HEAD_POLL_INTERVAL = 5.0
 DRAIN_TIMEOUT = 10.0
 
 
+async def start_unless_halted(start, halt: asyncio.Event, log, label: str) -> int | None:
+    """Await the coroutine ``start`` unless ``halt`` is set first. None once started; otherwise
+    the exit code: EXIT_OK when halted (stopped while waiting for the run), or a StartupError's
+    code, logged and printed on stderr as ``label: message``."""
+    started = asyncio.create_task(start)
+    halted = asyncio.create_task(halt.wait())
+    await asyncio.wait({started, halted}, return_when=asyncio.FIRST_COMPLETED)
+    halted.cancel()
+    if not started.done():
+        started.cancel()
+        await asyncio.gather(started, return_exceptions=True)
+        return EXIT_OK
+    try:
+        started.result()
+    except StartupError as e:
+        log.error("startup_failed", reason=str(e), code=e.code)
+        print(f"{label}: {e}", file=sys.stderr, flush=True)
+        return e.code
+    return None
+
+
 class StartupError(Exception):
     """Start-up failed; ``code`` is the exit code, the message one line saying why."""
 
@@ -350,20 +371,9 @@ class Learner:
         if stop is not None:
             tasks.append(asyncio.create_task(self._relay_stop(stop)))
         try:
-            start = asyncio.create_task(self._start())
-            halted = asyncio.create_task(self._halt.wait())
-            await asyncio.wait({start, halted}, return_when=asyncio.FIRST_COMPLETED)
-            halted.cancel()
-            if not start.done():  # stopped while waiting for the run
-                start.cancel()
-                await asyncio.gather(start, return_exceptions=True)
-                return EXIT_OK
-            try:
-                start.result()
-            except StartupError as e:
-                self.log.error("startup_failed", reason=str(e), code=e.code)
-                print(f"diloco learner {self.id}: {e}", file=sys.stderr, flush=True)
-                return e.code
+            code = await start_unless_halted(self._start(), self._halt, self.log, f"diloco learner {self.id}")
+            if code is not None:
+                return code
             tasks += [asyncio.create_task(c) for c in (
                 self._heartbeats(), self._metrics_loop(), self._follow_globals(),
                 self._follow_membership())]

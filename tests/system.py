@@ -10,6 +10,7 @@ import time
 
 import orjson
 
+from bus.signals import terminate_all
 from bus.subjects import Subjects
 from tests.agg_helpers import PY, env
 
@@ -44,16 +45,7 @@ class Procs:
         p.wait(30)
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        t_end = time.monotonic() + 10
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, t_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        terminate_all(self.procs.values(), 10)
 
 
 async def member_states(js, run: str) -> dict[str, str]:

@@ -33,6 +33,7 @@ from bus.chunks import Assembled
 from bus.config import CommonConfig
 from bus.conn import connect
 from bus.server import EmbeddedServer
+from bus.signals import terminate_all
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import ChunkConsumer
 from tests.netproxy import NetProxy
@@ -290,15 +291,7 @@ class ChaosRun:
         return [k for keys in applied_by_version.values() for k in keys], rejected
 
     async def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        terminate_all(self.procs.values(), 15)
         for px in self.proxies.values():
             px.close()
         try:
