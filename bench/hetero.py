@@ -13,6 +13,10 @@ one aggregator (defaults: K=1, adaptive grace) and M=4 learners:
    heterogeneous run's final global model against the all-fast run's. The fast learners' step
    rate in these runs is reported too (``jax_fast_throughput_ratio``), but there the slow learner's
    sleeping frees CPU for the others, so it overstates.
+3. **Dynamic Local Updates** (full runs, or ``--dynamic-h``): the one-slow JAX run twice more,
+   with a monitor (DILOCO_DYNAMIC_H reads the learners' rates from the members bucket), without
+   and with ``DILOCO_DYNAMIC_H=true``: the slow learner then syncs every ~H/2 steps. Held-out
+   loss, merges and the slow learner's period (key ``dynamic_h``).
 
     python -m bench.hetero --quick --out hetero.json
     python -m bench.hetero --out hetero.json
@@ -61,7 +65,25 @@ def fast_rate(learners: dict) -> float:
     return sum(r) / len(r)
 
 
-async def main_async(quick: bool, window: float, steps: int) -> dict:
+async def dynamic_h_pair(env: dict, steps: int) -> dict:
+    slow = {SLOW: {"DILOCO_SLOWDOWN": "2"}}
+    runs = {}
+    for key, learner in (("without", {}), ("with", {"DILOCO_DYNAMIC_H": "true"})):
+        q = await run_learners(env, M, steps, label=f"jax one-slow, monitor, dynamic_h {key}", per_learner=slow,
+                               monitor=True, learner=learner)
+        a = q["aggregator"]
+        runs[key] = {"loss": q["eval"]["eval_loss"], "wall_s": q["wall_s"], "merges": a.get("merges"),
+                     "staleness_hist": a.get("staleness_hist"), "rejected": a.get("rejected"),
+                     "contributions": a.get("contributions"),
+                     "slow_period": q["learners"][f"learner-{SLOW}"]["period"],
+                     "fast_periods": [q["learners"][f"learner-{i}"]["period"] for i in range(M) if i != SLOW]}
+        progress(f"dynamic_h {key}: loss {runs[key]['loss']:.4f}, merges {runs[key]['merges']}, "
+                 f"slow period {runs[key]['slow_period']}")
+    runs["loss_change"] = (runs["with"]["loss"] - runs["without"]["loss"]) / runs["without"]["loss"]
+    return runs
+
+
+async def main_async(quick: bool, window: float, steps: int, dynamic_h: bool = False) -> dict:
     fast = await throughput_run(1.0, window)
     het = await throughput_run(2.0, window)
     fast_names = [f"learner-{i}" for i in range(M) if i != SLOW]
@@ -80,6 +102,7 @@ async def main_async(quick: bool, window: float, steps: int) -> dict:
     for q in (q_fast, q_het):
         ls = q["learners"]
         jr.append(sum(ls[n]["step"] / max(q["wall_s"], 1e-9) for n in fast_names))
+    dyn = await dynamic_h_pair(env, steps) if dynamic_h else None
     return {"M": M, "slowdown": 2.0, "window_s": window, "synthetic_step_time": float(SYNTH["DILOCO_STEP_TIME"]),
             "fast_throughput_ratio": round(ratio, 4), "slow_learner_rate_ratio": round(slow_ratio, 4),
             "synthetic": {"all_fast": fast, "one_slow": het},
@@ -92,15 +115,18 @@ async def main_async(quick: bool, window: float, steps: int) -> dict:
             "jax_staleness_hist": {"all_fast": q_fast["aggregator"].get("staleness_hist"),
                                    "one_slow": q_het["aggregator"].get("staleness_hist")},
             "jax_rejected": {"all_fast": q_fast["aggregator"].get("rejected"),
-                             "one_slow": q_het["aggregator"].get("rejected")}}
+                             "one_slow": q_het["aggregator"].get("rejected")},
+            "dynamic_h": dyn}
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--window", type=float, default=None)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--dynamic-h", action="store_true", help="also the Dynamic Local Updates pair (always in full runs)")
     a = p.parse_args()
-    r = asyncio.run(main_async(a.quick, a.window or (8.0 if a.quick else 60.0), a.steps or (40 if a.quick else 400)))
+    r = asyncio.run(main_async(a.quick, a.window or (5.0 if a.quick else 60.0), a.steps or (40 if a.quick else 400),
+                               dynamic_h=a.dynamic_h or not a.quick))
     finish({"bench": "hetero", "quick": a.quick, **r}, a.out)
 
 

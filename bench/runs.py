@@ -279,10 +279,11 @@ def aggregator_settings(variant: str, M: int) -> dict:
 async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg: dict | None = None,
                        learner: dict | None = None, per_learner: dict[int, dict] | None = None,
                        sample_connz: bool = False, evaluate: bool = True, timeout: float = 900.0,
-                       label: str = "") -> dict:
-    """An aggregator (no monitor: DILOCO_REQUIRE_MEMBERSHIP=false; variant ``quorum`` unless ``agg``
-    says otherwise) and M learners ``learner-<i>`` that each run ``steps`` inner steps and exit;
-    then the held-out loss of the global model.
+                       label: str = "", monitor: bool = False) -> dict:
+    """An aggregator (variant ``quorum`` unless ``agg`` says otherwise) and M learners
+    ``learner-<i>`` that each run ``steps`` inner steps and exit; then the held-out loss of the
+    global model. No monitor (DILOCO_REQUIRE_MEMBERSHIP=false) unless ``monitor``: then one with
+    heartbeats every 0.5 s and KV refreshes every second (what DILOCO_DYNAMIC_H reads).
 
     Returns per-learner metrics (last message), /connz bytes per learner connection (total and
     peak 1 s rate when ``sample_connz``), the aggregator's last metrics and the evaluation.
@@ -290,14 +291,17 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
     per_learner = per_learner or {}
     names = [f"learner-{i}" for i in range(M)]
     agg = {**aggregator_settings("quorum", M), **(agg or {})}
+    hb = {"DILOCO_HEARTBEAT_INTERVAL": "0.5"} if monitor else {}
     async with Cluster(run, env) as c:
-        c.start("aggregator", "aggregator", DILOCO_REQUIRE_MEMBERSHIP="false", **agg)
+        c.start("aggregator", "aggregator", DILOCO_REQUIRE_MEMBERSHIP="true" if monitor else "false", **agg)
+        if monitor:
+            c.start("monitor", "monitor", DILOCO_SUSPECT_AFTER="5", DILOCO_EVICT_AFTER="10", DILOCO_KV_REFRESH="1", **hb)
         if sample_connz:
             c.start_sampler()
         t0 = time.monotonic()
         for i, n in enumerate(names):
             c.start(n, "learner", DILOCO_LEARNER_ID=n, DILOCO_MAX_STEPS=str(steps), DILOCO_NUM_LEARNERS=str(M),
-                    **(learner or {}), **per_learner.get(i, {}))
+                    **hb, **(learner or {}), **per_learner.get(i, {}))
 
         def report():
             steps_now = [c.metrics("learner", n).get("step") for n in names]
@@ -330,6 +334,7 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
                 "step": m.get("step"), "loss": m.get("loss"), "step_seconds_total": m.get("step_seconds_total"),
                 "bytes_sent": m.get("bytes_sent"), "bytes_received": m.get("bytes_received"),
                 "contributions": m.get("contributions"), "skipped_syncs": m.get("skipped_syncs"),
+                "period": m.get("period"),
                 "blocked_s": m.get("blocked_s"), "connz_in": i_b, "connz_out": o_b,
                 "peak_Bps": round(c.peak_rate(f"learner-{n}"), 1) if sample_connz else None,
                 "exit": c.procs[n].returncode, "first_step_t": first.get(n),

@@ -55,6 +55,9 @@ class LearnerConfig:
                      "after it; every: each new version (sync mode always does)")
     fetch_delay: int = var(-1, integer(-1), "fetch=round: inner steps from a sync to the download (-1: H/4)")
     final_sync: bool = var(True, boolean(), "on reaching the step budget, send every fragment's unsent steps before exiting")
+    dynamic_h: bool = var(False, boolean(),
+                          "Dynamic Local Updates: sync every floor(v / v_max x H) steps (v: tokens/s of the active "
+                          "learners, from the members bucket), so a slower learner's round lasts as long as the fastest's")
     quantiser: str = var("int8", choice(*quant.QUANTISERS), "outer-gradient quantiser")
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
     batch_size: int = var(16, integer(1, 1 << 20), "sequences per inner step")
@@ -79,16 +82,18 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not self.synthetic and self.warmup_steps >= self.total_steps:
             raise ValueError(f"DILOCO_WARMUP_STEPS={self.warmup_steps} must be < DILOCO_TOTAL_STEPS={self.total_steps}")
+        if self.dynamic_h and self.mode == "sync":
+            raise ValueError("DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async or synthetic "
+                             "(synchronous rounds wait for every learner anyway)")
 
     @property
     def synthetic(self) -> bool:
         """Synthetic compute (no JAX): DILOCO_MODE=synthetic or DILOCO_COMPUTE=synthetic."""
         return self.mode == "synthetic" or self.compute == "synthetic"
 
-    @property
-    def fetch_delay_steps(self) -> int:
-        """DILOCO_FETCH_DELAY, or H/4 (at least 1) when it is -1."""
-        return self.fetch_delay if self.fetch_delay >= 0 else max(1, self.sync_every // 4)
+    def fetch_delay_for(self, period: int) -> int:
+        """DILOCO_FETCH_DELAY, or period/4 (at least 1) when it is -1."""
+        return self.fetch_delay if self.fetch_delay >= 0 else max(1, period // 4)
 
     @property
     def steps_to_run(self) -> int:

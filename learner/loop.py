@@ -24,6 +24,7 @@ function of its arguments and unit-tested without a server (``tests/test_learner
 
 from __future__ import annotations
 
+import math
 import re
 import zlib
 from collections import deque
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from learner.fragments import FragmentPlan, due_fragments, sync_offsets
+from learner.fragments import FragmentPlan, sync_offsets
 
 # -- identity, data shard and seeds ---------------------------------------------------------------
 
@@ -109,6 +110,10 @@ class Bookkeeper:
         # DiLoCo): every fragment every H steps. Synchronous learners must not stagger: two learners
         # out of phase would each wait for a merge that needs the other's *different* fragment.
         self.offsets = sync_offsets(num_fragments, self.H) if staggered else (0,) * num_fragments
+        # the schedule as the next step each fragment is due (first: offset_p, or H for offset 0),
+        # so the period can change while running (Dynamic Local Updates, :meth:`set_period`)
+        self.period = self.H
+        self._next_due = [off if off >= 1 else self.H for off in self.offsets]
         self.tokens_per_step = int(tokens_per_step)
         self.frags = [FragmentBook() for _ in range(num_fragments)]
         self.step = 0  # inner steps completed by this process
@@ -132,7 +137,25 @@ class Bookkeeper:
         for f in self.frags:
             f.steps += 1
             f.tokens += self.tokens_per_step
-        return due_fragments(self.step, self.offsets, self.H)
+        due = [p for p, n in enumerate(self._next_due) if n <= self.step]
+        for p in due:
+            self._next_due[p] = self.step + self.period
+        return due
+
+    def set_period(self, period: int) -> bool:
+        """Sync every ``period`` inner steps from now on (Dynamic Local Updates); True if it changed.
+
+        Each fragment keeps its phase: the steps left to its next sync are scaled by
+        new/old period, so the staggering survives the change (fragments may share a step once
+        the period is shorter than the number of fragments)."""
+        period = max(1, int(period))
+        if period == self.period:
+            return False
+        for p, n in enumerate(self._next_due):
+            left = max(1, n - self.step)
+            self._next_due[p] = self.step + max(1, -(-left * period // self.period))
+        self.period = period
+        return True
 
     def begin_sync(self, p: int) -> Contribution | None:
         """Take fragment p's counters for a contribution, or None to skip (publish in flight).
@@ -402,6 +425,25 @@ def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def dynamic_period(H: int, mine: float, others: Sequence[float], current: int | None = None,
+                   hysteresis: float = 0.1) -> int:
+    """Dynamic Local Updates (Liu et al., Async Local-SGD): ``H_w = floor(v_w / v_max * H)``.
+
+    ``mine`` is this learner's rate and ``others`` the active learners' (tokens per second from
+    their heartbeats, so equal tokens per step are assumed: then a slow learner's round lasts as
+    long as the fastest's). At least 1, at most H; H while this learner's rate is unknown (0).
+    ``current``: the period in use, kept while the new one is within ``hysteresis`` of it, so
+    rate noise does not move the schedule at every update.
+    """
+    rates = [r for r in others if r > 0 and math.isfinite(r)]
+    if not (mine > 0 and math.isfinite(mine)):
+        return H if current is None else current
+    h = max(1, min(H, math.floor(mine / max([mine, *rates]) * H)))
+    if current is not None and abs(h - current) <= hysteresis * current:
+        return current
+    return h
 
 
 def rss_mib(maxrss_kib: int) -> float:

@@ -377,6 +377,8 @@ class Learner:
             tasks += [asyncio.create_task(c) for c in (
                 self._heartbeats(), self._metrics_loop(), self._follow_globals(),
                 self._follow_membership())]
+            if self.cfg.dynamic_h:
+                tasks.append(asyncio.create_task(self._follow_rates()))
             await self._train()
             await self._drain()
             await self._publish_metrics()
@@ -659,7 +661,7 @@ class Learner:
     def _fetch_candidates(self) -> None:
         """fetch=round, at a step boundary: start the downloads that became due."""
         for p, head in list(self._candidate.items()):
-            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_steps) and not any(
+            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period)) and not any(
                     t.get_name() == f"fetch-{p}" for t in self._fetches):
                 task = asyncio.create_task(self._on_head(head), name=f"fetch-{p}")
                 self._fetches.add(task)
@@ -678,7 +680,7 @@ class Learner:
                 # so a forged huge version is replaced by the next genuine one)
                 if head.version > self.book.frags[p].base_version:
                     self._candidate[p] = head
-                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_steps)
+                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period))
                 if not due:
                     return
             if due:
@@ -769,6 +771,50 @@ class Learner:
                     except Exception:
                         pass
 
+    async def _follow_rates(self) -> None:
+        """DILOCO_DYNAMIC_H: follow the active learners' tokens/s in the members bucket (the monitor
+        writes each heartbeat's rate there, every DILOCO_KV_REFRESH at least) and set the period."""
+        peers: dict[str, float] = {}
+        while not self._halt.is_set():
+            watcher = None
+            try:
+                kv = await self.js.key_value(self.s.bucket("members"))
+                watcher = await kv.watchall()
+                while not self._halt.is_set():
+                    try:
+                        e = await watcher.updates(timeout=1.0)
+                    except asyncio.TimeoutError:
+                        e = None
+                    if e is not None and e.key != self.id:
+                        try:
+                            rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
+                            rate = float(rec.get("tokens_per_s") or 0.0) if rec.get("state") == "active" else 0.0
+                        except (ValueError, TypeError, AttributeError):
+                            rate = 0.0
+                        if rate > 0:
+                            peers[e.key] = rate
+                        else:
+                            peers.pop(e.key, None)
+                    self._update_period(peers)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.warning("rates_watch_error", error=repr(e))
+                await self._sleep(1.0)
+            finally:
+                if watcher is not None:
+                    try:
+                        await watcher.stop()
+                    except Exception:
+                        pass
+
+    def _update_period(self, peers: dict[str, float]) -> None:
+        mine = self.rate.rate(time.monotonic())
+        h = lp.dynamic_period(self.cfg.sync_every, mine, list(peers.values()), current=self.book.period)
+        if self.book.set_period(h):
+            self.log.info("period_changed", period=h, H=self.cfg.sync_every, tokens_per_s=round(mine, 1),
+                          fastest=round(max(peers.values(), default=mine), 1))
+
     # -- liveness and metrics -----------------------------------------------------------------------
 
     def heartbeat(self) -> dict:
@@ -806,7 +852,7 @@ class Learner:
             "bytes_received": self.store.bytes_received if self.store else 0,
             "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),
             "quant_error": self.quant_error, "contributions": self.book.contributions,
-            "steps_sent": self.book.steps_sent,
+            "steps_sent": self.book.steps_sent, "period": self.book.period,
             "skipped_syncs": c["skipped"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
             "rejected_globals": {**self.rejected_globals,

@@ -209,3 +209,59 @@ def test_unsent_fragments_are_those_with_steps_since_their_sync():
     # offsets 0,1,2,3 (p=0 at 4): synced at steps 4 (p0), 1 and 5 (p1), 2 and 6 (p2), 3 (p3)
     assert b.unsent_fragments() == [0, 1, 3]
     assert [b.frags[p].steps for p in range(4)] == [2, 1, 0, 3]
+
+
+# -- Dynamic Local Updates -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P,H", [(1, 1), (3, 4), (8, 24), (5, 7), (24, 24), (30, 24)])
+def test_schedule_with_a_constant_period_is_the_staggered_modular_one(P, H):
+    from learner.fragments import due_fragments, sync_offsets
+
+    b = lp.Bookkeeper(P, H=H, tokens_per_step=1)
+    for step in range(1, 5 * H + 3):
+        assert b.on_step() == due_fragments(step, sync_offsets(P, H), H), step
+
+
+def test_set_period_keeps_each_fragment_in_phase():
+    b = lp.Bookkeeper(4, H=24, tokens_per_step=1)
+    due_at = {}
+    for step in range(1, 31):
+        for p in b.on_step():
+            due_at.setdefault(p, []).append(step)
+    assert due_at == {0: [24], 1: [6, 30], 2: [12], 3: [18]}
+    assert b.set_period(12) and not b.set_period(12)
+    seen = {p: [] for p in range(4)}
+    for step in range(31, 31 + 48):
+        for p in b.on_step():
+            seen[p].append(step)
+    # every fragment every 12 steps from now on, still spread over the period
+    assert all(len(s) == 4 and all(b_ - a == 12 for a, b_ in zip(s, s[1:])) for s in seen.values()), seen
+    assert len({s[0] % 12 for s in seen.values()}) == 4
+    # back to a longer period: each fragment's next sync moves out proportionally
+    b.set_period(24)
+    firsts = []
+    for step in range(79, 79 + 24):
+        firsts += b.on_step()
+    assert sorted(firsts) == [0, 1, 2, 3]
+
+
+def test_dynamic_period_is_floor_of_the_rate_ratio_times_H():
+    assert lp.dynamic_period(24, 100.0, [100.0, 200.0]) == 12
+    assert lp.dynamic_period(24, 200.0, [100.0, 200.0]) == 24  # the fastest keeps H
+    assert lp.dynamic_period(24, 300.0, [100.0]) == 24  # never above H
+    assert lp.dynamic_period(24, 1.0, [1000.0]) == 1  # never below 1
+    assert lp.dynamic_period(24, 0.0, [100.0]) == 24  # own rate unknown yet: H
+    assert lp.dynamic_period(24, 0.0, [100.0], current=10) == 10
+    assert lp.dynamic_period(24, 100.0, [float("nan"), 0.0, -5.0]) == 24  # bad peer rates ignored
+    assert lp.dynamic_period(24, 100.0, [210.0], current=12) == 12  # 11 is within 10% of 12: kept
+    assert lp.dynamic_period(24, 100.0, [300.0], current=12) == 8
+
+
+def test_dynamic_h_is_refused_in_sync_mode_with_one_line():
+    from bus.config import ConfigError, from_env
+    from learner.config import LearnerConfig
+
+    with pytest.raises(ConfigError, match="DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async"):
+        from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true", "DILOCO_MODE": "sync"})
+    assert from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true"}).fetch_delay_for(12) == 3

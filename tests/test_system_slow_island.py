@@ -44,3 +44,32 @@ async def test_slow_island_does_not_hold_back_the_run(nats_server, nc, procs):
     # the slow island's work is used, at a staleness > 0 for some of it (weighted down, not dropped)
     assert any(int(d) > 0 for d in a1["staleness_hist"]), a1["staleness_hist"]
     assert not a1.get("rejected"), a1.get("rejected")
+
+
+async def test_dynamic_local_updates_give_the_slow_island_a_shorter_period(nats_server, nc, procs):
+    """DILOCO_DYNAMIC_H: the slow learner (3x) syncs every ~H/3 steps, so its rounds take as long
+    as the fast one's and it contributes about as often; the fast one keeps H."""
+    tap = MetricsTap()
+    await tap.start(nc, RUN)
+    learner = {**SYNTH_LEARNER, "DILOCO_STEP_TIME": "0.03", "DILOCO_SYNC_EVERY": "9", "DILOCO_DYNAMIC_H": "true"}
+    procs.start("aggregator", "aggregator", **{**FAST_AGG, "DILOCO_GRACE_SECONDS": "0.05"})
+    procs.start("monitor", "monitor", **FAST_MONITOR, DILOCO_KV_REFRESH="0.3")
+    procs.start("fast", "learner", DILOCO_LEARNER_ID="fast", **learner)
+    procs.start("slow", "learner", DILOCO_LEARNER_ID="slow", DILOCO_SLOWDOWN="3", **learner)
+
+    async def settled():
+        c = tap.get("aggregator", "agg-0").get("contributions", {})
+        return tap.get("learner", "slow").get("period", 9) <= 4 and c.get("fast", 0) > 0 and c.get("slow", 0) > 0
+
+    ok, _ = await wait_for(settled, 60)
+    assert ok, (tap.get("learner", "slow"), tap.get("learner", "fast"))
+    a0 = tap.get("aggregator", "agg-0")
+    await asyncio.sleep(8)
+    a1 = tap.get("aggregator", "agg-0")
+    fast = a1["contributions"]["fast"] - a0["contributions"]["fast"]
+    slow = a1["contributions"]["slow"] - a0["contributions"]["slow"]
+    assert tap.get("learner", "fast")["period"] == 9
+    assert 2 <= tap.get("learner", "slow")["period"] <= 4  # floor(9 / 3) = 3, rates are measured
+    # without it the slow island sends about a third as often (previous test); now about as often
+    assert slow >= 0.6 * fast > 0, (fast, slow)
+    assert not a1.get("rejected"), a1.get("rejected")
