@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--dynamic-h", action="store_true", help="also the Dynamic Local Updates pair (always in full runs)")
     a = p.parse_args()
-    r = asyncio.run(main_async(a.quick, a.window or (5.0 if a.quick else 60.0), a.steps or (40 if a.quick else 400),
+    r = asyncio.run(main_async(a.quick, a.window or (3.0 if a.quick else 60.0), a.steps or (40 if a.quick else 400),
                                dynamic_h=a.dynamic_h or not a.quick))
     finish({"bench": "hetero", "quick": a.quick, **r}, a.out)
 
