@@ -46,7 +46,7 @@ from bus.log import get_logger, setup
 from bus.protocol import parse_grad_meta
 from bus.streams import Limits, ensure_run, missing_parts
 from bus.subjects import GLOBAL, STATE, Subjects
-from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore, ack_all, term_all
+from bus.transport import ChunkConsumer, ChunkPublisher, VersionConflict, VersionedStore, ack_all, term_all
 from learner.config import ModelConfig
 from learner.spec import spec_hash
 
@@ -283,6 +283,9 @@ class AggregatorService:
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
         try:
             await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
+        except VersionConflict as e:
+            await self._adopt_committed_state(p, items, e)
+            return
         except Exception as e:  # state not committed: keep the contributions, try again later
             self.log.error("state_persist_failed", fragment=p, error=repr(e))
             self.buffers[p] = items + self.buffers[p]
@@ -301,6 +304,28 @@ class AggregatorService:
             self.stats.contributions[x.c.learner] += 1
         self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
                       learners=sorted({x.c.learner for x in items}))
+
+    async def _adopt_committed_state(self, p: int, items: list[Pending], e: VersionConflict) -> None:
+        """The state store already holds version v+1 (or newer) of fragment p: an earlier put whose
+        head was stored although it reported a failure, or another writer. Take that state as
+        ours; contributions it applied are done (acked), the others wait for the next merge."""
+        self.log.error("state_conflict", fragment=p, committed=e.committed.version, error=str(e))
+        got = await self.sstore.get(p)
+        if got is None:  # cannot happen after a conflict; keep everything and retry later
+            self.buffers[p] = items + self.buffers[p]
+            return
+        st = FragmentState.from_bytes(got[1])
+        self.states[p] = st
+        self.unpublished.add(p)
+        keep = []
+        for x in items:
+            if st.applied.is_duplicate(x.c):
+                await ack_all(x.tokens)
+            else:
+                keep.append(x)
+        self.buffers[p] = keep + self.buffers[p]
+        self.log.warning("state_adopted", fragment=p, version=st.version, applied=len(items) - len(keep),
+                         kept=len(keep))
 
     async def _publish_global(self, p: int, fresh: bool = False) -> None:
         """Publish the global version of the state and its merge event. ``fresh``: just merged, so

@@ -6,7 +6,7 @@ than fp32, the aggregator keeps its parameters exact and publishes
 
 * a **keyframe** every ``key_every`` versions of a fragment (and as the first version after it
   starts): the whole fp32 parameters, meta ``{"key": v}``, also kept on the keyframe subjects
-  (``diloco.<run>.global.<frag>.kc<i>.<v%2>`` / ``.khead``);
+  (``diloco.<run>.global.<frag>.kc<i>.<slot>`` / ``.khead``);
 * every other version v as ``Q(Theta_v - Theta_k)`` against the newest keyframe k, meta
   ``{"ref": k}``.
 

@@ -5,10 +5,12 @@ cannot fill the disk:
 
 * GRAD: outer-gradient chunks, limits retention, ``max_age`` = ``DILOCO_STREAM_MAX_AGE``, dedupe
   window 2 min (a retried chunk with the same ``Nats-Msg-Id`` is stored once).
-* GLOBAL and STATE: versioned objects. Even and odd versions have their own chunk subjects, and
-  each keeps ``ceil(global_history / 2)`` messages: at least versions v and v+1 are held, so a
-  reader of v is not raced by the writer of v+1, and no number of writes of v+1 that die before
-  their head can evict v's chunks. Direct get enabled for fast chunk reads.
+* GLOBAL and STATE: versioned objects. Chunks alternate between two slots (sets of subjects), each
+  keeping ``ceil(global_history / 2)`` messages: at least the committed version and the one being
+  written are held, so a reader of v is not raced by the writer of v+1, and no write that dies
+  before its head can evict the committed chunks (``VersionedStore.put``). An update never lowers
+  the messages per subject of an existing stream (runs created before the slots kept 2 on one
+  set of subjects, the committed version possibly behind a dead write). Direct get enabled.
 * EVENTS: membership transitions and run events, 10k messages per subject.
 
 ``ensure_run`` may be called by every process of a run at start; existing streams are updated in
@@ -94,8 +96,11 @@ async def ensure_run(js: JetStreamContext, run: str, lim: Limits = Limits(), upd
     s = Subjects(run)
     for cfg in stream_configs(s, lim):
         try:
-            await js.stream_info(cfg.name)
+            info = await js.stream_info(cfg.name)
             if update:
+                have = info.config.max_msgs_per_subject or -1
+                if cfg.max_msgs_per_subject and have > cfg.max_msgs_per_subject:
+                    cfg.max_msgs_per_subject = have  # never trim an existing run's history
                 await js.update_stream(cfg)
         except NotFoundError:
             try:

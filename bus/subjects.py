@@ -6,10 +6,10 @@ Subjects of run ``R`` (``diloco.R.…``):
 subject                              carried by       what
 ===================================  ===============  ==================================================
 ``diloco.R.grad.<frag>.<learner>``   stream GRAD      outer-gradient chunks, learner -> aggregator
-``diloco.R.global.<frag>.c<i>.<v%2>`` stream GLOBAL  chunk i of the newest global versions of a fragment
+``diloco.R.global.<frag>.c<i>.<slot>`` stream GLOBAL  chunk i of the newest global versions of a fragment
 ``diloco.R.global.<frag>.head``      stream GLOBAL    commit record of a global version (version, seqs)
-``diloco.R.global.<frag>.kc<i>.<v%2>/khead``        keyframes of a quantised downlink (``bus.downlink``)
-``diloco.R.state.<frag>.c<i>.<v%2>/head`` STATE     aggregator's durable state (params, momentum, set)
+``diloco.R.global.<frag>.kc<i>.<slot>/khead``        keyframes of a quantised downlink (``bus.downlink``)
+``diloco.R.state.<frag>.c<i>.<slot>/head`` STATE     aggregator's durable state (params, momentum, set)
 ``diloco.R.hb.<learner>``            core NATS        heartbeats, learner -> monitor (1 s)
 ``diloco.R.metrics.<role>.<id>``     core NATS        metrics of every process -> ``diloco metrics``
 ``diloco.R.events.<kind>``           stream EVENTS    membership transitions and other run events
@@ -59,10 +59,11 @@ class Subjects:
         return f"{self.prefix}.grad.>"
 
     # global versions (downlink) and aggregator state: versioned objects
-    def versioned_chunk(self, kind: str, fragment: int, index: int, tag: str = "", version: int = 0) -> str:
-        """Chunk ``index`` of a version: even and odd versions use separate subjects, so however
-        many writes of version v+1 die before their head, none evicts the committed version v."""
-        return f"{self.prefix}.{kind}.{int(fragment)}.{tag}c{int(index)}.{int(version) % 2}"
+    def versioned_chunk(self, kind: str, fragment: int, index: int, tag: str = "", slot: int = 0) -> str:
+        """Chunk ``index`` of a version in ``slot`` (0 or 1): a writer uses the slot the committed
+        head does not, so however many writes die before their head, none evicts the committed
+        version (``bus.transport.VersionedStore.put``)."""
+        return f"{self.prefix}.{kind}.{int(fragment)}.{tag}c{int(index)}.{int(slot) % 2}"
 
     def versioned_head(self, kind: str, fragment: int, tag: str = "") -> str:
         return f"{self.prefix}.{kind}.{int(fragment)}.{tag}head"

@@ -9,7 +9,7 @@ Three pieces, thin I/O around :mod:`bus.chunks`:
   the caller gets whole objects and acks their messages only once it has used them (the aggregator
   acks after persisting a merge, so a crash never loses an acknowledged contribution).
 * :class:`VersionedStore` keeps the newest versions of a fragment (global parameters, aggregator
-  state): the chunks go to ``<kind>.<frag>.c<i>.<v%2>``, then a small *head* record with the version and
+  state): the chunks go to ``<kind>.<frag>.c<i>.<slot>``, then a small *head* record with the version and
   the chunks' stream sequences goes to ``<kind>.<frag>.head``. A version exists once its head
   does, so a writer killed mid-publish leaves the previous version readable. Readers fetch chunks
   by sequence (direct get) and verify the crc32; a reader raced by two newer versions retries.
@@ -36,6 +36,14 @@ from bus.subjects import Subjects
 
 class TransportError(RuntimeError):
     pass
+
+
+class VersionConflict(TransportError):
+    """``put`` of a version when this version (with other content) or a newer one is committed."""
+
+    def __init__(self, message: str, committed: "Head"):
+        super().__init__(message)
+        self.committed = committed
 
 
 class ChunkPublisher:
@@ -236,12 +244,15 @@ class Head:
     seqs: tuple[int, ...]
     meta: dict
     obj: str = ""  # object id of the chunks when not the default one of (fragment, version)
+    slot: int = -1  # chunk subjects used (0 or 1, see VersionedStore.put); -1: written before slots
 
     def to_bytes(self) -> bytes:
         d = {"f": self.fragment, "v": self.version, "n": self.count, "s": self.size,
              "c": self.crc, "q": list(self.seqs), "m": self.meta}
         if self.obj:
             d["o"] = self.obj
+        if self.slot >= 0:
+            d["p"] = self.slot
         return orjson.dumps(d)
 
     @classmethod
@@ -249,7 +260,7 @@ class Head:
         try:
             d = orjson.loads(data)
             h = cls(int(d["f"]), int(d["v"]), int(d["n"]), int(d["s"]), int(d["c"]),
-                    tuple(int(x) for x in d["q"]), dict(d["m"]), str(d.get("o", "")))
+                    tuple(int(x) for x in d["q"]), dict(d["m"]), str(d.get("o", "")), int(d.get("p", -1)))
         except Exception:
             raise ValueError("bad_head: not a head record") from None
         if h.count != len(h.seqs) or h.version < 0 or h.fragment < 0:
@@ -280,31 +291,44 @@ class VersionedStore:
     async def put(self, fragment: int, version: int, blob, meta: dict | None = None) -> Head:
         """Publish version ``version`` of ``fragment``: chunks first, then the head that commits it.
 
-        Chunk ids are deterministic, so a republication of a committed version is deduplicated.
-        But a writer killed between its chunks and its head leaves chunks under the same ids: if
-        the next writer's content differs (a merge redone after a crash), JetStream drops its
-        chunks as duplicates and acks the old ones. Duplicate acks are therefore checked against
-        the stored chunk's crc, and on a mismatch the version is published under a fresh object
-        id that the head names, unless a head of this version or a newer one is committed: then
-        that head is returned and nothing more is written."""
+        The chunks go to the slot (one of two sets of chunk subjects, each keeping
+        ceil(global_history / 2) messages) that the committed head does not use, so no write, even
+        one that dies before its head, evicts the committed version's chunks.
+
+        If this version is committed already with the same content, its head is returned and
+        nothing is written; if it is committed with other content, or a newer one is,
+        :class:`VersionConflict` is raised (a second writer, or an earlier head that was stored
+        although its publish reported a failure: the caller should adopt what is committed).
+
+        Chunk ids are deterministic, so a retried chunk is stored once. But a writer killed
+        between its chunks and its head leaves chunks under the same ids: if the next writer's
+        content differs (a merge redone after a crash), JetStream drops its chunks as duplicates
+        and acks the old ones. Duplicate acks are therefore checked against the stored chunk, and
+        on a mismatch the version is written again under a fresh object id that the head names."""
         meta = dict(meta or {})
-        n = len(split(blob, self.publisher.max_chunk))
-        subjects = [self.s.versioned_chunk(self.kind, fragment, i, self.tag, version) for i in range(n)]
-        base = oid = self.obj_id(fragment, version)
         crc = checksum(blob)
+        size = memoryview(blob).nbytes
+        committed = await self.head(fragment)
+        if committed is not None and committed.version >= version:
+            if committed.version == version and committed.crc == crc and committed.size == size:
+                return committed
+            raise VersionConflict(f"{self.kind} fragment {fragment}: version {committed.version} is committed, "
+                                  f"cannot write version {version} ({'other content' if committed.version == version else 'older'})",
+                                  committed)
+        slot = 1 - committed.slot if committed is not None and committed.slot in (0, 1) else 0
+        n = len(split(blob, self.publisher.max_chunk))
+        subjects = [self.s.versioned_chunk(self.kind, fragment, i, self.tag, slot) for i in range(n)]
+        base = oid = self.obj_id(fragment, version)
         acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})
         if not await self._stored_as_sent(acks, oid, crc):
-            committed = await self.head(fragment)
-            if committed is not None and committed.version >= version:
-                return committed  # this version exists already: never evict it with another copy
             oid = f"{base}.{secrets.token_hex(4)}"
             self.rewrites += 1
             acks = await self.publisher.publish(subjects, oid, blob, {**meta, "f": fragment, "v": version})
-        head = Head(fragment, version, n, memoryview(blob).nbytes, crc, tuple(a.seq for a in acks), meta,
-                    "" if oid == base else oid)
+        head = Head(fragment, version, n, size, crc, tuple(a.seq for a in acks), meta,
+                    "" if oid == base else oid, slot)
         await self.publisher._publish_one(
             self.s.versioned_head(self.kind, fragment, self.tag), memoryview(head.to_bytes()),
-            {"Nats-Msg-Id": f"{base}.head"}, time.monotonic() + self.publisher.deadline,
+            {"Nats-Msg-Id": f"{oid}.head"}, time.monotonic() + self.publisher.deadline,
         )
         return head
 

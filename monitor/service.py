@@ -519,6 +519,8 @@ class MonitorService:
             written = self._written.get(name)
             if needs_write(written and written[0], m, written and written[1], now, refresh):
                 todo.append(name)
+            elif written is not None and written[0] == m:
+                self._dirty.discard(name)  # KV holds exactly this (e.g. loaded at takeover)
         for i in range(0, len(todo), _WRITE_PARALLEL):
             if not self.is_leader:
                 return
@@ -531,15 +533,24 @@ class MonitorService:
     async def _forget(self, now: float) -> None:
         """Delete members evicted ``forget_after`` ago from KV (CAS on the revision we wrote)."""
         for name in forgettable(self.members, now, self.cfg.forget_after):
-            if name in self._dirty or not self.is_leader:
-                continue  # its eviction is not written yet: next flush
+            m = self.members[name]
+            written = self._written.get(name)
+            rev = self._revs.get(name)
+            if not self.is_leader or rev is None or written is None or written[0].state is not m.state \
+                    or written[0].since != m.since:
+                continue  # its eviction is not in KV yet (or we do not know its revision): next flush
             try:
-                await self._members_kv.delete(name, last=self._revs.get(name))
+                await self._members_kv.delete(name, last=rev)
             except Exception as e:  # noqa: BLE001 - a conflict or timeout: tried again next flush
                 self.stats["kv_errors"] += 1
                 self.log.warning("member_forget_failed", learner=name, error=repr(e))
                 continue
-            m = self.members.pop(name)
+            if self.members.get(name) is not m:
+                # a heartbeat arrived during the delete (or a takeover reloaded the members): it
+                # is back, and its next write re-creates the record (the stale revision conflicts)
+                self._revs.pop(name, None)
+                continue
+            self.members.pop(name)
             self._revs.pop(name, None)
             self._written.pop(name, None)
             self.stats["forgotten"] += 1

@@ -179,3 +179,50 @@ async def test_two_aggregators_own_disjoint_fragments(nats_server, js):
     for stop, task in ((stop_a, task_a), (stop_b, task_b)):
         stop.set()
         await task
+
+
+async def test_a_state_version_committed_behind_our_back_is_adopted_not_overwritten(nats_server, js):
+    """The state store holds version v+1 that this process does not know about (a put whose head
+    was stored although it reported a failure): the next merge of v+1 conflicts, the aggregator
+    adopts the committed state, acks the contributions it applied and merges the rest after it."""
+    from aggregator.contribution import Contribution
+    from aggregator.step import merge_step
+    from bus.subjects import STATE
+
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
+                                   grace_seconds=0.05, max_staleness=100)
+    try:
+        learner = FakeLearner(js, RUN, "a", 1)
+        st0 = svc.states[0]
+        # what an earlier attempt committed: version 1 holding round 1 of learner "a"
+        vec = (np.random.default_rng(3).standard_normal(PLAN.sizes[0]) * 1e-3).astype(np.float32)
+        c1 = Contribution(RUN, svc.model_hash, "a", learner.inc, 0, 1, 0, 10, 640, vec)
+        ahead = merge_step(st0, [c1], svc.settings, [float(np.linalg.norm(vec))], 0.5, 1)  # not what we'd compute
+        await VersionedStore(js, RUN, STATE).put(0, 1, ahead.to_bytes(), {"model": svc.model_hash})
+        assert svc.states[0].version == 0
+        # round 1 arrives (redelivered, say) and round 2 after it
+        await learner.send(0, base=0, vector=vec)
+        await learner.send(0, base=0)
+        assert await _until(lambda: svc.states[0].version == 2, 15)
+        assert svc.states[0].applied.is_duplicate(c1)
+        head = await VersionedStore(js, RUN, GLOBAL).head(0)
+        assert head.version == 2
+        # version 1 is the committed one (its merge event says so), version 2 holds round 2 only
+        sub = await js.subscribe(Subjects(RUN).event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        events = {}
+        while len(events) < 2:
+            e = orjson.loads((await sub.next_msg(timeout=5)).data)
+            if e["fragment"] == 0:
+                events[e["version"]] = e
+        assert events[1]["scale"] == 0.5 and [k[3] for k in events[1]["applied"]] == [1]
+        assert [k[3] for k in events[2]["applied"]] == [2]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    # a restart reads exactly that state back
+    svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1)
+    try:
+        assert svc2.states[0].version == 2 and svc2.states[0].applied.is_duplicate(c1)
+    finally:
+        stop2.set()
+        await asyncio.wait_for(task2, 15)

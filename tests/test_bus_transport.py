@@ -17,7 +17,7 @@ from bus.config import CommonConfig
 from bus.conn import connect
 from bus.streams import Limits, delete_run, ensure_run, inspect_run
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore, ack_all
+from bus.transport import ChunkConsumer, ChunkPublisher, VersionConflict, VersionedStore, ack_all
 
 RUN = "t"
 S = Subjects(RUN)
@@ -210,6 +210,19 @@ async def test_server_killed_and_restarted_mid_stream_loses_nothing_acknowledged
     await nc.close()
 
 
+async def test_an_update_never_trims_an_existing_runs_history(js):
+    """Runs created before the slots kept 2 messages per chunk subject, the committed version
+    possibly behind a dead write: the aggregator's ensure_run(update=True) must not trim them."""
+    from bus.streams import Limits
+
+    await ensure_run(js, RUN, Limits(global_history=4))  # 2 per subject, as runs had before
+    await ensure_run(js, RUN, Limits(), update=True)  # today's default would be 1
+    assert (await js.stream_info(S.stream(GLOBAL))).config.max_msgs_per_subject == 2
+    assert (await js.stream_info(S.stream("state"))).config.max_msgs_per_subject == 2
+    await ensure_run(js, RUN, Limits(global_history=8), update=True)  # raising still works
+    assert (await js.stream_info(S.stream(GLOBAL))).config.max_msgs_per_subject == 4
+
+
 async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     await ensure_run(js, RUN)
     store = VersionedStore(js, RUN, GLOBAL, ChunkPublisher(js, max_chunk=100_000))
@@ -221,16 +234,19 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     assert head.version == 2 and head.meta == {"note": 2} and head.count == 3 and store.rewrites == 0
     assert np.all(codec.decode_array(blob) == 2)
     # a writer killed mid-version: chunks of v3 without a head, the newest complete version stays v2
+    # (v0, v1, v2 went to slots 0, 1, 0: a writer of v3 uses slot 1, the one v2 does not)
+    assert head.slot == 0
     partial = codec.encode_array(np.full(60_000, 3, np.float32))
     parts = split(partial, 100_000)
-    await js.publish(S.versioned_chunk(GLOBAL, 0, 0, version=3), bytes(parts[0]),
+    await js.publish(S.versioned_chunk(GLOBAL, 0, 0, slot=1), bytes(parts[0]),
                      headers=chunk_headers(store.obj_id(0, 3), 0, len(parts), len(partial), checksum(partial), {}))
     head, blob = await store.get(0)
     assert head.version == 2 and np.all(codec.decode_array(blob) == 2)
-    # ... however many writers of v3 die before their head: v2's chunks are never evicted
-    for k in range(3):
-        await store.publisher.publish([S.versioned_chunk(GLOBAL, 0, i, version=3) for i in range(len(parts))],
-                                      f"{store.obj_id(0, 3)}.dead{k}", partial, {})
+    # ... however many writers die before their head, v2's chunks are never evicted: dead writes of
+    # v3, of a later version (a skipped one, or a keyframe 64 versions on: same slot rule)
+    for k, v in enumerate((3, 3, 4, 66)):
+        await store.publisher.publish([S.versioned_chunk(GLOBAL, 0, i, slot=1) for i in range(len(parts))],
+                                      f"{store.obj_id(0, v)}.dead{k}", partial, {})
     head, blob = await store.get(0)
     assert head.version == 2 and np.all(codec.decode_array(blob) == 2)
     # the next writer (a restarted aggregator) commits v3 with other content, within the dedupe
@@ -238,10 +254,18 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     redo = codec.encode_array(np.full(60_000, 33, np.float32))
     await store.put(0, 3, redo)
     head, blob = await store.get(0)
-    assert head.version == 3 and np.all(codec.decode_array(blob) == 33) and store.rewrites == 1
-    # a republication of a committed version does not replace its head (the head id is deduplicated)
+    assert head.version == 3 and head.slot == 1 and np.all(codec.decode_array(blob) == 33) and store.rewrites == 1
+    # a republication of the committed version writes nothing and returns its head; other content
+    # for it, or an older version, is a conflict, and the committed version stays as it was
     committed = await store.head(0)
-    await store.put(0, 3, codec.encode_array(np.full(60_000, 34, np.float32)))
+    before = (await js.stream_info(S.stream(GLOBAL))).state.last_seq
+    assert await store.put(0, 3, redo) == committed
+    assert (await js.stream_info(S.stream(GLOBAL))).state.last_seq == before
+    with pytest.raises(VersionConflict) as e:
+        await store.put(0, 3, codec.encode_array(np.full(60_000, 34, np.float32)))
+    assert e.value.committed == committed
+    with pytest.raises(VersionConflict):
+        await store.put(0, 1, codec.encode_array(np.full(10, 1, np.float32)))
     assert await store.head(0) == committed
     assert np.all(codec.decode_array((await store.get(0))[1]) == 33)
     # a late watcher first sees the newest of each fragment, then live ones, monotonic per fragment
@@ -257,8 +281,8 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     t = asyncio.create_task(watcher())
     await asyncio.sleep(0.5)
     await store.put(0, 4, codec.encode_array(np.full(10, 4, np.float32)))
-    # a stale writer republishing an older version is not delivered to watchers
-    await store.put(0, 1, codec.encode_array(np.full(10, 1, np.float32)))
+    # a stale head (an older version's, published by hand) is not delivered to watchers
+    await js.publish(S.versioned_head(GLOBAL, 0), committed.to_bytes())
     await store.put(0, 5, codec.encode_array(np.full(10, 5, np.float32)))
     await asyncio.wait_for(t, 10)
     assert sorted(seen) == [(0, 3), (0, 4), (0, 5), (1, 0)]

@@ -370,6 +370,28 @@ async def test_evicted_learner_is_forgotten_after_forget_after_and_can_join_agai
         await mon.stop()
 
 
+async def test_a_new_leader_forgets_members_evicted_before_it_started(nats_server, nc, js):
+    run = "forget2"
+    mon = await start_monitor(nats_server.url, run, "mon-a", forget_after=0.0)  # 0: never
+    l0 = FakeLearner(nc, run, "l0").start()
+    try:
+        await wait_until(kv_state_is(js, run, "l0", "active"), 5)
+        await wait_until(lambda: mon.svc.started_at + EVICT < time.time(), 5)
+        await l0.stop()
+        await wait_until(kv_state_is(js, run, "l0", "evicted"), EVICT + 3)
+        await asyncio.sleep(0.5)
+        assert await kv_member(js, run, "l0") is not None and mon.svc.stats["forgotten"] == 0
+    finally:
+        await mon.stop()
+    mon2 = await start_monitor(nats_server.url, run, "mon-b", forget_after=1.0)
+    try:
+        assert mon2.svc.is_leader
+        await wait_until(lambda: "l0" not in mon2.svc.members, 5)
+        assert await kv_member(js, run, "l0") is None and mon2.svc.stats["forgotten"] == 1
+    finally:
+        await mon2.stop()
+
+
 async def test_restarted_monitor_evicts_nobody_alive(nats_server, nc, js):
     run = "restart"
     mon = await start_monitor(nats_server.url, run, "mon-a")
