@@ -146,8 +146,9 @@ class Bookkeeper:
         """Sync every ``period`` inner steps from now on (Dynamic Local Updates); True if it changed.
 
         Each fragment keeps its phase: the steps left to its next sync are scaled by
-        new/old period, so the staggering survives the change (fragments may share a step once
-        the period is shorter than the number of fragments)."""
+        new/old period, so the staggering survives the change. Rounding can put two fragments on
+        the same step (always once the period is shorter than the number of fragments); they then
+        stay together, also when the period grows again."""
         period = max(1, int(period))
         if period == self.period:
             return False
