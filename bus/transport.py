@@ -298,7 +298,9 @@ class VersionedStore:
         If this version is committed already with the same content, its head is returned and
         nothing is written; if it is committed with other content, or a newer one is,
         :class:`VersionConflict` is raised (a second writer, or an earlier head that was stored
-        although its publish reported a failure: the caller should adopt what is committed).
+        although its publish reported a failure: the caller should adopt what is committed). A
+        head that does not parse, or whose chunks cannot be read (forged, purged), commits
+        nothing and is written over.
 
         Chunk ids are deterministic, so a retried chunk is stored once. But a writer killed
         between its chunks and its head leaves chunks under the same ids: if the next writer's
@@ -308,10 +310,16 @@ class VersionedStore:
         meta = dict(meta or {})
         crc = checksum(blob)
         size = memoryview(blob).nbytes
-        committed = await self.head(fragment)
+        try:
+            committed = await self.head(fragment)
+        except ValueError:
+            committed = None  # garbage on the head subject: nothing readable is committed
         if committed is not None and committed.version >= version:
             if committed.version == version and committed.crc == crc and committed.size == size:
                 return committed
+            if not await self._readable(committed):
+                committed = None  # a head without its chunks (forged, or purged): it commits nothing
+        if committed is not None and committed.version >= version:
             raise VersionConflict(f"{self.kind} fragment {fragment}: version {committed.version} is committed, "
                                   f"cannot write version {version} ({'other content' if committed.version == version else 'older'})",
                                   committed)
@@ -331,6 +339,13 @@ class VersionedStore:
             {"Nats-Msg-Id": f"{oid}.head"}, time.monotonic() + self.publisher.deadline,
         )
         return head
+
+    async def _readable(self, head: Head) -> bool:
+        try:
+            await self.fetch(head)
+        except (NotFoundError, TransportError, ValueError):
+            return False
+        return True
 
     async def _stored_as_sent(self, acks: list, oid: str, crc: int) -> bool:
         """False if a chunk the server called a duplicate is not ours (another write's content, or gone)."""

@@ -17,7 +17,7 @@ from bus.config import CommonConfig
 from bus.conn import connect
 from bus.streams import Limits, delete_run, ensure_run, inspect_run
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkConsumer, ChunkPublisher, VersionConflict, VersionedStore, ack_all
+from bus.transport import ChunkConsumer, ChunkPublisher, Head, VersionConflict, VersionedStore, ack_all
 
 RUN = "t"
 S = Subjects(RUN)
@@ -268,6 +268,16 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
         await store.put(0, 1, codec.encode_array(np.full(10, 1, np.float32)))
     assert await store.head(0) == committed
     assert np.all(codec.decode_array((await store.get(0))[1]) == 33)
+    # a head that commits nothing (garbage, or forged with chunks that do not exist) blocks no one
+    other = VersionedStore(js, RUN, GLOBAL, ChunkPublisher(js, max_chunk=100_000))
+    await other.put(1, 1, codec.encode_array(np.ones(10, np.float32)))
+    await js.publish(S.versioned_head(GLOBAL, 1), b"garbage")
+    await other.put(1, 2, codec.encode_array(np.full(10, 2, np.float32)))
+    forged = Head(1, 10**9, 1, 10, 0, (10**6,), {})
+    await js.publish(S.versioned_head(GLOBAL, 1), forged.to_bytes())
+    await other.put(1, 3, codec.encode_array(np.full(10, 3, np.float32)))
+    head, blob = await other.get(1)
+    assert head.version == 3 and np.all(codec.decode_array(blob) == 3)
     # a late watcher first sees the newest of each fragment, then live ones, monotonic per fragment
     stop = asyncio.Event()
     seen = []
@@ -285,4 +295,4 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     await js.publish(S.versioned_head(GLOBAL, 0), committed.to_bytes())
     await store.put(0, 5, codec.encode_array(np.full(10, 5, np.float32)))
     await asyncio.wait_for(t, 10)
-    assert sorted(seen) == [(0, 3), (0, 4), (0, 5), (1, 0)]
+    assert sorted(seen) == [(0, 3), (0, 4), (0, 5), (1, 3)]
