@@ -740,29 +740,25 @@ class Learner:
             self.log.warning("evicted", reason=rec.reason)
             self._resync_requested = True
 
-    async def _follow_membership(self) -> None:
-        last_rev = 0
+    async def _watch_members(self, key: str | None, on_entry, error_event: str, timeout: float) -> None:
+        """Follow the members bucket (``key``, or every key) until halted, watching again after
+        errors; ``await on_entry(kv, entry)`` for every update, and with None after ``timeout``
+        seconds without one."""
         while not self._halt.is_set():
             watcher = None
             try:
                 kv = await self.js.key_value(self.s.bucket("members"))
-                watcher = await kv.watch(self.id)
+                watcher = await (kv.watch(key) if key else kv.watchall())
                 while not self._halt.is_set():
                     try:
-                        entry = await watcher.updates(timeout=HEAD_POLL_INTERVAL)
+                        entry = await watcher.updates(timeout=timeout)
                     except asyncio.TimeoutError:
-                        try:  # safety net: the watch may be re-creating its consumer
-                            entry = await kv.get(self.id)
-                        except Exception:
-                            entry = None
-                    if entry is None or entry.revision <= last_rev:
-                        continue
-                    last_rev = entry.revision
-                    self._on_member(entry.value)
+                        entry = None
+                    await on_entry(kv, entry)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self.log.warning("membership_watch_error", error=repr(e))
+                self.log.warning(error_event, error=repr(e))
                 await self._sleep(1.0)
             finally:
                 if watcher is not None:
@@ -771,42 +767,42 @@ class Learner:
                     except Exception:
                         pass
 
+    async def _follow_membership(self) -> None:
+        last_rev = 0
+
+        async def on_entry(kv, entry) -> None:
+            nonlocal last_rev
+            if entry is None:  # safety net: the watch may be re-creating its consumer
+                try:
+                    entry = await kv.get(self.id)
+                except Exception:
+                    entry = None
+            if entry is None or entry.revision <= last_rev:
+                return
+            last_rev = entry.revision
+            self._on_member(entry.value)
+
+        await self._watch_members(self.id, on_entry, "membership_watch_error", HEAD_POLL_INTERVAL)
+
     async def _follow_rates(self) -> None:
         """DILOCO_DYNAMIC_H: follow the active learners' tokens/s in the members bucket (the monitor
         writes each heartbeat's rate there, every DILOCO_KV_REFRESH at least) and set the period."""
         peers: dict[str, float] = {}
-        while not self._halt.is_set():
-            watcher = None
-            try:
-                kv = await self.js.key_value(self.s.bucket("members"))
-                watcher = await kv.watchall()
-                while not self._halt.is_set():
-                    try:
-                        e = await watcher.updates(timeout=1.0)
-                    except asyncio.TimeoutError:
-                        e = None
-                    if e is not None and e.key != self.id:
-                        try:
-                            rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
-                            rate = float(rec.get("tokens_per_s") or 0.0) if rec.get("state") == "active" else 0.0
-                        except (ValueError, TypeError, AttributeError):
-                            rate = 0.0
-                        if rate > 0:
-                            peers[e.key] = rate
-                        else:
-                            peers.pop(e.key, None)
-                    self._update_period(peers)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.log.warning("rates_watch_error", error=repr(e))
-                await self._sleep(1.0)
-            finally:
-                if watcher is not None:
-                    try:
-                        await watcher.stop()
-                    except Exception:
-                        pass
+
+        async def on_entry(kv, e) -> None:
+            if e is not None and e.key != self.id:
+                try:
+                    rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
+                    rate = float(rec.get("tokens_per_s") or 0.0) if rec.get("state") == "active" else 0.0
+                except (ValueError, TypeError, AttributeError):
+                    rate = 0.0
+                if rate > 0:
+                    peers[e.key] = rate
+                else:
+                    peers.pop(e.key, None)
+            self._update_period(peers)
+
+        await self._watch_members(None, on_entry, "rates_watch_error", 1.0)
 
     def _update_period(self, peers: dict[str, float]) -> None:
         mine = self.rate.rate(time.monotonic())
