@@ -300,7 +300,8 @@ class VersionedStore:
         :class:`VersionConflict` is raised (a second writer, or an earlier head that was stored
         although its publish reported a failure: the caller should adopt what is committed). A
         head that does not parse, or whose chunks cannot be read (forged, purged), commits
-        nothing and is written over.
+        nothing and is written over. The head is read on every call (one direct get), not
+        remembered from this store's last put: only that detects another writer.
 
         Chunk ids are deterministic, so a retried chunk is stored once. But a writer killed
         between its chunks and its head leaves chunks under the same ids: if the next writer's

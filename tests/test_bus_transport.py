@@ -268,15 +268,18 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
         await store.put(0, 1, codec.encode_array(np.full(10, 1, np.float32)))
     assert await store.head(0) == committed
     assert np.all(codec.decode_array((await store.get(0))[1]) == 33)
-    # a head that commits nothing (garbage, or forged with chunks that do not exist) blocks no one
-    other = VersionedStore(js, RUN, GLOBAL, ChunkPublisher(js, max_chunk=100_000))
-    await other.put(1, 1, codec.encode_array(np.ones(10, np.float32)))
+    # a head that commits nothing (garbage, or forged with chunks that do not exist) blocks no
+    # writer, also a fresh one (a restarted aggregator) that has to read the head
+    def fresh():
+        return VersionedStore(js, RUN, GLOBAL, ChunkPublisher(js, max_chunk=100_000))
+
+    await fresh().put(1, 1, codec.encode_array(np.ones(10, np.float32)))
     await js.publish(S.versioned_head(GLOBAL, 1), b"garbage")
-    await other.put(1, 2, codec.encode_array(np.full(10, 2, np.float32)))
+    await fresh().put(1, 2, codec.encode_array(np.full(10, 2, np.float32)))
     forged = Head(1, 10**9, 1, 10, 0, (10**6,), {})
     await js.publish(S.versioned_head(GLOBAL, 1), forged.to_bytes())
-    await other.put(1, 3, codec.encode_array(np.full(10, 3, np.float32)))
-    head, blob = await other.get(1)
+    await fresh().put(1, 3, codec.encode_array(np.full(10, 3, np.float32)))
+    head, blob = await fresh().get(1)
     assert head.version == 3 and np.all(codec.decode_array(blob) == 3)
     # a late watcher first sees the newest of each fragment, then live ones, monotonic per fragment
     stop = asyncio.Event()
