@@ -74,8 +74,12 @@ async def wait_manifest(js: JetStreamContext, run: str, timeout: float, poll: fl
 
 async def bootstrap_run(js: JetStreamContext, run: str, spec: ModelSpec, seed: int, plan: FragmentPlan,
                         publisher: ChunkPublisher | None = None, quantiser: str = "fp32",
-                        fragments: range | None = None) -> Manifest:
-    """Create version 0 of ``fragments`` (default: all) and the manifest, or check an existing run."""
+                        fragments: range | None = None, max_inner_lr: float | None = None,
+                        max_tokens_per_step: int | None = None) -> Manifest:
+    """Create version 0 of ``fragments`` (default: all) and the manifest, or check an existing run.
+
+    ``max_inner_lr`` and ``max_tokens_per_step`` are the run's declared geometry (see
+    :class:`bus.protocol.Manifest`); an existing run keeps the values it was created with."""
     existing = await read_manifest(js, run)
     if existing is not None:
         check_manifest(existing, spec, plan)
@@ -91,7 +95,8 @@ async def bootstrap_run(js: JetStreamContext, run: str, spec: ModelSpec, seed: i
     if existing is not None:
         return existing
     m = Manifest(run=run, model_hash=spec_hash(spec), spec=spec.to_dict(), seed=seed,
-                 num_fragments=plan.num_fragments, plan_hash=plan.plan_hash(), created_at=time.time())
+                 num_fragments=plan.num_fragments, plan_hash=plan.plan_hash(), created_at=time.time(),
+                 max_inner_lr=max_inner_lr, max_tokens_per_step=max_tokens_per_step)
     kv = await js.key_value(Subjects(run).bucket("run"))
     try:
         await kv.create(MANIFEST_KEY, orjson.dumps(m.to_dict()))

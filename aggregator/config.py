@@ -44,6 +44,15 @@ class AggregatorConfig:
     tau: int = var(2, integer(1, 1000), "steps of overlap a learner tolerates (for the adaptive grace)")
     merge: str = var("rda", choice("mean", "rda"), "merge of outer gradients: weighted mean or radial-directional")
     robust: str = var("none", choice("none", "clip", "trim"), "robust merge: clip norms to the median, or trimmed mean")
+    clip_factor: float = var(3.0, number(0.0), "clip every contribution's norm to this x the median applied norm of "
+                             "its fragment (bounded influence; 0: off)")
+    clip_reference_steps: int = var(24, integer(1, 1_000_000),
+                                    "before a fragment has 3 applied norms, clip to the geometric bound of this many "
+                                    "inner steps (see docs/aggregator.md)")
+    max_weight_ratio: float = var(4.0, number(0.0), "no merge weight above this x the median weight (0: off)")
+    participation_window: float = var(30.0, number(0.0, 86400),
+                                      "learners that contributed within this many seconds count in the participation "
+                                      "scale even while the monitor calls them evicted")
     trim_fraction: float = var(0.1, number(0.0, 0.49), "fraction trimmed at each end (robust=trim)")
     outer_lr: float = var(0.7, number(0.0, 100.0, lo_open=True), "outer Nesterov learning rate")
     outer_momentum: float = var(0.9, number(0.0, 0.999), "outer Nesterov momentum")

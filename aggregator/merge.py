@@ -37,6 +37,8 @@ from typing import Literal, Union
 
 import numpy as np
 
+from aggregator.influence import cap_scales
+
 Vectors = Union[Sequence[np.ndarray], np.ndarray]
 """A sequence of M flat float32 vectors of equal length, or an (M, n) float32 matrix."""
 
@@ -330,11 +332,15 @@ def merge(
     *,
     trim_fraction: float = 0.2,
     norms: np.ndarray | Sequence[float] | None = None,
+    caps: np.ndarray | Sequence[float] | None = None,
     out: np.ndarray | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> np.ndarray:
     """Merge one fragment's contributions: ``method`` in {"mean", "rda"}, ``robust`` in
     {None, "clip", "trim"} ("none" is accepted for None).
+
+    ``caps`` (one per vector, inf = none): every vector is first scaled down to at most its cap
+    (bounded influence, :mod:`aggregator.influence`), folded into the weights like "clip".
 
     - robust="clip": every vector above the median norm is scaled down to it before merging
       (folded into the weights: no extra pass, no copy). Works with both methods; with RDA the
@@ -353,18 +359,25 @@ def merge(
         raise ValueError(f"unknown robust mode {robust!r}, expected one of {ROBUST}")
     if robust == "none":
         robust = None
-    if robust == "trim":
-        if method != "mean":
-            raise ValueError("robust='trim' is only defined for method='mean'")
-        return trimmed_mean(vectors, w, trim_fraction, out=out)
-    if robust is None and method == "mean":
-        return weighted_mean(vectors, w, out=out, block=block)
+    if robust == "trim" and method != "mean":
+        raise ValueError("robust='trim' is only defined for method='mean'")
+    capped = caps is not None and bool(np.any(np.isfinite(np.asarray(caps, dtype=np.float64))))
+    if not capped:
+        if robust == "trim":
+            return trimmed_mean(vectors, w, trim_fraction, out=out)
+        if robust is None and method == "mean":
+            return weighted_mean(vectors, w, out=out, block=block)
     rows, n = _as_rows(vectors)
     wt = _check_weights(w, len(rows))
-    nrm = _norms(rows, norms)  # needed by both RDA and clipping
+    nrm = _norms(rows, norms)  # needed by RDA, clipping and caps
+    scales = cap_scales(nrm, np.asarray(caps, dtype=np.float64)) if capped else np.ones(len(rows))
+    if robust == "trim":  # coordinate-wise: scale the capped vectors themselves (copies)
+        rows = [v if s >= 1.0 else v * np.float32(s) for v, s in zip(rows, scales)]
+        return trimmed_mean(rows, wt, trim_fraction, out=out)
+    if robust == "clip":
+        scales = scales * clip_scales(nrm * scales)
     buf = _out_buffer(out, n, rows)
-    if method == "mean":  # robust == "clip"
-        _combine(rows, wt * clip_scales(nrm) / wt.sum(), buf, block)
+    if method == "mean":
+        _combine(rows, wt * scales / wt.sum(), buf, block)
         return buf
-    mags = nrm * clip_scales(nrm) if robust == "clip" else nrm
-    return _rda(rows, wt, nrm, mags, buf, block)
+    return _rda(rows, wt, nrm, nrm * scales, buf, block)

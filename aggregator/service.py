@@ -21,6 +21,7 @@ Several aggregators can share a run, each owning a disjoint fragment range
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from collections import Counter
@@ -71,6 +72,7 @@ class Stats:
     merge_latency: list = field(default_factory=list)  # seconds, first arrival -> published
     quorum_wait: float = 0.0
     contributions: Counter = field(default_factory=Counter)  # per learner, applied
+    clipped: int = 0  # applied contributions scaled down to their norm cap (bounded influence)
 
     def to_metrics(self) -> dict:
         lat = sorted(self.merge_latency[-200:])
@@ -80,6 +82,7 @@ class Stats:
             "merge_latency_p50": lat[len(lat) // 2] if lat else None,
             "merge_latency_max": lat[-1] if lat else None,
             "quorum_wait_s": round(self.quorum_wait, 3), "contributions": dict(self.contributions),
+            "clipped": self.clipped,
         }
 
 
@@ -103,6 +106,9 @@ class AggregatorService:
         self.unpublished: set[int] = set()
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
+        self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived
+        self.recent: dict[str, float] = {}  # learner -> monotonic time of its newest accepted contribution
+        self.manifest = None  # the run's manifest (bootstrap_run): declared geometry for validation
         self.arrivals = ArrivalStats()
         self.stats = Stats()
         self._audit: list[dict] = []  # rejections waiting to be published as events
@@ -115,6 +121,16 @@ class AggregatorService:
             return set(self.seen)
         return {k for k, st in self.members.items() if st == "active"}
 
+    def participants(self, now: float) -> set[str]:
+        """Learners taking part in the run for the participation scale and the staleness rounds: the
+        active ones and those whose contributions arrived within DILOCO_PARTICIPATION_WINDOW seconds.
+
+        The active set alone swings with membership: a server restart or a short cut gets learners
+        evicted for a moment, and a merge in that moment would scale its one learner's outer
+        gradient as if it were the whole run (the chaos run's divergence; docs/RELIABILITY.md)."""
+        window = self.cfg.participation_window
+        return self.active() | {k for k, t in self.recent.items() if now - t <= window}
+
     def known(self) -> set[str]:
         return set(self.seen) if not self.cfg.require_membership else set(self.members)
 
@@ -126,7 +142,8 @@ class AggregatorService:
                 async for e in w:
                     if stop.is_set():
                         break
-                    if e is None:
+                    if e is None:  # the initial values are all in
+                        self.members_loaded.set()
                         continue
                     if e.operation in ("DEL", "PURGE") or e.value is None:
                         self.members.pop(e.key, None)
@@ -205,7 +222,7 @@ class AggregatorService:
             return
         try:
             meta = parse_grad_meta(r.meta)
-            vec = np.asarray(codec.decode_array(r.blob)).reshape(-1)
+            vec = np.asarray(codec.decode_array(r.blob))  # its shape is checked, never mended
         except (ValueError, codec.CodecError) as e:
             self._reject("malformed", obj=r.obj_id, detail=str(e)[:200])
             await term_all(r.tokens)
@@ -235,8 +252,9 @@ class AggregatorService:
             norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
             per_round=max(1, len(self.active())),
             norm_outlier_factor=self.cfg.norm_outlier_factor, norm_min_history=self.cfg.norm_min_history,
+            max_tokens_per_step=self.manifest.max_tokens_per_step, max_inner_lr=self.manifest.max_inner_lr,
         ) if st else None
-        norm = l2_norm(vec) if vec.dtype == np.float32 else float("nan")
+        norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
         reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=norm)
         if reason is not None:
             self._reject(str(getattr(reason, "value", reason)), learner=c.learner, incarnation=c.incarnation,
@@ -244,6 +262,7 @@ class AggregatorService:
             await term_all(r.tokens)
             return
         self.buffers[p].append(Pending(c, norm, r.tokens, now))
+        self.recent[c.learner] = now
         self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps)
         self.stats.accepted += 1
 
@@ -277,9 +296,10 @@ class AggregatorService:
         st = self.states[p]
         t0 = time.monotonic()
         learners = {x.c.learner for x in items}
-        scale = (participation_scale(len(learners), len(self.active() | learners))
+        participants = self.participants(now) | learners
+        scale = (participation_scale(len(learners), len(participants))
                  if self.cfg.scale_by_participation else 1.0)
-        per_round = max(1, len(self.active() | learners))
+        per_round = max(1, len(participants))
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
         try:
             await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
@@ -299,11 +319,15 @@ class AggregatorService:
         self.stats.merge_latency.append(time.monotonic() - first)
         firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
         self.stats.quorum_wait += firsts[min(self.cfg.quorum, len(firsts)) - 1] - first
+        self.stats.clipped += new.last_clipped
         for x in items:
             self.stats.staleness[st.version - x.c.base_version] += 1  # in versions
             self.stats.contributions[x.c.learner] += 1
         self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
-                      learners=sorted({x.c.learner for x in items}))
+                      learners=sorted({x.c.learner for x in items}), scale=round(scale, 4), clipped=new.last_clipped,
+                      stale=[st.version - x.c.base_version for x in items],
+                      steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
+                      step_norm=round(l2_norm(new.params - st.params), 5), param_norm=round(l2_norm(new.params), 3))
 
     async def _adopt_committed_state(self, p: int, items: list[Pending], e: VersionConflict) -> None:
         """The state store already holds version v+1 (or newer) of fragment p: an earlier put whose
@@ -396,7 +420,9 @@ class AggregatorService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}")
-        js = self.js = self.nc.jetstream(timeout=30)
+        # a short timeout: a request sent while the server restarts can go unanswered, and the
+        # merge loop must retry it soon rather than stall (it waited 30 s in the chaos run)
+        js = self.js = self.nc.jetstream(timeout=5)
         if self.cfg.provision:
             await ensure_run(js, self.common.run, Limits.from_config(self.common), update=True)
         elif missing := await missing_parts(js, self.common.run):
@@ -406,8 +432,10 @@ class AggregatorService:
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
-        await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
-                            fragments=self.owned)
+        self.manifest = await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
+                                            fragments=self.owned, max_inner_lr=self.model.max_inner_lr,
+                                            max_tokens_per_step=self.model.max_tokens_per_step)
+        self.settings = dataclasses.replace(self.settings, max_inner_lr=self.manifest.max_inner_lr)
         await self._recover(js)
         lo, hi = self.owned.start, self.owned.stop - 1
         self.consumer = ChunkConsumer(
@@ -415,8 +443,16 @@ class AggregatorService:
             batch=32, ack_wait=self.cfg.ack_wait,
         )
         self.consumer.assembler.max_age = self.common.partial_timeout
+        tasks = [asyncio.create_task(self._follow_membership(js, stop))]
+        if self.cfg.require_membership:
+            # validate nothing before the membership is known: a restarted aggregator rejected the
+            # backlog of every active learner as unknown_learner (their work lost)
+            try:
+                await asyncio.wait_for(self.members_loaded.wait(), 10)
+            except asyncio.TimeoutError:
+                self.log.warning("membership_not_loaded", waited_s=10)
         await self.consumer.start()
-        tasks = [asyncio.create_task(self._follow_membership(js, stop)), asyncio.create_task(self._metrics(stop))]
+        tasks.append(asyncio.create_task(self._metrics(stop)))
         self.log.info("aggregator_started", fragments=f"{lo}-{hi}",
                       versions={p: s.version for p, s in self.states.items()})
         last_keepalive = time.monotonic()

@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 
 from aggregator.contribution import Contribution, ContributionKey
+from aggregator.influence import norm_caps
 from aggregator.merge import l2_norm, merge
 from aggregator.outer_opt import DelayedNesterovState, NesterovState, make_outer_optimizer
 from aggregator.validate import AppliedSet, NormHistory
@@ -36,6 +37,15 @@ class MergeSettings:
     momentum: float = 0.9
     delay_n: int = 1
     downlink_quantiser: str = "fp32"
+    # bounded influence (aggregator.influence): clip every contribution to clip_factor x the median
+    # applied norm (or, before clip_min_history norms are known, to the geometric bound of
+    # min(steps, reference_steps) steps at the manifest's max_inner_lr); cap raw merge weights at
+    # max_weight_ratio x their median
+    clip_factor: float = 3.0
+    clip_min_history: int = 3
+    reference_steps: int = 24
+    max_inner_lr: float | None = None
+    max_weight_ratio: float = 4.0
 
     def make_optimizer(self):
         return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n)
@@ -46,7 +56,9 @@ class MergeSettings:
                    trim_fraction=cfg.trim_fraction,
                    staleness=StalenessPolicy(cfg.staleness, cfg.staleness_a, cfg.staleness_b),
                    optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                   delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink_quantiser)
+                   delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink_quantiser,
+                   clip_factor=cfg.clip_factor, reference_steps=cfg.clip_reference_steps,
+                   max_weight_ratio=cfg.max_weight_ratio)
 
 
 @dataclass
@@ -60,6 +72,8 @@ class FragmentState:
     last_merge: list[ContributionKey] = field(default_factory=list)
     last_scale: float = 1.0
     last_per_round: int = 1
+    applied_norms: NormHistory = field(default_factory=NormHistory)  # norms as applied (after caps)
+    last_clipped: int = 0  # contributions of the newest merge scaled down to their cap
 
     @classmethod
     def initial(cls, fragment: int, version: int, params: np.ndarray, settings: MergeSettings) -> "FragmentState":
@@ -75,6 +89,7 @@ class FragmentState:
             "opt_kind": type(self.opt).__name__, "opt_arrays": opt_arrays, "opt_other": opt_other,
             "applied": self.applied.to_dict(), "norms": self.norms.to_dict(),
             "last": [list(k) for k in self.last_merge], "scale": self.last_scale, "per_round": self.last_per_round,
+            "anorms": self.applied_norms.to_dict(), "clipped": self.last_clipped,
         }, use_bin_type=True)
 
     @classmethod
@@ -85,7 +100,9 @@ class FragmentState:
         opt_cls = {"NesterovState": NesterovState, "DelayedNesterovState": DelayedNesterovState}[d["opt_kind"]]
         return cls(int(d["f"]), int(d["v"]), np.array(codec.decode_array(d["params"])), opt_cls.from_dict(opt),
                    AppliedSet.from_dict(d["applied"]), NormHistory.from_dict(d["norms"]),
-                   [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)), int(d.get("per_round", 1)))
+                   [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)), int(d.get("per_round", 1)),
+                   NormHistory.from_dict(d["anorms"]) if "anorms" in d else NormHistory(),
+                   int(d.get("clipped", 0)))
 
 
 def participation_scale(merged_learners: int, active_learners: int) -> float:
@@ -117,23 +134,32 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         raise ValueError("merge_step needs at least one contribution")
     if norms is None:
         norms = [l2_norm(c.vector) for c in contribs]
-    w = contribution_weights(contribs, state.version, settings.staleness, per_round=per_round)
+    w = contribution_weights(contribs, state.version, settings.staleness, per_round=per_round,
+                             max_weight_ratio=settings.max_weight_ratio)
     # weights are relative (they sum to 1), so a lone stale contribution would get a full step:
     # also discount the merge by the token-weighted mean staleness factor, as FedAsync does
     q = np.array([token_weight(c.tokens, c.inner_steps) for c in contribs])
     f = np.array([settings.staleness.factor(rounds_behind(state.version, c.base_version, per_round))
                   for c in contribs])
     total = scale * float((q * f).sum() / q.sum())
+    caps = norm_caps(norms, [c.inner_steps for c in contribs], size=state.params.size,
+                     history_median=state.applied_norms.median(state.fragment),
+                     history_count=state.applied_norms.count(state.fragment), clip_factor=settings.clip_factor,
+                     min_history=settings.clip_min_history, max_inner_lr=settings.max_inner_lr,
+                     reference_steps=settings.reference_steps)
     g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
-              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64))
+              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps)
     if total != 1.0:
         g = g * np.float32(total)
     params, opt = settings.make_optimizer().step(state.params, g, state.opt)
     applied = state.applied.copy()
     hist = NormHistory.from_dict(state.norms.to_dict())
-    for c, n in zip(contribs, norms):
+    anorms = NormHistory.from_dict(state.applied_norms.to_dict())
+    for c, n, cap in zip(contribs, norms, caps):
         applied.record(c)
-        hist.add(state.fragment, float(n) / max(1, c.inner_steps))  # norm per inner step
-    new = FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
-                        float(scale), max(1, int(per_round)))
-    return new
+        n = min(float(n), float(cap))  # as applied: a clipped vector does not raise the reference
+        hist.add(state.fragment, n / max(1, c.inner_steps))  # norm per inner step
+        anorms.add(state.fragment, n)
+    clipped = int(np.sum(np.asarray(norms, dtype=np.float64) > caps))
+    return FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
+                         float(scale), max(1, int(per_round)), anorms, clipped)

@@ -18,8 +18,15 @@ another run never costs a pass over its vector:
    10. wrong_dtype       vector is not a float32 ndarray
    11. wrong_shape       vector is not 1-D of the fragment's size
    12. non_finite        any inf or nan                                  (one pass over vector)
-   13. norm_outlier      |v|/steps > k * median of recent accepted norms per inner step, once at
+   13. norm_bound        |v| > the geometric bound of its inner steps at the run's declared
+                         max_inner_lr (:func:`aggregator.influence.norm_bound`): needs no history,
+                         so it holds from version 0
+   14. norm_outlier      |v|/steps > k * median of recent accepted norms per inner step, once at
                          least ``norm_min_history`` norms are known (one pass, shared with 12)
+
+Validation only rejects; the merge then clips every accepted vector to its cap
+(:func:`aggregator.influence.norm_caps`), so no single contribution moves a fragment by more than a
+few ordinary ones.
 
 After a merge the caller records each applied contribution in :class:`AppliedSet` and its norm in
 :class:`NormHistory`; both are small, bounded and serialise to plain lists for persistence.
@@ -39,6 +46,7 @@ from typing import AbstractSet, Any
 import numpy as np
 
 from aggregator.contribution import Contribution, ContributionKey
+from aggregator.influence import norm_bound
 from aggregator.merge import l2_norm
 
 
@@ -57,6 +65,7 @@ class Reason(str, Enum):
     wrong_dtype = "wrong_dtype"
     wrong_shape = "wrong_shape"
     non_finite = "non_finite"
+    norm_bound = "norm_bound"
     norm_outlier = "norm_outlier"
 
 
@@ -309,6 +318,7 @@ class ValidationContext:
     norm_min_history: int = 5
     max_tokens_per_step: float | None = None
     max_inner_steps: int | None = None
+    max_inner_lr: float | None = None  # the manifest's declared peak inner lr (norm_bound); None: no bound
 
     def __post_init__(self) -> None:
         missing = set(self.fragment_sizes) - set(self.current_version)
@@ -378,6 +388,8 @@ def validate(
     # A finite sum of squares proves every value finite; otherwise look (rare path).
     if not math.isfinite(nrm) and not bool(np.isfinite(v).all()):
         return Reason.non_finite
+    if ctx.max_inner_lr is not None and nrm > norm_bound(ctx.max_inner_lr, v.size, c.inner_steps):
+        return Reason.norm_bound
     if ctx.norm_outlier_factor is not None and ctx.norms.count(c.fragment) >= ctx.norm_min_history:
         # norms per inner step: a fragment's first sync may cover a few warm-up steps only, and a
         # raw-norm median taken from those would reject every later honest contribution

@@ -30,6 +30,7 @@ from typing import Literal
 import numpy as np
 
 from aggregator.contribution import Contribution
+from aggregator.influence import cap_weights
 
 StalenessKind = Literal["constant", "polynomial", "hinge"]
 KINDS: tuple[str, ...] = ("constant", "polynomial", "hinge")
@@ -100,6 +101,7 @@ def contribution_weights(
     *,
     token_weighted: bool = True,
     per_round: int = 1,
+    max_weight_ratio: float = 0.0,
 ) -> np.ndarray:
     """w_m = q_m * s(rounds_behind(current_version, base_version_m, per_round)), normalised to sum 1
     (float64, len M).
@@ -107,6 +109,10 @@ def contribution_weights(
     ``current_version`` is the fragment's version now (an int, or a mapping fragment -> version
     when the contributions are of several fragments). ``token_weighted=False`` sets every q_m = 1
     (plain staleness-weighted average).
+
+    ``max_weight_ratio`` > 0: no raw weight above that many times the median raw weight
+    (:func:`aggregator.influence.cap_weights`), so counters a learner reports cannot let its
+    contribution outweigh the others by more than that factor.
 
     Raises ValueError on an empty list, a base version ahead of the current one, non-positive
     steps, or when every weight is zero.
@@ -118,4 +124,4 @@ def contribution_weights(
         v = current_version[c.fragment] if isinstance(current_version, Mapping) else current_version
         q = token_weight(c.tokens, c.inner_steps) if token_weighted else 1.0
         raw[i] = q * policy.factor(rounds_behind(v, c.base_version, per_round))
-    return normalise(raw)
+    return normalise(cap_weights(raw, max_weight_ratio))

@@ -67,6 +67,11 @@ class Manifest:
     num_fragments: int
     plan_hash: str
     created_at: float
+    # the run's declared geometry, which bounds what one contribution may claim (None: a run
+    # created before these were declared, no bound): the largest peak inner learning rate of any
+    # learner, and the most tokens one inner step of any learner may consume
+    max_inner_lr: float | None = None
+    max_tokens_per_step: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,9 +80,15 @@ class Manifest:
     def from_dict(cls, d: dict) -> "Manifest":
         try:
             m = cls(str(d["run"]), str(d["model_hash"]), dict(d["spec"]), int(d["seed"]), int(d["num_fragments"]),
-                    str(d["plan_hash"]), float(d["created_at"]))
+                    str(d["plan_hash"]), float(d["created_at"]),
+                    None if d.get("max_inner_lr") is None else float(d["max_inner_lr"]),
+                    None if d.get("max_tokens_per_step") is None else int(d["max_tokens_per_step"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed manifest: {e}") from None
         if m.num_fragments < 1 or not math.isfinite(m.created_at):
             raise ValueError("malformed manifest: num_fragments < 1 or bad created_at")
+        if m.max_inner_lr is not None and not (math.isfinite(m.max_inner_lr) and m.max_inner_lr > 0):
+            raise ValueError("malformed manifest: max_inner_lr must be finite and > 0")
+        if m.max_tokens_per_step is not None and m.max_tokens_per_step < 1:
+            raise ValueError("malformed manifest: max_tokens_per_step must be >= 1")
         return m

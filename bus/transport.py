@@ -463,6 +463,14 @@ async def follow_heads(store: VersionedStore, halt: asyncio.Event, on_head, know
     seconds; ``known(p)`` is the newest version of p the caller already has.
     """
 
+    # the newest head record handed to on_head per fragment: the poll must not hand the same
+    # record again (a forged head that stays the newest on its subject was counted once per poll)
+    delivered: dict[int, Head] = {}
+
+    async def deliver(head: Head) -> None:
+        delivered[head.fragment] = head
+        await on_head(head)
+
     async def sleep(seconds: float) -> None:
         try:
             await asyncio.wait_for(halt.wait(), max(0.0, seconds))
@@ -473,7 +481,7 @@ async def follow_heads(store: VersionedStore, halt: asyncio.Event, on_head, know
         while not halt.is_set():
             try:
                 async for head in store.watch(halt, verified):
-                    await on_head(head)
+                    await deliver(head)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -490,8 +498,8 @@ async def follow_heads(store: VersionedStore, halt: asyncio.Event, on_head, know
                     head = await store.head(p)
                 except Exception:
                     break
-                if head is not None and head.version > known(p):
-                    await on_head(head)
+                if head is not None and head.version > known(p) and head != delivered.get(p):
+                    await deliver(head)
 
     await asyncio.gather(watching(), polling())
 

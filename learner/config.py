@@ -23,10 +23,20 @@ class ModelConfig:
     seed: int = var(0, integer(0, 2**31 - 1), "seed of the initial parameters (version 0)")
     num_fragments: int = var(8, integer(1, 4096), "fragments P the parameters are split into")
     max_imbalance: float = var(1.1, number(1.0, 2.0), "largest fragment over the ideal size (<= 4/3)")
+    max_inner_lr: float = var(0.01, number(0.0, 10.0, lo_open=True),
+                              "declared in the manifest: the highest peak inner learning rate any learner may use; "
+                              "bounds the norm of an outer gradient (set it to your peak DILOCO_INNER_LR)")
+    max_batch_size: int = var(1024, integer(1, 1 << 20),
+                              "declared in the manifest: the most sequences one inner step of any learner may use "
+                              "(x DILOCO_SEQ_LEN bounds the tokens a contribution may claim per step)")
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"DILOCO_D_MODEL={self.d_model} must be divisible by DILOCO_N_HEADS={self.n_heads}")
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        return self.max_batch_size * self.seq_len
 
     def spec(self):
         from learner.spec import ModelSpec

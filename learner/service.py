@@ -133,6 +133,18 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
     return m
 
 
+def check_geometry(m, inner_lr: float, tokens_per_step: int) -> None:
+    """StartupError(3) if this learner would exceed the run's declared geometry: its outer
+    gradients would then be rejected (norm_bound, bad_counters) and its work lost."""
+    if m.max_inner_lr is not None and inner_lr > m.max_inner_lr:
+        raise StartupError(EXIT_MISMATCH, f"refusing to start: DILOCO_INNER_LR={inner_lr} is above the run's "
+                                          f"declared max_inner_lr {m.max_inner_lr} (DILOCO_MAX_INNER_LR of the run)")
+    if m.max_tokens_per_step is not None and tokens_per_step > m.max_tokens_per_step:
+        raise StartupError(EXIT_MISMATCH, f"refusing to start: {tokens_per_step} tokens per inner step is above the "
+                                          f"run's declared {m.max_tokens_per_step} (DILOCO_MAX_BATCH_SIZE x "
+                                          "DILOCO_SEQ_LEN of the run)")
+
+
 def initial_blobs(spec: ModelSpec, plan: FragmentPlan, seed: int):
     """``head -> blob``: version 0 built here, as ``aggregator.bootstrap`` builds it (numpy init from
     the manifest's seed, bit-identical), so a fresh run starts without downloading its parameters
@@ -419,6 +431,7 @@ class Learner:
         self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks)
         self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
         manifest = await join_run(self.js, self.common, self.spec, self.plan, deadline)
+        check_geometry(manifest, self.cfg.inner_lr, self.tokens_per_step)
         self.store.local = initial_blobs(self.spec, self.plan, manifest.seed)
         try:
             vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)

@@ -65,6 +65,7 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
         dict(base=2),  # too_stale (5 - 2 > 2)
         dict(steps=0),  # bad_counters
         dict(tokens=1),  # bad_counters (fewer tokens than steps)
+        dict(tokens=2**62, steps=1),  # bad_counters (above the manifest's max tokens per inner step)
         dict(frag=7),  # forged_subject: fragment 7 claimed on fragment 0's subject
         dict(learner="sleepy"),  # forged_subject: another learner's id on good's subject
     ]
@@ -73,8 +74,10 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
     await FakeLearner(js, RUN, "stranger").send(0, base=5)  # unknown_learner
     await FakeLearner(js, RUN, "sleepy").send(0, base=5)  # inactive_learner
     await bad.send(0, base=5, vector=np.full(n, np.nan, np.float32))  # non_finite
-    await bad.send(0, base=5, vector=np.full(n, 1e3, np.float32))  # norm_outlier
+    await bad.send(0, base=5, vector=np.full(n, 1e3, np.float32))  # norm_bound (no history needed)
+    await bad.send(0, base=5, vector=np.full(n, 1e-2, np.float32))  # norm_outlier (10x the honest norm)
     await bad.send(0, base=5, vector=np.zeros(n + 1, np.float32))  # wrong_shape
+    await bad.send(0, base=5, vector=np.zeros((2, n // 2), np.float32))  # wrong_shape: right size, 2-D
     # replay of an already-applied contribution (same learner, incarnation, fragment, round) after
     # the bus's dedupe window (simulated by a new message id)
     replay = FakeLearner(js, RUN, "good")
@@ -91,9 +94,9 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
     await js.publish(subj, blob[100:], headers=chunk_headers("count", 1, 3, len(blob), checksum(blob), meta))
     await js.publish(subj, blob[:100], headers=chunk_headers("partial", 0, 2, len(blob), checksum(blob), meta))
     await js.publish(subj, b"x", headers=chunk_headers("huge", 0, 1, 8 * 1024**3, 0, meta))
-    want = {"wrong_run": 1, "wrong_model": 1, "future_version": 1, "too_stale": 1, "bad_counters": 2,
+    want = {"wrong_run": 1, "wrong_model": 1, "future_version": 1, "too_stale": 1, "bad_counters": 3,
             "forged_subject": 2, "unknown_learner": 1, "inactive_learner": 1, "non_finite": 1, "norm_outlier": 1,
-            "wrong_shape": 1, "duplicate": 1, "transport_bad_header": 1, "transport_size": 1,
+            "norm_bound": 1, "wrong_shape": 2, "duplicate": 1, "transport_bad_header": 1, "transport_size": 1,
             "transport_mismatch": 1, "transport_expired": 1, "transport_too_large": 1}
     ok = await _until(lambda: dict(svc.stats.rejected) == want, 15)
     assert ok, dict(svc.stats.rejected)

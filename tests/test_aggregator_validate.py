@@ -81,7 +81,22 @@ CASES = [
     (Reason.non_finite, dict(vector=NAN), {}),
     (Reason.non_finite, dict(vector=INF), {}),
     (Reason.norm_outlier, dict(vector=np.full(SIZE, 5.0, dtype=np.float32)), {}),  # |v|/10=1.4 > 10*0.1
+    # bound 2 x 0.1 x sqrt(8) x 10 steps = 5.66 < |v| = 14.1: from version 0, with no history at all
+    (Reason.norm_bound, dict(vector=np.full(SIZE, 5.0, dtype=np.float32), base_version=0),
+     dict(max_inner_lr=0.1, norms=NormHistory(), current_version={0: 0, 1: 0})),
+    (Reason.norm_bound, dict(vector=np.full(SIZE, 1e6, dtype=np.float32), base_version=0),
+     dict(max_inner_lr=0.1, norms=NormHistory(), current_version={0: 1, 1: 0})),
 ]
+
+
+def test_norm_bound_accepts_what_honest_adam_steps_can_do():
+    # every coordinate moved by the full learning rate on every step: |v| = lr sqrt(n) S, half the bound
+    honest = make(vector=np.full(SIZE, 0.1 * 10, dtype=np.float32))
+    assert validate(honest, context(max_inner_lr=0.1, norms=NormHistory())) is None
+    # the bound grows with the steps: 8.5 is over the bound of 10 steps (5.66), within that of 20
+    big = np.full(SIZE, 3.0, dtype=np.float32)
+    assert validate(make(vector=big), context(max_inner_lr=0.1)) is Reason.norm_bound
+    assert validate(make(vector=big, inner_steps=20, tokens=2000), context(max_inner_lr=0.1)) is None
 
 
 @pytest.mark.parametrize("reason,change,ctx_change", CASES)

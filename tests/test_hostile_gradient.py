@@ -1,0 +1,158 @@
+"""One hostile outer gradient, early and late, against a whole run of real processes.
+
+A learner's host may be buggy or compromised and still speak with its own identity (auth does
+not help). Here a publisher that uses learner ``l0``'s id (another incarnation, exactly the
+protocol a learner speaks) sends, to every fragment:
+
+* at version 0/1 (the fragment's first merges, before any norm history exists): every value 1e6;
+  a vector just under the geometric norm bound; a claim of 2**62 tokens for one step; a vector
+  of the right size in a 2-D shape;
+* late in the run: every value 1e6 again, and a vector just under the bound (far above the
+  median, so the merge clips it).
+
+Then the learners finish their step budget. The attacked run's final held-out loss must be within
+the noise of a clean run of the same settings, started the same way in the same test; the
+rejections are counted by reason and the clipped ones by the aggregator's ``clipped`` metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+
+import numpy as np
+import orjson
+import pytest
+
+from aggregator.influence import norm_bound
+from bus import codec
+from bus.protocol import grad_meta, grad_obj_id
+from bus.transport import ChunkPublisher
+from learner.config import ModelConfig
+from learner.fragments import plan_fragments
+from learner.spec import param_shapes, spec_hash
+from tests.chaos.harness import LEARNER, MODEL, ChaosRun
+from tests.system import member_states
+
+STEPS = 1500  # inner steps per learner
+MODEL_CFG = ModelConfig(d_model=int(MODEL["DILOCO_D_MODEL"]), n_layers=int(MODEL["DILOCO_N_LAYERS"]),
+                        n_heads=int(MODEL["DILOCO_N_HEADS"]), d_ff=int(MODEL["DILOCO_D_FF"]),
+                        seq_len=int(MODEL["DILOCO_SEQ_LEN"]), num_fragments=int(MODEL["DILOCO_NUM_FRAGMENTS"]))
+SPEC = MODEL_CFG.spec()
+PLAN = plan_fragments(param_shapes(SPEC), MODEL_CFG.num_fragments, max_imbalance=MODEL_CFG.max_imbalance)
+H = int(LEARNER["DILOCO_SYNC_EVERY"])
+LR = float(MODEL["DILOCO_MAX_INNER_LR"])
+# The final held-out loss of two clean runs of these settings differs by up to about 25% (the
+# runs are asynchronous and timed by the machine: docs/RELIABILITY.md, "hostile outer gradient");
+# unprotected, one such vector ended a run at a loss of 1.9 million (issue 12)
+TOLERANCE = 0.35  # relative
+
+
+class Attacker:
+    """Speaks as learner l0 (a new incarnation), exactly the learner's protocol."""
+
+    def __init__(self, js, run: str):
+        self.js, self.run = js, run
+        self.inc = uuid.uuid4().hex[:12]
+        self.round = {p: 0 for p in range(PLAN.num_fragments)}
+        self.pub = ChunkPublisher(js)
+
+    async def send(self, p: int, base: int, vector: np.ndarray, steps: int = H, tokens: int | None = None) -> None:
+        self.round[p] += 1
+        tokens = tokens if tokens is not None else steps * int(LEARNER["DILOCO_BATCH_SIZE"]) * SPEC.seq_len
+        meta = grad_meta(run=self.run, model=spec_hash(SPEC), learner="l0", incarnation=self.inc, fragment=p,
+                         round_=self.round[p], base_version=base, inner_steps=steps, tokens=tokens, region="r")
+        oid = grad_obj_id(self.run, "l0", self.inc, p, self.round[p])
+        await self.pub.publish(self_subject(self.run, p), oid, codec.encode_array(vector), meta)
+
+    async def volley(self, versions: dict[int, int], early: bool) -> None:
+        rng = np.random.default_rng(7 if early else 8)
+        for p in range(PLAN.num_fragments):
+            n, base = PLAN.sizes[p], versions.get(p, 0)
+            under = rng.standard_normal(n).astype(np.float32)
+            under *= np.float32(0.95 * norm_bound(LR, n, H) / float(np.linalg.norm(under)))
+            await self.send(p, base, np.full(n, 1e6, np.float32))  # norm_bound
+            await self.send(p, base, under)  # accepted, bounded (clipped once a median exists)
+            if early:
+                await self.send(p, base, under / 10, steps=1, tokens=2**62)  # bad_counters
+                await self.send(p, base, np.zeros((2, n // 2), np.float32))  # wrong_shape
+
+
+def self_subject(run: str, p: int) -> str:
+    from bus.subjects import Subjects
+
+    return Subjects(run).grad(p, "l0")
+
+
+async def _run(tmp, attack: bool) -> dict:
+    run = ChaosRun(str(tmp), learners=3, seed=1, run="hostile" if attack else "clean",
+                   learner_env={"DILOCO_MAX_STEPS": str(STEPS)})
+    try:
+        await run.setup()
+        if attack:
+            attacker = Attacker(run.js, run.run)
+            # the first merges: as soon as l0 is admitted (the earliest its identity is accepted)
+            async def l0_active():
+                return (await member_states(run.js, run.run)).get("l0") == "active"
+            assert await run.wait_until(l0_active, 120), "l0 did not join"
+            newest = {f: v for f, v in run.heads}
+            await attacker.volley(newest, early=True)
+            early_versions = dict(newest)
+        # late: when every learner is past two thirds of its budget (their metrics tell)
+        steps: dict[str, int] = {}
+
+        async def on_metrics(m):
+            d = orjson.loads(m.data)
+            steps[d.get("learner", "?")] = int(d.get("step", 0))
+        sub = await run.nc.subscribe(f"{run.s.prefix}.metrics.learner.*", cb=on_metrics)
+        assert await run.wait_until(
+            lambda: _ready(len(steps) >= run.n and min(steps.values()) >= 2 * STEPS // 3), 180), steps
+        await sub.unsubscribe()
+        if attack:
+            await attacker.volley({f: v for f, v in run.heads}, early=False)
+        for name in run.learners:
+            await asyncio.get_running_loop().run_in_executor(None, run.procs[name].wait, 180)
+        # settle: the final syncs are merged and evaluated
+        last = run.total_version()
+        async def settled():
+            nonlocal last
+            now, prev = run.total_version(), last
+            last = now
+            return now == prev and run.evals and run.evals[-1][2] == now
+        await asyncio.sleep(2)
+        assert await run.wait_until(settled, 60)
+        stats = await _aggregator_metrics(run)
+        finals = [loss for _, loss, v in run.evals if v == run.evals[-1][2]]
+        return {"final": finals[-1], "first": min(run.evals, key=lambda e: e[2])[1], "stats": stats,
+                "early_versions": early_versions if attack else None}
+    finally:
+        await run.close()
+
+
+async def _ready(x: bool) -> bool:
+    return x
+
+
+async def _aggregator_metrics(run: ChaosRun) -> dict:
+    sub = await run.nc.subscribe(f"{run.s.prefix}.metrics.aggregator.*")
+    try:
+        return orjson.loads((await sub.next_msg(timeout=5)).data)
+    finally:
+        await sub.unsubscribe()
+
+
+@pytest.mark.timeout(400)
+async def test_hostile_gradient_early_and_late_leaves_loss_within_noise(tmp_path):
+    clean = await _run(tmp_path / "clean", attack=False)
+    hostile = await _run(tmp_path / "hostile", attack=True)
+    rej, clipped = hostile["stats"]["rejected"], hostile["stats"]["clipped"]
+    print({"clean": clean["final"], "hostile": hostile["final"], "first": clean["first"], "rejected": rej,
+           "clipped": clipped, "early_versions": hostile["early_versions"]})
+    P = PLAN.num_fragments
+    assert rej.get("norm_bound", 0) == 2 * P, rej
+    assert rej.get("bad_counters", 0) == P and rej.get("wrong_shape", 0) == P, rej
+    assert clipped >= P, "the late near-bound vectors were not clipped"
+    assert clean["final"] < 0.8 * clean["first"]
+    assert hostile["final"] <= clean["final"] * (1 + TOLERANCE), (hostile["final"], clean["final"])
