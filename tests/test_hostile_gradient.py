@@ -86,9 +86,11 @@ def self_subject(run: str, p: int) -> str:
     return Subjects(run).grad(p, "l0")
 
 
-async def _run(tmp, attack: bool) -> dict:
+async def _run(tmp, attack: bool, agg_env: dict | None = None, steps: int = STEPS) -> dict:
+    """One run of 3 learners x ``steps`` inner steps (``attack``: with the hostile volleys); the
+    final held-out loss once every learner finished and its final sync was merged."""
     run = ChaosRun(str(tmp), learners=3, seed=1, run="hostile" if attack else "clean",
-                   learner_env={"DILOCO_MAX_STEPS": str(STEPS)})
+                   learner_env={"DILOCO_MAX_STEPS": str(steps)}, agg_env=agg_env)
     try:
         await run.setup()
         if attack:
@@ -101,14 +103,14 @@ async def _run(tmp, attack: bool) -> dict:
             await attacker.volley(newest, early=True)
             early_versions = dict(newest)
         # late: when every learner is past two thirds of its budget (their metrics tell)
-        steps: dict[str, int] = {}
+        seen: dict[str, int] = {}
 
         async def on_metrics(m):
             d = orjson.loads(m.data)
-            steps[d.get("learner", "?")] = int(d.get("step", 0))
+            seen[d.get("learner", "?")] = int(d.get("step", 0))
         sub = await run.nc.subscribe(f"{run.s.prefix}.metrics.learner.*", cb=on_metrics)
         assert await run.wait_until(
-            lambda: _ready(len(steps) >= run.n and min(steps.values()) >= 2 * STEPS // 3), 180), steps
+            lambda: _ready(len(seen) >= run.n and min(seen.values()) >= 2 * steps // 3), 180), seen
         await sub.unsubscribe()
         if attack:
             await attacker.volley({f: v for f, v in run.heads}, early=False)

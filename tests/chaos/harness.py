@@ -68,9 +68,10 @@ class Report:
 
 class ChaosRun:
     def __init__(self, workdir: str, learners: int = 3, seed: int = 0, run: str = "chaos",
-                 learner_env: dict | None = None):
+                 learner_env: dict | None = None, agg_env: dict | None = None):
         self.workdir, self.n, self.run = workdir, learners, run
         self.learner_env = {**LEARNER, **(learner_env or {})}
+        self.agg_env = dict(agg_env or {})
         self.rng = random.Random(seed)
         self.s = Subjects(run)
         self.server = EmbeddedServer(store_dir=os.path.join(workdir, "store"),
@@ -94,7 +95,7 @@ class ChaosRun:
     def start(self, name: str) -> None:
         if name == "aggregator":
             env = self._env(self.server.url, **{**FAST_AGG, "DILOCO_MAX_STALENESS": "64"}, DILOCO_ACK_WAIT="3",
-                            DILOCO_CLIP_REFERENCE_STEPS=LEARNER["DILOCO_SYNC_EVERY"])
+                            DILOCO_CLIP_REFERENCE_STEPS=LEARNER["DILOCO_SYNC_EVERY"], **self.agg_env)
         elif name == "monitor":
             env = self._env(self.server.url, **FAST_MONITOR)
         elif name == "evaluator":
