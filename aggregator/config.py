@@ -42,7 +42,8 @@ class AggregatorConfig:
     grace_seconds: float = var(1.0, number(0.0, 3600), "fixed grace window, and the cap of the adaptive one")
     grace_gamma: float = var(0.5, number(0.0, 0.999), "adaptive grace = min(cap, gamma x slack)")
     tau: int = var(2, integer(1, 1000), "steps of overlap a learner tolerates (for the adaptive grace)")
-    merge: str = var("rda", choice("mean", "rda"), "merge of outer gradients: weighted mean or radial-directional")
+    merge: str = var("mean", choice("mean", "rda"),
+                     "merge of outer gradients: weighted mean (timing-independent) or radial-directional")
     robust: str = var("none", choice("none", "clip", "trim"), "robust merge: clip norms to the median, or trimmed mean")
     clip_factor: float = var(3.0, number(0.0), "clip every contribution's norm to this x the median applied norm of "
                              "its fragment (bounded influence; 0: off)")
@@ -55,13 +56,14 @@ class AggregatorConfig:
                                       "scale even while the monitor calls them evicted")
     trim_fraction: float = var(0.1, number(0.0, 0.49), "fraction trimmed at each end (robust=trim)")
     outer_lr: float = var(0.7, number(0.0, 100.0, lo_open=True), "outer Nesterov learning rate")
-    outer_momentum: float = var(0.9, number(0.0, 0.999), "outer Nesterov momentum")
-    outer_optimizer: str = var("nesterov", choice("nesterov", "delayed"),
-                               "nesterov, or delayed Nesterov (momentum every N-th merge) for fully async arrivals")
+    outer_momentum: float = var(0.0, number(0.0, 0.999), "outer Nesterov momentum")
+    outer_optimizer: str = var("rounds", choice("rounds", "nesterov", "delayed"),
+                               "rounds: Nesterov whose momentum advances once per round of work (M contributions), "
+                               "however arrivals group; nesterov: once per merge; delayed: every N-th merge")
     delay_n: int = var(1, integer(1, 1000), "N of delayed Nesterov")
     scale_by_participation: bool = var(True, boolean(),
-                                       "scale each merged outer gradient by merged/active learners "
-                                       "(keeps per-arrival merges as stable as one synchronous step)")
+                                       "scale each merged outer gradient by contributions merged / participating "
+                                       "learners (a round of per-arrival merges = one synchronous step)")
     staleness: str = var("polynomial", choice("constant", "polynomial", "hinge"), "staleness discount s(d)")
     staleness_a: float = var(0.5, number(0.0, 100.0), "a of (1+d)^-a, and slope of the hinge")
     staleness_b: int = var(4, integer(0), "b of the hinge: no discount up to b versions")

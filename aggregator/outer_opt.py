@@ -33,6 +33,7 @@ of numpy arrays and ints (arrays are float32; encode them as bytes for msgpack).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -219,13 +220,103 @@ class DelayedNesterov:
         return p, DelayedNesterovState(t, buf if big_n > 1 else state.buffer, count)
 
 
+@dataclass(frozen=True)
+class RoundNesterovState:
+    """Momentum trace t, the outer gradients of the round so far, and the share of a round they hold."""
+
+    momentum: np.ndarray
+    buffer: np.ndarray
+    progress: float = 0.0
+    count: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "round_nesterov", "momentum": self.momentum, "buffer": self.buffer,
+                "progress": float(self.progress), "count": self.count}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RoundNesterovState:
+        if data.get("kind") != "round_nesterov":
+            raise ValueError(f"not a round Nesterov state: kind={data.get('kind')!r}")
+        return cls(np.asarray(data["momentum"], dtype=np.float32).copy(),
+                   np.asarray(data["buffer"], dtype=np.float32).copy(), float(data["progress"]), int(data["count"]))
+
+
+ROUND_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class RoundNesterov:
+    """Nesterov whose momentum advances once per *round of work*, however the work is grouped.
+
+    Each merge passes its outer gradient g (already scaled by its share of the run: contributions
+    / participants, see :func:`aggregator.step.participation_scale`) and ``work``, that share::
+
+        theta <- theta - lr * g;   B <- B + g;   w <- w + work
+        when w reaches 1:          t <- beta * t + B;   theta <- theta - lr * beta * t;
+                                   B <- 0;   w <- w - floor(w)
+
+    Over one round in which each of M learners contributes once, in any number of merges, theta
+    moves by -lr * (mean(g) + beta * t) with t = beta * t + mean(g): exactly one Nesterov step of
+    synchronous DiLoCo on the mean outer gradient (``NesterovSGD`` with M contributions in one
+    merge). Nesterov per merge instead advances the momentum once per arrival, so its step per
+    round depends on how arrivals are grouped, and under an aggregator backlog the momentum of
+    stale gradients adds to asynchrony's own implicit momentum (the chaos run's divergence).
+    A merge holding several rounds of work advances the momentum once with all of it.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self) -> None:
+        _check_hparams(self.lr, self.momentum)
+
+    def init(self, params: np.ndarray) -> RoundNesterovState:
+        _check_float32("params", params)
+        return RoundNesterovState(np.zeros_like(params), np.zeros_like(params), 0.0, 0)
+
+    def step(self, params: np.ndarray, outer_grad: np.ndarray, state: RoundNesterovState, *,
+             inplace: bool = False, work: float = 1.0) -> tuple[np.ndarray, RoundNesterovState]:
+        _check_float32("params", params)
+        n = params.size
+        _check_float32("outer_grad", outer_grad, n)
+        _check_float32("momentum", state.momentum, n)
+        _check_float32("buffer", state.buffer, n)
+        if not (math.isfinite(work) and work >= 0):
+            raise ValueError(f"work must be finite and >= 0, got {work}")
+        p = params if inplace else params.copy()
+        t = state.momentum if inplace else state.momentum.copy()
+        buf = state.buffer if inplace else state.buffer.copy()
+        progress = state.progress + float(work)
+        milestone = progress >= 1.0 - ROUND_TOL
+        beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
+        scratch = np.empty(min(self.block, max(n, 1)), dtype=np.float32)
+        for sl in block_slices(n, self.block):
+            g, tb, pb, bb = outer_grad[sl], t[sl], p[sl], buf[sl]
+            s = scratch[: pb.size]
+            np.add(bb, g, out=bb)                 # B = B + g
+            np.multiply(g, neg_lr, out=s)
+            np.add(pb, s, out=pb)                 # theta = theta - lr * g
+            if milestone:
+                np.multiply(tb, beta, out=tb)
+                np.add(tb, bb, out=tb)            # t = beta * t + B
+                bb[...] = 0.0                     # B = 0
+                np.multiply(tb, beta * neg_lr, out=s)
+                np.add(pb, s, out=pb)             # theta = theta - lr * beta * t
+        if milestone:
+            progress = max(0.0, progress - math.floor(progress + ROUND_TOL))
+        return p, RoundNesterovState(t, buf, progress, state.count + 1)
+
+
 def make_outer_optimizer(
     kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1
-) -> NesterovSGD | DelayedNesterov:
+) -> NesterovSGD | DelayedNesterov | RoundNesterov:
     """"nesterov" -> NesterovSGD(lr, momentum); "delayed_nesterov" (or "delayed") ->
     DelayedNesterov(lr, momentum, period)."""
     if kind == "nesterov":
         return NesterovSGD(lr, momentum)
     if kind in ("delayed_nesterov", "delayed"):
         return DelayedNesterov(lr, momentum, period)
-    raise ValueError(f"unknown outer optimizer {kind!r}, expected nesterov or delayed_nesterov")
+    if kind in ("round_nesterov", "rounds"):
+        return RoundNesterov(lr, momentum)
+    raise ValueError(f"unknown outer optimizer {kind!r}, expected nesterov, delayed_nesterov or rounds")

@@ -297,7 +297,7 @@ class AggregatorService:
         t0 = time.monotonic()
         learners = {x.c.learner for x in items}
         participants = self.participants(now) | learners
-        scale = (participation_scale(len(learners), len(participants))
+        scale = (participation_scale(len(items), len(participants))
                  if self.cfg.scale_by_participation else 1.0)
         per_round = max(1, len(participants))
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)

@@ -20,7 +20,8 @@ import numpy as np
 from aggregator.contribution import Contribution, ContributionKey
 from aggregator.influence import norm_caps
 from aggregator.merge import l2_norm, merge
-from aggregator.outer_opt import DelayedNesterovState, NesterovState, make_outer_optimizer
+from aggregator.outer_opt import (DelayedNesterovState, NesterovState, RoundNesterov, RoundNesterovState,
+                                  make_outer_optimizer)
 from aggregator.validate import AppliedSet, NormHistory
 from aggregator.weights import StalenessPolicy, contribution_weights, rounds_behind, token_weight
 from bus import codec
@@ -28,11 +29,11 @@ from bus import codec
 
 @dataclass(frozen=True)
 class MergeSettings:
-    method: str = "rda"
+    method: str = "mean"
     robust: str | None = None
     trim_fraction: float = 0.1
     staleness: StalenessPolicy = field(default_factory=StalenessPolicy)
-    optimizer: str = "nesterov"
+    optimizer: str = "rounds"
     lr: float = 0.7
     momentum: float = 0.9
     delay_n: int = 1
@@ -66,7 +67,7 @@ class FragmentState:
     fragment: int
     version: int
     params: np.ndarray
-    opt: NesterovState | DelayedNesterovState
+    opt: NesterovState | DelayedNesterovState | RoundNesterovState
     applied: AppliedSet
     norms: NormHistory
     last_merge: list[ContributionKey] = field(default_factory=list)
@@ -97,7 +98,8 @@ class FragmentState:
         d = msgpack.unpackb(data, raw=False, strict_map_key=False)
         opt = dict(d["opt_other"])
         opt.update({k: np.array(codec.decode_array(v)) for k, v in d["opt_arrays"].items()})
-        opt_cls = {"NesterovState": NesterovState, "DelayedNesterovState": DelayedNesterovState}[d["opt_kind"]]
+        opt_cls = {"NesterovState": NesterovState, "DelayedNesterovState": DelayedNesterovState,
+                   "RoundNesterovState": RoundNesterovState}[d["opt_kind"]]
         return cls(int(d["f"]), int(d["v"]), np.array(codec.decode_array(d["params"])), opt_cls.from_dict(opt),
                    AppliedSet.from_dict(d["applied"]), NormHistory.from_dict(d["norms"]),
                    [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)), int(d.get("per_round", 1)),
@@ -105,17 +107,21 @@ class FragmentState:
                    int(d.get("clipped", 0)))
 
 
-def participation_scale(merged_learners: int, active_learners: int) -> float:
-    """Share of the active learners whose work is in this merge: min(1, n / max(n, active)).
+def participation_scale(merged: int, participants: int) -> float:
+    """The share of a synchronous round this merge holds: n / M, for n contributions merged and M
+    learners taking part in the run (the active ones and recent contributors).
 
-    Synchronous DiLoCo applies the outer step once per round to the mean of M learners' outer
-    gradients. With K=1 and per-arrival merges, every learner's outer gradient would otherwise get
-    a full outer step of its own: M times the synchronous step per round (and Nesterov momentum
-    amplifies it further), which diverges. Scaling each merged gradient by n / M keeps the total
-    step per round that of the synchronous mean (the server learning-rate scaling of FedBuff).
+    Synchronous DiLoCo applies one outer step per round to the mean of M learners' outer
+    gradients. With the mean merge, n/M x mean(n contributions) = (sum of the n) / M, so every
+    contribution moves the fragment by lr/M x its outer gradient whichever merge it lands in: M
+    per-arrival merges (K=1) make exactly the progress of one synchronous round, and a merge that
+    holds a backlog of several rounds (an aggregator catching up) makes the progress of those
+    rounds instead of one round's worth (the server learning-rate scaling of FedBuff). n counts
+    contributions, not learners: two rounds of one learner are two rounds of work. Each vector is
+    norm-capped before it is merged (:mod:`aggregator.influence`), so n/M > 1 adds no risk.
     """
-    n = max(1, int(merged_learners))
-    return min(1.0, n / max(n, int(active_learners)))
+    n = max(1, int(merged))
+    return n / max(1, int(participants))
 
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
@@ -151,7 +157,11 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
               trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps)
     if total != 1.0:
         g = g * np.float32(total)
-    params, opt = settings.make_optimizer().step(state.params, g, state.opt)
+    optimizer = settings.make_optimizer()
+    if isinstance(optimizer, RoundNesterov):  # momentum once per round of work (scale = share of a round)
+        params, opt = optimizer.step(state.params, g, state.opt, work=scale)
+    else:
+        params, opt = optimizer.step(state.params, g, state.opt)
     applied = state.applied.copy()
     hist = NormHistory.from_dict(state.norms.to_dict())
     anorms = NormHistory.from_dict(state.applied_norms.to_dict())

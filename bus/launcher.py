@@ -144,7 +144,7 @@ def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: boo
     then the explicit step count. Non-DILOCO variables (PATH, JAX_*, XLA_FLAGS...) pass through."""
     env = dict(environ)
     defaults = dict(RUN_DEFAULTS)
-    # every learner in every merge: one outer Nesterov step per round (see docs/deploy.md, "Tuning")
+    # every learner in every merge: one merge per round (see docs/deploy.md, "Tuning")
     defaults["DILOCO_QUORUM"] = str(n_learners)
     defaults.update(PRESETS[preset])
     if quick:
@@ -158,6 +158,15 @@ def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: boo
         env["DILOCO_TOTAL_STEPS"] = str(n)  # the cosine schedule ends with the run
     if "DILOCO_WARMUP_STEPS" not in environ:
         env["DILOCO_WARMUP_STEPS"] = str(max(0, min(50, int(env["DILOCO_TOTAL_STEPS"]) // 10)))
+    # the run declares its peak inner learning rate (it bounds one outer gradient's norm): the
+    # learners' own, unless the caller declares a higher one
+    lr = env.get("DILOCO_INNER_LR", "0.001")
+    try:
+        float(lr)
+    except ValueError:
+        lr = None  # a bad DILOCO_INNER_LR is reported under its own name
+    if lr is not None:
+        env.setdefault("DILOCO_MAX_INNER_LR", lr)
     cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     if "XLA_FLAGS" not in environ and n_learners + 1 > cpus:
         env["XLA_FLAGS"] = SINGLE_THREAD_XLA

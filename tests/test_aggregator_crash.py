@@ -2,6 +2,7 @@
 versions are monotonic and the global parameters equal a replay of exactly the applied contributions."""
 
 import asyncio
+import dataclasses
 import random
 import signal
 import subprocess
@@ -26,9 +27,10 @@ S = Subjects(RUN)
 AGG = {"DILOCO_REQUIRE_MEMBERSHIP": "false", "DILOCO_QUORUM": "1", "DILOCO_GRACE": "fixed",
        "DILOCO_GRACE_SECONDS": "0.05", "DILOCO_MAX_STALENESS": "100000", "DILOCO_NORM_OUTLIER_FACTOR": "1000000",
        "DILOCO_MERGE": "rda", "DILOCO_LOG_LEVEL": "warning", "DILOCO_ACK_WAIT": "3"}
-SETTINGS = MergeSettings.from_config(AggregatorConfig(require_membership=False, quorum=1, grace="fixed",
-                                                      grace_seconds=0.05, max_staleness=100000,
-                                                      norm_outlier_factor=1e6, merge="rda"))
+SETTINGS = dataclasses.replace(  # with the manifest's max_inner_lr, as the aggregator has it
+    MergeSettings.from_config(AggregatorConfig(require_membership=False, quorum=1, grace="fixed", grace_seconds=0.05,
+                                               max_staleness=100000, norm_outlier_factor=1e6, merge="rda")),
+    max_inner_lr=MODEL.max_inner_lr)
 
 
 def _spawn(url):

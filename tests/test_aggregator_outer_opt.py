@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from aggregator.outer_opt import (
+    RoundNesterov,
+    RoundNesterovState,
     DelayedNesterov,
     DelayedNesterovState,
     NesterovSGD,
@@ -213,3 +215,52 @@ def test_merge_step_discounts_staleness_in_rounds():
     np.testing.assert_allclose(rounds.params, -1.0)
     np.testing.assert_allclose(versions.params, -0.5)
     assert rounds.last_per_round == 4 and FragmentState.from_bytes(rounds.to_bytes()).last_per_round == 4
+
+
+# -- RoundNesterov: momentum once per round of work, however arrivals group ------------------------
+
+
+def _round_run(groups, deltas, beta=0.9, lr=0.7, M=3):
+    """Apply rounds of M deltas each, merged in ``groups`` (sizes summing to M per round)."""
+    opt = RoundNesterov(lr, beta)
+    p = np.zeros(deltas[0][0].size, np.float32)
+    s = opt.init(p)
+    for rnd in deltas:
+        i = 0
+        for g in groups:
+            part = rnd[i:i + g]
+            i += g
+            merged = (np.mean(part, axis=0) * np.float32(len(part) / M)).astype(np.float32)  # mean x n/M
+            p, s = opt.step(p, merged, s, work=len(part) / M)
+    return p, s
+
+
+@pytest.mark.parametrize("groups", [(3,), (1, 1, 1), (2, 1), (1, 2)])
+def test_round_nesterov_is_one_synchronous_nesterov_step_per_round_whatever_the_grouping(groups):
+    rng = np.random.default_rng(1)
+    deltas = [[rng.standard_normal(16).astype(np.float32) for _ in range(3)] for _ in range(4)]
+    p, s = _round_run(groups, deltas)
+    ref = NesterovSGD(0.7, 0.9)
+    q = np.zeros(16, np.float32)
+    rs = ref.init(q)
+    for rnd in deltas:
+        q, rs = ref.step(q, np.mean(rnd, axis=0).astype(np.float32), rs)
+    np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s.momentum, rs.momentum, rtol=1e-5, atol=1e-5)
+    assert s.progress == pytest.approx(0.0) and not s.buffer.any()
+
+
+def test_round_nesterov_state_round_trips_and_carries_a_partial_round():
+    opt = RoundNesterov(0.5, 0.9)
+    p = np.ones(4, np.float32)
+    s = opt.init(p)
+    p, s = opt.step(p, np.full(4, 0.1, np.float32), s, work=2 / 3)
+    assert s.progress == pytest.approx(2 / 3) and s.buffer[0] == pytest.approx(0.1)
+    assert not s.momentum.any()  # no round completed yet: plain step only
+    np.testing.assert_allclose(p, 1 - 0.5 * 0.1)
+    s2 = RoundNesterovState.from_dict(s.to_dict())
+    assert s2.progress == s.progress and np.array_equal(s2.buffer, s.buffer)
+    _, s3 = opt.step(p, np.full(4, 0.1, np.float32), s2, work=2 / 3)
+    assert s3.progress == pytest.approx(1 / 3) and not s3.buffer.any()  # round done, the rest carried
+    with pytest.raises(ValueError):
+        opt.step(p, np.zeros(4, np.float32), s, work=float("nan"))

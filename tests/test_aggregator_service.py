@@ -116,7 +116,8 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
 
 
 async def test_merge_publishes_version_with_applied_keys_and_nesterov_step(nats_server, js):
-    svc, stop, task = await _start(nats_server, grace="fixed", grace_seconds=0.2, merge="mean", quorum=2)
+    svc, stop, task = await _start(nats_server, grace="fixed", grace_seconds=0.2, merge="mean", quorum=2,
+                                   outer_momentum=0.9)
     await set_members(js, RUN, {"a": "active", "b": "active"})
     await _until(lambda: len(svc.active()) == 2)
     store = VersionedStore(js, RUN, GLOBAL)
@@ -130,7 +131,8 @@ async def test_merge_publishes_version_with_applied_keys_and_nesterov_step(nats_
     assert await _until(lambda: svc.states[0].version == 1)
     head, blob = await store.get(0)
     assert head.version == 1 and sorted(map(tuple, head.meta["applied"])) == sorted([ka, kb])
-    # equal tokens and staleness: mean 0.02; Nesterov from zero momentum: u = g + 0.9 g = 1.9 g
+    # equal tokens and staleness: mean 0.02, a whole round (2 of 2 learners); Nesterov from zero
+    # momentum (momentum 0.9 here, the default is 0): u = g + 0.9 g = 1.9 g
     expect = theta0 - np.float32(0.7) * np.float32(1.9) * np.float32(0.02)
     np.testing.assert_allclose(codec.decode_array(blob), expect, rtol=1e-5, atol=1e-7)
     stop.set()

@@ -37,13 +37,14 @@ COMPOSE = ROOT / "compose.yaml"
 TEST_OVERRIDES = {
     "DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "2", "DILOCO_D_FF": "64",
     "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "8", "DILOCO_SYNC_EVERY": "12",
-    "DILOCO_INNER_LR": "0.003", "DILOCO_MAX_STEPS": "400", "DILOCO_TOTAL_STEPS": "400", "DILOCO_WARMUP_STEPS": "20",
+    "DILOCO_INNER_LR": "0.003", "DILOCO_MAX_INNER_LR": "0.003", "DILOCO_MAX_STEPS": "400", "DILOCO_TOTAL_STEPS": "400", "DILOCO_WARMUP_STEPS": "20",
     "DILOCO_EVAL_INTERVAL": "1.0", "DILOCO_METRICS_INTERVAL": "0.5", "DILOCO_MANIFEST_TIMEOUT": "60",
     # five JAX processes share 2 cores here (in compose each container would get its own cores)
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
 }
 MODEL_VARS = ("DILOCO_D_MODEL", "DILOCO_N_LAYERS", "DILOCO_N_HEADS", "DILOCO_D_FF", "DILOCO_SEQ_LEN",
-              "DILOCO_NUM_FRAGMENTS", "DILOCO_SEED", "DILOCO_TIED_EMBEDDINGS", "DILOCO_MAX_IMBALANCE")
+              "DILOCO_NUM_FRAGMENTS", "DILOCO_SEED", "DILOCO_TIED_EMBEDDINGS", "DILOCO_MAX_IMBALANCE",
+              "DILOCO_MAX_INNER_LR", "DILOCO_MAX_BATCH_SIZE")
 
 
 #: What to run before `docker compose up` (docs/deploy.md and compose.yaml say so), from the project root.

@@ -128,6 +128,7 @@ async def _run(tmp, attack: bool, agg_env: dict | None = None, steps: int = STEP
         stats = await _aggregator_metrics(run)
         finals = [loss for _, loss, v in run.evals if v == run.evals[-1][2]]
         return {"final": finals[-1], "first": min(run.evals, key=lambda e: e[2])[1], "stats": stats,
+                "evals": [(round(t, 2), round(loss, 4), v) for t, loss, v in run.evals],
                 "early_versions": early_versions if attack else None}
     finally:
         await run.close()

@@ -94,8 +94,9 @@ class ChaosRun:
 
     def start(self, name: str) -> None:
         if name == "aggregator":
-            env = self._env(self.server.url, **{**FAST_AGG, "DILOCO_MAX_STALENESS": "64"}, DILOCO_ACK_WAIT="3",
-                            DILOCO_CLIP_REFERENCE_STEPS=LEARNER["DILOCO_SYNC_EVERY"], **self.agg_env)
+            env = self._env(self.server.url, **{**FAST_AGG, "DILOCO_MAX_STALENESS": "64", "DILOCO_ACK_WAIT": "3",
+                                                "DILOCO_CLIP_REFERENCE_STEPS": LEARNER["DILOCO_SYNC_EVERY"],
+                                                **self.agg_env})
         elif name == "monitor":
             env = self._env(self.server.url, **FAST_MONITOR)
         elif name == "evaluator":
