@@ -90,10 +90,11 @@ class AggregatorService:
     def __init__(self, common: CommonConfig, model: ModelConfig, cfg: AggregatorConfig):
         self.common, self.model, self.cfg = common, model, cfg
         self.s = Subjects(common.run)
-        self.spec = model.spec()
-        self.model_hash = spec_hash(self.spec)
-        self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
-        self.owned = parse_fragments(cfg.agg_fragments, self.plan.num_fragments)
+        self.spec = self.plan = None
+        self.buffers: dict[int, list[Pending]] = {}
+        if model.model == "builtin":
+            self._use(spec_hash(model.spec()), make_plan(model.spec(), model.num_fragments, model.max_imbalance))
+            self.spec = model.spec()
         self.settings = MergeSettings.from_config(cfg)
         self.grace = GracePolicy(mode=cfg.grace, grace=cfg.grace_seconds, max_grace=cfg.grace_seconds,
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
@@ -102,7 +103,6 @@ class AggregatorService:
         # newest keyframe per fragment (quantised downlink); after a restart taken back from the
         # keyframe subjects while current (see _recover_keyframe)
         self.keys: dict[int, Keyframe] = {}
-        self.buffers: dict[int, list[Pending]] = {p: [] for p in self.owned}
         self.unpublished: set[int] = set()
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
@@ -113,6 +113,35 @@ class AggregatorService:
         self.stats = Stats()
         self._audit: list[dict] = []  # rejections waiting to be published as events
         self.nc = None
+
+    def _use(self, model_hash: str, plan) -> None:
+        """The model this aggregator merges: its hash and fragment plan (and so the fragments it owns)."""
+        self.model_hash, self.plan = model_hash, plan
+        self.owned = parse_fragments(self.cfg.agg_fragments, plan.num_fragments)
+        self.buffers = {p: [] for p in self.owned}
+
+    async def _model_from_run(self, js, stop: asyncio.Event) -> None:
+        """DILOCO_MODEL=run: the run's manifest describes the model (a user's tree, created by an
+        island or ``diloco run create --init``); wait for it, and merge that tree."""
+        from aggregator.bootstrap import read_manifest
+        from learner.island import tree_of_manifest
+
+        logged = False
+        while not stop.is_set():
+            m = await read_manifest(js, self.common.run)
+            if m is not None:
+                got = tree_of_manifest(m)
+                if got is None:
+                    raise RunMismatch(f"run {self.common.run!r} trains the built-in model: start the aggregator "
+                                      "without DILOCO_MODEL=run")
+                self.manifest = m
+                self._use(m.model_hash, got[1])
+                self.log.info("model_from_run", params=got[0].num_params, fragments=got[1].num_fragments)
+                return
+            if not logged:
+                self.log.info("waiting_for_manifest", run=self.common.run)
+                logged = True
+            await asyncio.sleep(0.5)
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -432,9 +461,14 @@ class AggregatorService:
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
-        self.manifest = await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
-                                            fragments=self.owned, max_inner_lr=self.model.max_inner_lr,
-                                            max_tokens_per_step=self.model.max_tokens_per_step)
+        if self.model.model == "run":
+            await self._model_from_run(js, stop)
+            if stop.is_set():
+                return
+        else:
+            self.manifest = await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
+                                                fragments=self.owned, max_inner_lr=self.model.max_inner_lr,
+                                                max_tokens_per_step=self.model.max_tokens_per_step)
         self.settings = dataclasses.replace(self.settings, max_inner_lr=self.manifest.max_inner_lr)
         await self._recover(js)
         lo, hi = self.owned.start, self.owned.stop - 1

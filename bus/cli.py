@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("learner.evaluator:main", "follow global versions and publish held-out loss"),
     "metrics": ("monitor.cli:cmd_metrics", "live table of a run's metrics"),
     "status": ("monitor.cli:cmd_status", "one snapshot of a run: membership, versions, streams"),
+    "export": ("learner.export:main", "write a run's newest global parameters to an .npz (while it runs)"),
     "up": ("bus.launcher:main", "start a whole local run: server, aggregator, monitor, evaluator, learners"),
     "auth": ("bus.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),
 }

@@ -14,6 +14,9 @@ class ModelConfig:
     """The run's architecture and fragmentation. Every process of a run must agree on these:
     the aggregator creates version 0 from them, learners refuse to start when their hash differs."""
 
+    model: str = var("builtin", choice("builtin", "run"),
+                     "builtin: the byte-level transformer of the variables below; run: whatever the run's manifest "
+                     "describes (a user's JAX tree, created by an island or `diloco run create --init`)")
     d_model: int = var(128, integer(8, 65536), "model width")
     n_layers: int = var(4, integer(1, 1024), "transformer blocks")
     n_heads: int = var(4, integer(1, 1024), "attention heads (must divide DILOCO_D_MODEL)")

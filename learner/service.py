@@ -133,6 +133,50 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
     return m
 
 
+async def join_run_model(js, common: CommonConfig, run_model, deadline: float):
+    """Wait for the manifest and check ``run_model`` against it: StartupError(3) naming the
+    difference, (4) on timeout."""
+    from aggregator.bootstrap import wait_manifest
+
+    try:
+        m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError as e:
+        raise StartupError(EXIT_TIMEOUT, str(e)) from None
+    why = run_model.check(m)
+    if why is not None:
+        raise StartupError(EXIT_MISMATCH, f"refusing to start: {why}")
+    return m
+
+
+class BuiltinModel:
+    """The built-in byte-level transformer of ``ModelConfig``, for the learner core (the other
+    kind is a user's tree, ``learner.island.TreeModel``)."""
+
+    def __init__(self, model: ModelConfig, cfg: LearnerConfig):
+        from aggregator.bootstrap import make_plan
+
+        self.spec = model.spec()
+        self.model_hash = spec_hash(self.spec)
+        self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
+        self.tokens_per_step = cfg.batch_size * self.spec.seq_len
+        self.num_params = count_params(self.spec)
+
+    def check(self, m) -> str | None:
+        from aggregator.bootstrap import RunMismatch, check_manifest
+
+        try:
+            check_manifest(m, self.spec, self.plan)
+        except RunMismatch as e:
+            return str(e)
+        return None
+
+    def initial_blob(self, m):
+        return initial_blobs(self.spec, self.plan, m.seed)
+
+    async def create_run_if_missing(self, js, common: CommonConfig, log) -> None:
+        return None  # the aggregator creates a built-in model's run (version 0 from its seed)
+
+
 def check_geometry(m, inner_lr: float, tokens_per_step: int) -> None:
     """StartupError(3) if this learner would exceed the run's declared geometry: its outer
     gradients would then be rejected (norm_bound, bad_counters) and its work lost."""
@@ -324,20 +368,20 @@ class Learner:
     ``base`` / ``residual`` (per-fragment numpy vectors), ``backend``, ``incarnation``.
     """
 
-    def __init__(self, common: CommonConfig, model: ModelConfig, cfg: LearnerConfig,
-                 incarnation: str | None = None):
+    def __init__(self, common: CommonConfig, model: ModelConfig | None, cfg: LearnerConfig,
+                 incarnation: str | None = None, run_model=None):
+        """``run_model``: the model to train (``BuiltinModel`` of ``model`` by default; a user's
+        tree through ``learner.island``): its hash, fragment plan, version 0 and compute backend."""
         self.common, self.model_cfg, self.cfg = common, model, cfg
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.id = cfg.learner_id
-        self.spec = model.spec()
-        self.model_hash = spec_hash(self.spec)
-        from aggregator.bootstrap import make_plan
-
-        self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
+        self.run_model = run_model if run_model is not None else BuiltinModel(model, cfg)
+        self.model_hash = self.run_model.model_hash
+        self.plan = self.run_model.plan
         self.P = self.plan.num_fragments
         self.s = Subjects(common.run)
         self.log = get_logger(component="learner", incarnation=self.incarnation)
-        self.tokens_per_step = cfg.batch_size * self.spec.seq_len
+        self.tokens_per_step = self.run_model.tokens_per_step
         self.book = lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync")
         self.num_shards = cfg.num_shards or cfg.num_learners
         self.shard_index = lp.derive_shard(self.id, self.num_shards, cfg.shard_index)
@@ -365,6 +409,7 @@ class Learner:
         self._head_lock = asyncio.Lock()
         self._verified: dict[int, int] = {}  # fragment -> newest version whose blob we checked
         self._candidate: dict[int, Head] = {}  # fetch=round: newest head seen, not downloaded yet
+        self._refused: dict[int, Head] = {}  # fragment -> the newest head record we rejected
         self._fetch_all = cfg.fetch == "every" or cfg.mode == "sync"
         self._fetches: set[asyncio.Task] = set()
         # secret part of our message ids: the incarnation is public (membership records), so without it
@@ -372,6 +417,7 @@ class Learner:
         self._nonce = uuid.uuid4().hex[:12]
         self._sent: dict[tuple[int, int], np.ndarray] = {}  # (fragment, round) -> outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
+        self.startup_error: str | None = None
         self._cancel = threading.Event()
         self._publishes: set[asyncio.Task] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"inner-{self.id}")
@@ -383,7 +429,8 @@ class Learner:
         if stop is not None:
             tasks.append(asyncio.create_task(self._relay_stop(stop)))
         try:
-            code = await start_unless_halted(self._start(), self._halt, self.log, f"diloco learner {self.id}")
+            code = await start_unless_halted(self._start_noting_why(), self._halt, self.log,
+                                             f"diloco learner {self.id}")
             if code is not None:
                 return code
             tasks += [asyncio.create_task(c) for c in (
@@ -411,6 +458,13 @@ class Learner:
             await close_quietly(self.nc)
             self._executor.shutdown(wait=False)
 
+    async def _start_noting_why(self) -> None:
+        try:
+            await self._start()
+        except StartupError as e:
+            self.startup_error = str(e)  # the one line an island raises to its user
+            raise
+
     async def _relay_stop(self, stop: asyncio.Event) -> None:
         await stop.wait()
         self.log.info("stop_requested")
@@ -430,9 +484,10 @@ class Learner:
         self.js = self.nc.jetstream(timeout=10)
         self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks)
         self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
-        manifest = await join_run(self.js, self.common, self.spec, self.plan, deadline)
+        await self.run_model.create_run_if_missing(self.js, self.common, self.log)
+        manifest = await join_run_model(self.js, self.common, self.run_model, deadline)
         check_geometry(manifest, self.cfg.inner_lr, self.tokens_per_step)
-        self.store.local = initial_blobs(self.spec, self.plan, manifest.seed)
+        self.store.local = self.run_model.initial_blob(manifest)
         try:
             vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
         finally:
@@ -444,26 +499,29 @@ class Learner:
         self.base = vectors
         for p, v in versions.items():
             self.book.on_merged(p, v)
-        self.log.info("joined", versions=versions, params=count_params(self.spec),
+        self.log.info("joined", versions=versions, params=self.run_model.num_params,
                       memory_mib=round(self.memory()["total"] / 2**20, 2))
 
     def _make_backend(self):
+        if not isinstance(self.run_model, BuiltinModel):
+            return self.run_model.make_backend(self)
+        spec = self.run_model.spec
         if self.cfg.synthetic:
             return SyntheticBackend(self.plan, self.cfg, self.seed, self._cancel)
         from learner.data import load_corpus
 
         corpus = load_corpus(self.cfg.data or None, max_bytes=self.cfg.data_max_bytes)
-        if corpus.vocab_size > self.spec.vocab_size:
+        if corpus.vocab_size > spec.vocab_size:
             raise StartupError(EXIT_MISMATCH, f"corpus vocabulary {corpus.vocab_size} exceeds the model's "
-                                              f"{self.spec.vocab_size}")
-        shard = corpus.shard(self.shard_index, self.num_shards, self.spec.seq_len, self.seed)
+                                              f"{spec.vocab_size}")
+        shard = corpus.shard(self.shard_index, self.num_shards, spec.seq_len, self.seed)
         self.log.info("data", source=corpus.source, tokens=len(corpus), fingerprint=corpus.fingerprint(),
                       shard=self.shard_index, shard_tokens=len(shard))
-        return JaxBackend(self.spec, self.plan, self.cfg, shard)
+        return JaxBackend(spec, self.plan, self.cfg, shard)
 
     def memory(self) -> dict[str, int]:
         keys = self.store.keys.values() if self.store is not None else ()
-        return lp.memory_bytes(count_params(self.spec), self.plan.sizes,
+        return lp.memory_bytes(self.run_model.num_params, self.plan.sizes,
                                error_feedback=self.cfg.error_feedback and self.cfg.quantiser != "fp32",
                                synthetic=self.cfg.synthetic, keyframe_params=sum(k.params.size for k in keys))
 
@@ -479,6 +537,8 @@ class Learner:
                 await self._apply_pending()
             t0 = time.monotonic()
             loss = await self._in_worker(self.backend.step)
+            if loss is None:  # the backend has no step to take: an island closing (learner.island)
+                break
             if self._halt.is_set() and cfg.synthetic:
                 break  # the synthetic sleep was cut short: do not count a partial step
             if not self.backend.slowdown_included and cfg.slowdown > 1.0:
@@ -686,6 +746,10 @@ class Learner:
             self._reject_global("wrong_fragment", head)
             return
         async with self._head_lock:
+            if self._refused.get(p) == head:
+                # refused already: the watch and a step boundary's fetch of the same candidate can
+                # both hand it here (test_hostile counted a forged head twice, about 1 run in 10)
+                return
             if self._fetch_all:
                 due = self.book.wants(p, head.version)
             else:
@@ -729,6 +793,8 @@ class Learner:
             del self._candidate[head.fragment]
 
     def _reject_global(self, reason: str, head: Head, **kw) -> None:
+        if 0 <= head.fragment < self.P:
+            self._refused[head.fragment] = head
         self.rejected_globals[reason] = self.rejected_globals.get(reason, 0) + 1
         self.log.warning("global_version_rejected", reason=reason, fragment=head.fragment, version=head.version, **kw)
 

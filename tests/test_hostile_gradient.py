@@ -1,8 +1,8 @@
 """One hostile outer gradient, early and late, against a whole run of real processes.
 
 A learner's host may be buggy or compromised and still speak with its own identity (auth does
-not help). Here a publisher that uses learner ``l0``'s id (another incarnation, exactly the
-protocol a learner speaks) sends, to every fragment:
+not help). Here a publisher that uses the id of the first learner admitted (another incarnation,
+exactly the protocol a learner speaks) sends, to every fragment:
 
 * at version 0/1 (the fragment's first merges, before any norm history exists): every value 1e6;
   a vector just under the geometric norm bound; a claim of 2**62 tokens for one step; a vector
@@ -18,8 +18,6 @@ rejections are counted by reason and the clipped ones by the aggregator's ``clip
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 import uuid
 
 import numpy as np
@@ -29,6 +27,7 @@ import pytest
 from aggregator.influence import norm_bound
 from bus import codec
 from bus.protocol import grad_meta, grad_obj_id
+from bus.subjects import Subjects
 from bus.transport import ChunkPublisher
 from learner.config import ModelConfig
 from learner.fragments import plan_fragments
@@ -51,10 +50,10 @@ TOLERANCE = 0.35  # relative
 
 
 class Attacker:
-    """Speaks as learner l0 (a new incarnation), exactly the learner's protocol."""
+    """Speaks as an admitted learner (a new incarnation of it), exactly the learner's protocol."""
 
-    def __init__(self, js, run: str):
-        self.js, self.run = js, run
+    def __init__(self, js, run: str, learner: str):
+        self.js, self.run, self.learner = js, run, learner
         self.inc = uuid.uuid4().hex[:12]
         self.round = {p: 0 for p in range(PLAN.num_fragments)}
         self.pub = ChunkPublisher(js)
@@ -62,10 +61,10 @@ class Attacker:
     async def send(self, p: int, base: int, vector: np.ndarray, steps: int = H, tokens: int | None = None) -> None:
         self.round[p] += 1
         tokens = tokens if tokens is not None else steps * int(LEARNER["DILOCO_BATCH_SIZE"]) * SPEC.seq_len
-        meta = grad_meta(run=self.run, model=spec_hash(SPEC), learner="l0", incarnation=self.inc, fragment=p,
+        meta = grad_meta(run=self.run, model=spec_hash(SPEC), learner=self.learner, incarnation=self.inc, fragment=p,
                          round_=self.round[p], base_version=base, inner_steps=steps, tokens=tokens, region="r")
-        oid = grad_obj_id(self.run, "l0", self.inc, p, self.round[p])
-        await self.pub.publish(self_subject(self.run, p), oid, codec.encode_array(vector), meta)
+        oid = grad_obj_id(self.run, self.learner, self.inc, p, self.round[p])
+        await self.pub.publish(Subjects(self.run).grad(p, self.learner), oid, codec.encode_array(vector), meta)
 
     async def volley(self, versions: dict[int, int], early: bool) -> None:
         rng = np.random.default_rng(7 if early else 8)
@@ -80,12 +79,6 @@ class Attacker:
                 await self.send(p, base, np.zeros((2, n // 2), np.float32))  # wrong_shape
 
 
-def self_subject(run: str, p: int) -> str:
-    from bus.subjects import Subjects
-
-    return Subjects(run).grad(p, "l0")
-
-
 async def _run(tmp, attack: bool, agg_env: dict | None = None, steps: int = STEPS) -> dict:
     """One run of 3 learners x ``steps`` inner steps (``attack``: with the hostile volleys); the
     final held-out loss once every learner finished and its final sync was merged."""
@@ -94,11 +87,14 @@ async def _run(tmp, attack: bool, agg_env: dict | None = None, steps: int = STEP
     try:
         await run.setup()
         if attack:
-            attacker = Attacker(run.js, run.run)
-            # the first merges: as soon as l0 is admitted (the earliest its identity is accepted)
-            async def l0_active():
-                return (await member_states(run.js, run.run)).get("l0") == "active"
-            assert await run.wait_until(l0_active, 120), "l0 did not join"
+            # the first merges: as soon as any learner is admitted, speaking as that learner
+            active: list[str] = []
+
+            async def any_active():
+                active[:] = [k for k, st in (await member_states(run.js, run.run)).items() if st == "active"]
+                return bool(active)
+            assert await run.wait_until(any_active, 120), "no learner joined"
+            attacker = Attacker(run.js, run.run, active[0])
             newest = {f: v for f, v in run.heads}
             await attacker.volley(newest, early=True)
             early_versions = dict(newest)

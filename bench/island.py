@@ -1,0 +1,120 @@
+"""The island hook's cost: time inside ``island.step`` per inner step, and the island's memory.
+
+A plain-JAX MLP of about ``--params`` float32 parameters (50M by default, 5M with ``--quick``) in
+8 fragments, trained with optax AdamW by the user's own jitted step; one island in hook mode on an
+embedded server (it creates the run; no aggregator, so no version arrives: this measures the
+outgoing side, which is the hook's per-step work in steady state plus one rebase per fragment
+when versions do arrive, measured separately as ``rebase_s``).
+
+* ``hook_overhead``: mean time inside ``island.step`` over the mean inner step time (target <= 1%).
+* ``island_memory_over_params``: peak RSS of the process minus its RSS with the user's params and
+  optimizer state alone (after the first steps, before the island), over the parameter bytes
+  (target <= 2: base copies and error-feedback residuals).
+
+    python -m bench.island --quick --out island.json
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from bench.common import finish, parser, peak_rss_mib, progress
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=50e6)
+    p.add_argument("--steps", type=int, default=48)
+    a = p.parse_args()
+    target = 5e6 if a.quick else a.params
+    steps = 24 if a.quick else a.steps
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from bus.server import EmbeddedServer
+    from learner.island import Island
+
+    width = int(np.sqrt(target / 4))
+    key = jax.random.PRNGKey(0)
+    params = {f"l{i}": {"w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / np.sqrt(width),
+                        "b": jnp.zeros(width)} for i in range(4)}
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    opt = optax.adamw(1e-3)
+    opt_state = opt.init(params)
+
+    def loss_fn(pr, x):
+        h = x
+        for i in range(4):
+            h = jnp.tanh(h @ pr[f"l{i}"]["w"] + pr[f"l{i}"]["b"])
+        return jnp.mean(h ** 2)
+
+    @jax.jit
+    def train_step(pr, st, x):
+        loss, g = jax.value_and_grad(loss_fn)(pr, x)
+        u, st = opt.update(g, st, pr)
+        return optax.apply_updates(pr, u), st, loss
+
+    x = jnp.ones((32, width))
+    params, opt_state, loss = train_step(params, opt_state, x)  # compile
+    jax.block_until_ready(params)
+    base_rss = rss_mib()
+    t_inner = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        params, opt_state, loss = train_step(params, opt_state, x)
+        jax.block_until_ready(params)
+        t_inner.append(time.perf_counter() - t0)
+    progress(f"{n_params / 1e6:.1f}M params, inner step {np.mean(t_inner):.3f} s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = EmbeddedServer(store_dir=os.path.join(tmp, "store"), log_file=os.path.join(tmp, "nats.log"))
+        srv.start()
+        try:
+            island = Island(params, run="bench", learner_id="b0", nats_url=srv.url, sync_every=24,
+                            num_fragments=8, max_inner_lr=1e-3, env={"DILOCO_LOG_LEVEL": "warning",
+                                                                     "DILOCO_STREAM_MAX_BYTES": str(8 * 2**30)})
+            params = island.params
+            hook, inner = [], []
+            for i in range(steps):
+                t0 = time.perf_counter()
+                params, opt_state, loss = train_step(params, opt_state, x)
+                jax.block_until_ready(params)
+                t1 = time.perf_counter()
+                params = island.step(params, loss=float(loss))
+                t2 = time.perf_counter()
+                inner.append(t1 - t0)
+                hook.append(t2 - t1)
+            # one rebase of every fragment: what arriving versions cost at a step boundary
+            t0 = time.perf_counter()
+            for p in range(island.learner.P):
+                island._tree.set_fragment(p, island._tree.get_fragment(p))
+            rebase = time.perf_counter() - t0
+            peak = peak_rss_mib()
+            island.close(final_sync=False)
+        finally:
+            srv.close()
+    res = {"params": int(n_params), "fragments": 8, "steps": steps,
+           "inner_step_s": round(float(np.mean(inner)), 5), "hook_s_mean": round(float(np.mean(hook)), 6),
+           "hook_s_max": round(float(np.max(hook)), 6),
+           "hook_overhead": round(float(np.mean(hook) / np.mean(inner)), 5),
+           "rebase_all_fragments_s": round(rebase, 4),
+           "island_memory_over_params": round((peak - base_rss) * 2**20 / (4 * n_params), 3)}
+    finish(res, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""Bring your own JAX model: one island of a Decoupled DiLoCo run, as a library.
+
+Two ways to use it, over the same learner core (``learner.service.Learner``: schedule, outer
+gradients with error feedback, rebase on arrival, heartbeats, eviction and resync, final sync)::
+
+    # hook in my loop: one call per inner step, returns at once (async mode never waits on the network)
+    island = Island(params, run="my-run", learner_id="us-east", nats_url="nats://hub:4222")
+    params = island.params                     # the run's current global parameters
+    for batch in batches:
+        params, opt_state, loss = train_step(params, opt_state, batch)
+        params = island.step(params, loss=loss)
+    island.close()                             # sends the steps not yet sent, then leaves
+
+    # run it for me: hand over the train step, the optimizer state and the batches
+    island = Island(params, run="my-run", learner_id="eu-west")
+    params, opt_state = island.train(train_step, opt_state, batches, steps=10_000)
+
+``params`` is any JAX pytree of arrays (nested dicts, lists, tuples, Flax/Equinox nodes). Float
+leaves (float32, bfloat16, ...) are synchronised; outer gradients and the aggregator's state are
+float32. Non-float leaves are never sent: each island keeps its own. Leaves may be ``jax.Array``s
+sharded over the island's devices: only the leaves of a due fragment go to the host, and merged
+versions are written back with each leaf's own dtype and sharding.
+
+If the run does not exist yet, the first island to connect creates it with *its own* parameters as
+version 0 (a compare-and-set claim, so two islands racing end with one version 0, both training
+from it); the aggregator (``DILOCO_MODEL=run``) and the evaluator follow the run's manifest, which
+describes the tree. Configuration not passed as arguments comes from the ``DILOCO_*`` variables of
+``diloco learner`` (docs/learner.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import orjson
+
+from bus import codec
+from bus.config import CommonConfig, from_env
+from bus.protocol import MANIFEST_KEY, Manifest
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import ChunkPublisher, VersionConflict, VersionedStore
+from bus.tree import TreeSpec
+from learner.config import LearnerConfig, ModelConfig
+from learner.fragments import FragmentPlan, plan_fragments
+from learner.pytree import TreeParams, flatten, named_float_arrays, tree_spec
+
+#: returned by a backend's ``step`` when no inner step happened (the island is closing)
+NO_STEP = None
+CLAIM_KEY = "creator"
+
+
+class IslandClosed(RuntimeError):
+    """The island was closed (or its learner stopped): no more steps."""
+
+
+def plan_for(spec: TreeSpec, num_fragments: int, max_imbalance: float) -> FragmentPlan:
+    """The run's fragment plan for a tree: from its float leaves' shapes."""
+    return plan_fragments(spec.shapes(), min(num_fragments, max(1, spec.num_params)), max_imbalance=max_imbalance)
+
+
+def tree_manifest_spec(spec: TreeSpec, max_imbalance: float) -> dict:
+    """What a tree run's manifest holds under ``spec``: the tree and how its plan is made."""
+    return {"kind": "tree", "tree": spec.to_dict(), "max_imbalance": max_imbalance}
+
+
+def tree_of_manifest(m: Manifest) -> tuple[TreeSpec, FragmentPlan] | None:
+    """(tree, plan) of a run created from a user's tree, or None for a built-in-model run."""
+    if m.spec.get("kind") != "tree":
+        return None
+    spec = TreeSpec.from_dict(m.spec["tree"])
+    plan = plan_for(spec, m.num_fragments, float(m.spec.get("max_imbalance", 1.1)))
+    if plan.plan_hash() != m.plan_hash:
+        raise ValueError(f"run {m.run!r}: the manifest's plan hash {m.plan_hash} does not match its tree")
+    return spec, plan
+
+
+class TreeModel:
+    """What the learner core needs of a model, for a user's tree (see ``learner.service.BuiltinModel``)."""
+
+    def __init__(self, spec: TreeSpec, num_fragments: int, max_imbalance: float, tokens_per_step: int,
+                 make_backend: Callable[[Any], Any], init: dict[str, np.ndarray] | None = None,
+                 max_inner_lr: float | None = None, max_tokens_per_step: int | None = None):
+        self.tree = spec
+        self.max_imbalance = max_imbalance
+        self.plan = plan_for(spec, num_fragments, max_imbalance)
+        self.model_hash = spec.tree_hash()
+        self.tokens_per_step = int(tokens_per_step)
+        self.num_params = spec.num_params
+        self._make_backend = make_backend
+        self.init = init
+        self.max_inner_lr, self.max_tokens_per_step = max_inner_lr, max_tokens_per_step
+
+    def check(self, m: Manifest) -> str | None:
+        """None if this tree can join run ``m``, else one line saying why not."""
+        if m.spec.get("kind") != "tree":
+            return (f"run {m.run!r} trains the built-in model ({m.model_hash}), not a user's tree: "
+                    "use another DILOCO_RUN")
+        try:
+            theirs = TreeSpec.from_dict(m.spec["tree"])
+        except ValueError as e:
+            return f"run {m.run!r}: {e}"
+        diff = self.tree.first_difference(theirs)
+        if diff is not None:
+            return f"this island's parameter tree differs from run {m.run!r}'s: {diff}"
+        if m.plan_hash != self.plan.plan_hash() or m.num_fragments != self.plan.num_fragments:
+            return (f"fragment plan {self.plan.plan_hash()} (P={self.plan.num_fragments}) differs from run "
+                    f"{m.run!r}'s ({m.plan_hash}, P={m.num_fragments}): pass the run's num_fragments")
+        return None
+
+    def initial_blob(self, m: Manifest):
+        return None  # version 0 of a tree run is whatever its creator published: always downloaded
+
+    def make_backend(self, learner) -> Any:
+        return self._make_backend(learner)
+
+    async def create_run_if_missing(self, js, common: CommonConfig, log) -> None:
+        """Create the run with our own parameters as version 0, unless it exists or another island
+        claimed it first (then wait for its manifest like any learner)."""
+        if self.init is None:
+            return
+        await create_tree_run(js, common, self.tree, self.plan, self.init, self.max_imbalance,
+                              max_inner_lr=self.max_inner_lr, max_tokens_per_step=self.max_tokens_per_step,
+                              log=log)
+
+
+async def create_tree_run(js, common: CommonConfig, spec: TreeSpec, plan: FragmentPlan,
+                          init: dict[str, np.ndarray], max_imbalance: float, *, max_inner_lr: float | None = None,
+                          max_tokens_per_step: int | None = None, log=None) -> bool:
+    """Provision the run's streams and publish ``init`` as version 0 of every fragment, then the
+    manifest. Returns True if we created it, False if it existed or another writer claimed it.
+
+    The claim is a compare-and-set create of the run bucket's ``creator`` key: exactly one writer
+    publishes version 0, the others wait for the manifest (``join_run``)."""
+    from nats.js.errors import KeyWrongLastSequenceError
+
+    from aggregator.bootstrap import read_manifest
+    from bus.streams import Limits, ensure_run
+    from learner.fragments import gather
+
+    if await read_manifest(js, common.run) is not None:
+        return False
+    await ensure_run(js, common.run, Limits.from_config(common), update=False)
+    kv = await js.key_value(Subjects(common.run).bucket("run"))
+    try:
+        await kv.create(CLAIM_KEY, orjson.dumps({"ts": time.time(), "model": spec.tree_hash()}))
+    except KeyWrongLastSequenceError:
+        if log is not None:
+            log.info("run_claimed_by_another_island", run=common.run)
+        return False
+    store = VersionedStore(js, common.run, GLOBAL, ChunkPublisher(js, common.max_chunk_bytes,
+                                                                   common.inflight_chunks))
+    meta = {"model": spec.tree_hash(), "plan": plan.plan_hash()}
+    for p in range(plan.num_fragments):
+        try:
+            await store.put(p, 0, codec.encode_array(gather(plan, init, p)), meta)
+        except VersionConflict:
+            pass  # written by an earlier attempt of ours (the claim is ours)
+    m = Manifest(run=common.run, model_hash=spec.tree_hash(), spec=tree_manifest_spec(spec, max_imbalance),
+                 seed=0, num_fragments=plan.num_fragments, plan_hash=plan.plan_hash(), created_at=time.time(),
+                 max_inner_lr=max_inner_lr, max_tokens_per_step=max_tokens_per_step)
+    await kv.create(MANIFEST_KEY, orjson.dumps(m.to_dict()))
+    if log is not None:
+        log.info("run_created", run=common.run, params=spec.num_params, fragments=plan.num_fragments)
+    return True
+
+
+# -- backends: everything they do runs in the learner's single worker thread ------------------------
+
+
+class _TreeBackend:
+    slowdown_included = True
+
+    def __init__(self, params: TreeParams):
+        self.params = params
+
+    def load(self, vectors: list[np.ndarray]) -> None:
+        for p, v in enumerate(vectors):
+            self.params.set_fragment(p, v)
+
+    def get_fragment(self, p: int) -> np.ndarray:
+        return self.params.get_fragment(p)
+
+    def set_fragment(self, p: int, vector: np.ndarray) -> None:
+        self.params.set_fragment(p, vector)
+
+
+class HookBackend(_TreeBackend):
+    """The user's loop drives: ``step`` hands the current parameters to the user and waits for the
+    next ones (``Island.step``)."""
+
+    def __init__(self, params: TreeParams, cancel: threading.Event):
+        super().__init__(params)
+        self.cancel = cancel
+        self._cv = threading.Condition()
+        self._deposit: tuple[Any, float] | None = None
+        self._served = 0  # steps handed back to the user (the learner asked for the next one)
+        self.closing = False
+
+    def step(self):
+        with self._cv:
+            self._served += 1
+            self._cv.notify_all()
+            while self._deposit is None and not self.closing and not self.cancel.is_set():
+                self._cv.wait(0.1)
+            if self._deposit is None:
+                return NO_STEP
+            tree, loss = self._deposit
+            self._deposit = None
+        self.params.set_tree(tree, checked=True)  # checked in the user's thread (exchange)
+        return loss
+
+    def exchange(self, tree: Any, loss: float, alive: Callable[[], bool]) -> Any:
+        """User thread: deposit this step's parameters, wait until the learner took the step and
+        asked for the next one, return the parameters (with any arrived global version mixed in)."""
+        self.params.check(tree)  # a wrong tree is the user's error, not the learner's
+        with self._cv:
+            target = self._served + 1
+            self._deposit = (tree, loss)
+            self._cv.notify_all()
+            while self._served < target:
+                if not alive():
+                    raise IslandClosed("the island's learner stopped (see its log)")
+                self._cv.wait(0.1)
+            return self.params.tree()
+
+    def close(self) -> None:
+        with self._cv:
+            self.closing = True
+            self._cv.notify_all()
+
+
+# -- the island -------------------------------------------------------------------------------------
+
+
+class Island:
+    """One island of a run (see the module docstring). Thread-safe for one user thread."""
+
+    def __init__(self, params: Any, *, run: str | None = None, learner_id: str | None = None,
+                 nats_url: str | None = None, sync_every: int | None = None, num_fragments: int | None = None,
+                 tokens_per_step: int = 1, max_inner_lr: float | None = None, create: bool = True,
+                 join_timeout: float = 300.0, env: dict[str, str] | None = None):
+        """Describe ``params``, connect, create the run from ``params`` if it has none (``create``),
+        and join it: when this returns, ``self.params`` holds the run's current global parameters.
+
+        ``tokens_per_step``: tokens (or examples) one inner step consumes, for the merge weights.
+        ``max_inner_lr``: the peak learning rate of your inner optimizer (declared in the manifest
+        by the island that creates the run; outer gradients larger than such steps can make are
+        rejected). Anything else comes from ``env`` or the process's ``DILOCO_*`` variables."""
+        import os
+
+        e = {k: v for k, v in os.environ.items() if k.startswith("DILOCO_")}
+        e.update(env or {})
+        for key, val in (("DILOCO_RUN", run), ("DILOCO_LEARNER_ID", learner_id), ("DILOCO_NATS_URL", nats_url),
+                         ("DILOCO_SYNC_EVERY", sync_every), ("DILOCO_NUM_FRAGMENTS", num_fragments),
+                         ("DILOCO_INNER_LR", max_inner_lr)):
+            if val is not None:
+                e[key] = str(val)
+        self.common = from_env(CommonConfig, e)
+        model_cfg = from_env(ModelConfig, e)
+        e.setdefault("DILOCO_MAX_STEPS", str(10**15))  # the user's loop decides when to stop
+        self.cfg = from_env(LearnerConfig, {**e, "DILOCO_COMPUTE": "model", "DILOCO_FINAL_SYNC": "true"})
+        self.spec = tree_spec(params)
+        lr = max_inner_lr if max_inner_lr is not None else model_cfg.max_inner_lr
+        self._tree = TreeParams(params, self.spec, plan_for(self.spec, model_cfg.num_fragments,
+                                                            model_cfg.max_imbalance))
+        self._cancel = threading.Event()
+        self._backend = HookBackend(self._tree, self._cancel)
+        self.model = TreeModel(self.spec, model_cfg.num_fragments, model_cfg.max_imbalance, tokens_per_step,
+                               lambda learner: self._backend,
+                               init=named_float_arrays(params) if create else None, max_inner_lr=lr)
+        self._closed = False
+        self._start(join_timeout)
+
+    # the learner core runs on its own asyncio loop in a background thread
+    def _start(self, timeout: float) -> None:
+        from learner.service import Learner
+
+        self.learner = Learner(self.common, None, self.cfg, run_model=self.model)
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._code: int | None = None
+        ready = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(self._loop)
+
+            async def go() -> int:
+                self._stop = asyncio.Event()
+                ready.set()
+                return await self.learner.run(self._stop)
+
+            try:
+                self._code = self._loop.run_until_complete(go())
+            finally:
+                self._cancel.set()
+                ready.set()
+                self._loop.close()
+
+        self._thread = threading.Thread(target=main, name=f"island-{self.cfg.learner_id}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        t_end = time.monotonic() + timeout
+        hook = self._backend
+        with hook._cv:  # joined: the learner asked for the first step
+            while hook._served < 1:
+                if not self._thread.is_alive():
+                    why = self.learner.startup_error or f"exit {self._code}, see its log"
+                    raise RuntimeError(f"island {self.cfg.learner_id}: {why}")
+                if time.monotonic() > t_end:
+                    self.close(final_sync=False)
+                    raise TimeoutError(f"island {self.cfg.learner_id}: run {self.common.run!r} not joined "
+                                       f"within {timeout}s")
+                hook._cv.wait(0.1)
+
+    @property
+    def params(self) -> Any:
+        """The island's current parameters (after the latest global version it mixed in)."""
+        return self._tree.tree()
+
+    @property
+    def step_count(self) -> int:
+        return self.learner.book.step
+
+    def metrics(self) -> dict:
+        """The learner metrics this island publishes (steps, contributions, bytes, staleness...)."""
+        return self.learner.metrics()
+
+    def step(self, params: Any, loss: float | None = None) -> Any:
+        """Count one inner step of ``params`` (the parameters after it); returns them with any
+        arrived global version mixed in (rebase). Due fragments' outer gradients are computed here
+        and sent in the background: in async mode this never waits on the network."""
+        if self._closed:
+            raise IslandClosed(f"island {self.cfg.learner_id} is closed: no more steps")
+        return self._backend.exchange(params, float("nan") if loss is None else float(loss), self._thread.is_alive)
+
+    def train(self, train_step: Callable, opt_state: Any, batches: Iterable, steps: int | None = None
+              ) -> tuple[Any, Any]:
+        """Run ``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` over ``batches``
+        (at most ``steps`` of them) from the run's current parameters, syncing as ``diloco learner``
+        does (the step runs in this thread, the island's I/O in the background); then the final
+        sync, and the island is closed. A stop (SIGTERM of the learner, or ``close()`` from another
+        thread) ends the loop early. Returns (params, opt_state)."""
+        params = self.params
+        try:
+            for i, batch in enumerate(batches):
+                if steps is not None and i >= steps:
+                    break
+                params, opt_state, loss = train_step(params, opt_state, batch)
+                params = self.step(params, loss=float(loss))
+        except IslandClosed:
+            pass
+        self.close()
+        return self.params, opt_state
+
+    def close(self, final_sync: bool = True) -> int | None:
+        """Stop: with ``final_sync`` the steps not yet sent go out first. Returns the learner's exit code."""
+        if self._closed:
+            return self._code
+        self._closed = True
+        if not final_sync and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._backend.close()
+        self._thread.join(120)
+        return self._code
+
+    def __enter__(self) -> "Island":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(final_sync=exc[0] is None)
+
+
+def export_params(run_params: dict[str, np.ndarray], path: str, meta: dict) -> None:
+    """Write named float32 leaves and a JSON record of the run to an .npz file."""
+    arrays = {k: np.asarray(v) for k, v in run_params.items()}
+    arrays["__diloco__"] = np.frombuffer(orjson.dumps(meta), dtype=np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load_params(path: str, like: Any) -> Any:
+    """The parameters of an exported run (``diloco export``) in the structure of ``like``: float
+    leaves from the file (cast to ``like``'s dtypes and put on its shardings), non-float leaves
+    kept from ``like``. ValueError naming the first leaf that is missing or of another shape."""
+    import jax
+
+    paths, leaves, treedef = flatten(like)
+    spec = tree_spec(like)
+    with np.load(path) as f:
+        out = []
+        for leaf, x in zip(spec.leaves, leaves):
+            if not leaf.synced:
+                out.append(x)
+                continue
+            if leaf.path not in f.files:
+                raise ValueError(f"{path}: no leaf {leaf.path} (the run's tree differs from this one)")
+            a = f[leaf.path]
+            if tuple(a.shape) != leaf.shape:
+                raise ValueError(f"{path}: leaf {leaf.path} has shape {tuple(a.shape)}, yours {leaf.shape}")
+            from learner.pytree import _np_dtype
+
+            a = a.astype(_np_dtype(leaf.dtype))
+            out.append(jax.device_put(a, x.sharding) if isinstance(x, jax.Array) else a)
+    return jax.tree_util.tree_unflatten(treedef, out)

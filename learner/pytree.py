@@ -1,0 +1,132 @@
+"""A user's JAX parameter pytree as named leaves, and fragments read from and written into it.
+
+Leaves are named by ``jax.tree_util.keystr`` of their key path (``['dense']['kernel']``,
+``[0].w``, ...): stable for nested dicts, lists, tuples and registered dataclass-like nodes (Flax
+and Equinox produce these). Only floating-point leaves are synchronised (``bus.tree``); the others
+stay as the user's loop leaves them.
+
+Fragments are float32 host vectors (``learner.fragments``). Reading fragment p moves only the
+leaves that fragment touches to the host; writing it back casts each touched leaf to its own dtype
+(bfloat16 stays bfloat16) and puts it on its own sharding, so a model sharded over an island's
+devices stays sharded as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from bus.tree import TreeSpec, describe
+from learner.fragments import FragmentPlan
+
+
+def flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """(paths, leaves, treedef) of ``tree``; ValueError (one line) if it has no array leaves."""
+    import jax
+
+    try:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    except Exception as e:  # pragma: no cover - jax accepts any object as a leaf
+        raise ValueError(f"params are not a JAX pytree: {e}") from None
+    if not flat:
+        raise ValueError(f"params are not a JAX pytree of arrays: {type(tree).__name__} has no leaves")
+    paths = [jax.tree_util.keystr(kp) or "<root>" for kp, _ in flat]
+    return paths, [leaf for _, leaf in flat], treedef
+
+
+def tree_spec(tree: Any) -> TreeSpec:
+    """The run contract's description of ``tree`` (ValueError, one line, for anything else)."""
+    paths, leaves, _ = flatten(tree)
+    return describe(dict(zip(paths, leaves)))
+
+
+class TreeParams:
+    """The current parameters of an island as a pytree, with fragment access by the run's plan."""
+
+    def __init__(self, tree: Any, spec: TreeSpec, plan: FragmentPlan):
+        self.spec, self.plan = spec, plan
+        self.dtypes = {leaf.path: leaf.dtype for leaf in spec.leaves}
+        self.set_tree(tree)
+
+    def check(self, tree: Any) -> None:
+        """ValueError (one line) unless ``tree`` has the run's structure (cheap: compares treedefs)."""
+        import jax
+
+        if getattr(self, "treedef", None) is not None and jax.tree_util.tree_structure(tree) == self.treedef:
+            return
+        paths, leaves, _ = flatten(tree)
+        if len(paths) != len(self.spec.leaves) or any(p != leaf.path for p, leaf in zip(paths, self.spec.leaves)):
+            try:
+                why = describe(dict(zip(paths, leaves))).first_difference(self.spec)
+            except ValueError as e:
+                why = str(e)
+            raise ValueError(f"params changed structure: {why or 'leaf order'}")
+
+    def set_tree(self, tree: Any, checked: bool = False) -> None:
+        """Take the user's newest parameters (checked against the run's tree unless ``checked``)."""
+        if not checked:
+            self.check(tree)
+        paths, leaves, treedef = flatten(tree)
+        self.paths, self.leaves, self.treedef = paths, list(leaves), treedef
+        self.index = {p: i for i, p in enumerate(paths)}
+
+    def tree(self) -> Any:
+        import jax
+
+        return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+
+    def host(self, path: str) -> np.ndarray:
+        """Leaf ``path`` as a float32 numpy array on the host (a copy)."""
+        import jax
+
+        return np.array(jax.device_get(self.leaves[self.index[path]]), dtype=np.float32)
+
+    def get_fragment(self, p: int) -> np.ndarray:
+        frag = self.plan.fragments[p]
+        out = np.empty(frag.size, dtype=np.float32)
+        pos, cache = 0, {}
+        for s in frag.slices:
+            if s.path not in cache:
+                cache[s.path] = self.host(s.path).reshape(-1)
+            out[pos:pos + s.size] = cache[s.path][s.start:s.stop]
+            pos += s.size
+        return out
+
+    def set_fragment(self, p: int, vector: np.ndarray) -> None:
+        import jax
+
+        frag = self.plan.fragments[p]
+        touched: dict[str, np.ndarray] = {}
+        pos = 0
+        for s in frag.slices:
+            if s.path not in touched:
+                touched[s.path] = self.host(s.path)
+            touched[s.path].reshape(-1)[s.start:s.stop] = vector[pos:pos + s.size]
+            pos += s.size
+        for path, value in touched.items():
+            i = self.index[path]
+            old = self.leaves[i]
+            new = value.astype(_np_dtype(self.dtypes[path]))
+            if isinstance(old, jax.Array):
+                self.leaves[i] = jax.device_put(new, old.sharding)
+            else:
+                self.leaves[i] = new
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def named_float_arrays(tree: Any) -> dict[str, np.ndarray]:
+    """path -> float32 host copy of every floating-point leaf of ``tree`` (version 0 of a run)."""
+    import jax
+
+    paths, leaves, _ = flatten(tree)
+    spec = describe(dict(zip(paths, leaves)))
+    return {leaf.path: np.array(jax.device_get(x), dtype=np.float32)
+            for leaf, x in zip(spec.leaves, leaves) if leaf.synced}

@@ -1,0 +1,210 @@
+"""The island API against a real nats-server: a user's own JAX model (examples/regression.py)
+trained by two islands through a model-agnostic aggregator, exported and loaded back; the tree
+contract (pure); the race of two islands creating one run; errors a user will make."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import orjson
+import pytest
+
+from bus.tree import Leaf, TreeSpec, describe
+from tests.system import PY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- the tree contract (pure) --------------------------------------------------------------------
+
+
+def test_tree_spec_round_trips_hashes_and_names_the_first_difference():
+    a = describe({"['w']": np.zeros((3, 4), np.float32), "['n']": np.zeros((), np.int32)})
+    assert TreeSpec.from_dict(orjson.loads(orjson.dumps(a.to_dict()))) == a
+    assert [leaf.path for leaf in a.synced] == ["['w']"] and a.num_params == 12
+    b = describe({"['w']": np.zeros((4, 4), np.float32), "['n']": np.zeros((), np.int32)})
+    assert a.tree_hash() != b.tree_hash()
+    assert a.first_difference(b) == "leaf ['w']: shape (3, 4), the run's is (4, 4)"
+    c = describe({"['w']": np.zeros((3, 4), np.float16), "['n']": np.zeros((), np.int32)})
+    assert a.first_difference(c) == "leaf ['w']: dtype float32, the run's is float16"
+    d = describe({"['w']": np.zeros((3, 4), np.float32)})
+    assert a.first_difference(d) == "leaf ['n'] is not in the run's tree"
+    assert d.first_difference(a) == "leaf ['n'] of the run's tree is missing"
+    assert a.first_difference(a) is None
+
+
+def test_trees_without_float_leaves_or_arrays_are_refused():
+    with pytest.raises(ValueError, match="no floating-point leaf"):
+        describe({"['n']": np.zeros(3, np.int32)})
+    with pytest.raises(ValueError, match="leaf x is a str, not an array"):
+        describe({"x": "hello"})
+    with pytest.raises(ValueError, match="unique"):
+        TreeSpec((Leaf("a", (1,), "float32"), Leaf("a", (1,), "float32")))
+
+
+def test_pytree_fragments_keep_dtype_and_skip_non_float_leaves():
+    import jax.numpy as jnp
+
+    from learner.island import plan_for
+    from learner.pytree import TreeParams, tree_spec
+
+    tree = {"a": [jnp.arange(6.0).reshape(2, 3), jnp.ones(5, jnp.bfloat16)], "n": jnp.array(7, jnp.int32)}
+    spec = tree_spec(tree)
+    assert [leaf.path for leaf in spec.synced] == ["['a'][0]", "['a'][1]"]
+    plan = plan_for(spec, 2, 1.1)
+    tp = TreeParams(tree, spec, plan)
+    vecs = [tp.get_fragment(p) for p in range(2)]
+    assert sum(v.size for v in vecs) == 11
+    for p in range(2):
+        tp.set_fragment(p, vecs[p] + 1)
+    out = tp.tree()
+    assert out["a"][1].dtype == jnp.bfloat16 and out["n"].dtype == jnp.int32 and int(out["n"]) == 7
+    np.testing.assert_allclose(np.asarray(out["a"][0]), np.arange(6.0).reshape(2, 3) + 1)
+    np.testing.assert_allclose(np.asarray(out["a"][1], np.float32), 2.0)
+    with pytest.raises(ValueError, match="params changed structure"):
+        tp.set_tree({"a": [jnp.zeros((2, 3))], "n": jnp.array(1)})
+
+
+SHARDED = r'''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from learner.island import plan_for
+from learner.pytree import TreeParams, tree_spec
+assert len(jax.devices()) == 8, jax.devices()
+mesh = Mesh(np.array(jax.devices()), ("d",))
+sh = NamedSharding(mesh, P("d"))
+tree = {"w": jax.device_put(jnp.arange(64.0).reshape(16, 4), sh), "b": jnp.zeros(3)}
+tp = TreeParams(tree, tree_spec(tree), plan_for(tree_spec(tree), 4, 1.1))
+for p in range(4):
+    tp.set_fragment(p, tp.get_fragment(p) * 2)
+w = tp.tree()["w"]
+assert w.sharding == sh, w.sharding
+np.testing.assert_allclose(np.asarray(w), np.arange(64.0).reshape(16, 4) * 2)
+print("ok")
+'''
+
+
+def test_sharded_leaves_keep_their_sharding():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([PY, "-c", SHARDED], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+# -- against a real server -----------------------------------------------------------------------
+
+
+def _env(url: str, run: str, **extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    e.update(DILOCO_NATS_URL=url, DILOCO_RUN=run, JAX_PLATFORMS="cpu", DILOCO_LOG_LEVEL="warning",
+             DILOCO_HEARTBEAT_INTERVAL="0.2", DILOCO_QUANTISER="int8", **extra)
+    return e
+
+
+@pytest.mark.timeout(300)
+async def test_two_islands_train_a_user_model_export_and_load_back(nats_server, tmp_path):
+    run = "reg"
+    agg = subprocess.Popen([PY, "-m", "aggregator"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           env=_env(nats_server.url, run, DILOCO_MODEL="run", DILOCO_REQUIRE_MEMBERSHIP="false",
+                                    DILOCO_GRACE="fixed", DILOCO_GRACE_SECONDS="0.1"))
+    try:
+        islands = [subprocess.Popen([PY, "examples/regression.py", "--island", name, "--steps", "500",
+                                     "--mode", mode], cwd=ROOT, env=_env(nats_server.url, run),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for name, mode in (("a", "hook"), ("b", "train"))]
+        outs = []
+        for p in islands:
+            out, err = await asyncio.get_running_loop().run_in_executor(None, p.communicate, None, 240)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out)
+        joined = [float(re.search(r"joined, held-out loss ([\d.]+)", o).group(1)) for o in outs]
+        done = [float(re.search(r"done, \d+ steps, held-out loss ([\d.]+)", o).group(1)) for o in outs]
+        assert max(done) < 0.5 * min(joined), (joined, done)
+        await asyncio.sleep(1.5)  # the final syncs are merged
+        out = tmp_path / "reg.npz"
+        exp = subprocess.run([PY, "-m", "bus.cli", "export", "--out", str(out)], cwd=ROOT,
+                             env=_env(nats_server.url, run), capture_output=True, text=True, timeout=60)
+        assert exp.returncode == 0, exp.stderr
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        try:
+            import regression as reg
+        finally:
+            sys.path.pop(0)
+        from learner.island import load_params
+
+        like = reg.init_params(seed=99)
+        params = load_params(str(out), like)
+        assert params["out"]["w"].dtype == like["out"]["w"].dtype and int(params["seen"]) == 0
+        hx, hy = reg.make_data(12345, 1024)
+        exported = float(reg.loss_fn(params, hx, hy))
+        assert exported < 0.5 * min(joined), (exported, joined)
+        with pytest.raises(ValueError, match="shape"):
+            load_params(str(out), reg.init_params(width=8))
+    finally:
+        agg.terminate()
+        agg.wait(30)
+
+
+@pytest.mark.timeout(120)
+async def test_two_islands_racing_to_create_a_run_end_with_one_version_zero(nats_server, js):
+    import jax.numpy as jnp
+
+    from aggregator.bootstrap import read_manifest
+    from bus.config import CommonConfig
+    from bus.subjects import GLOBAL
+    from bus.transport import VersionedStore
+    from learner.island import create_tree_run, plan_for
+    from learner.pytree import named_float_arrays, tree_spec
+
+    common = CommonConfig(nats_url=nats_server.url, run="race")
+    trees = [{"w": jnp.full((40,), float(i + 1))} for i in range(2)]
+    spec = tree_spec(trees[0])
+    plan = plan_for(spec, 2, 1.1)
+    created = await asyncio.gather(*(create_tree_run(js, common, spec, plan, named_float_arrays(t), 1.1)
+                                     for t in trees))
+    assert sorted(created) == [False, True]
+    m = await read_manifest(js, "race")
+    assert m is not None and m.model_hash == spec.tree_hash()
+    store = VersionedStore(js, "race", GLOBAL)
+    from bus import codec
+
+    values = set()
+    for p in range(plan.num_fragments):
+        head, blob = await store.get(p)
+        assert head.version == 0
+        values |= set(np.unique(codec.decode_array(blob)).tolist())
+    assert len(values) == 1  # one creator's parameters, not a mix
+
+
+@pytest.mark.timeout(120)
+def test_user_errors_are_one_line(nats_server):
+    import jax.numpy as jnp
+
+    from learner.island import Island, IslandClosed
+
+    url = nats_server.url
+    with pytest.raises(ValueError, match="no floating-point leaf"):
+        Island({"n": jnp.zeros(3, jnp.int32)}, run="e", nats_url=url, learner_id="x")
+    with pytest.raises(ValueError, match="not an array"):
+        Island({"w": "weights"}, run="e", nats_url=url, learner_id="x")
+    # an island creates the run from its own tree; steps without an aggregator just count
+    tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    a = Island(tree, run="e", nats_url=url, learner_id="a", sync_every=2, num_fragments=2, join_timeout=60)
+    p = a.params
+    np.testing.assert_allclose(np.asarray(p["w"]), 1.0)
+    for _ in range(3):
+        p = a.step({"w": p["w"] * 0.9, "b": p["b"]}, loss=1.0)
+    assert a.step_count == 3 and a.metrics()["step"] == 3
+    with pytest.raises(ValueError, match="params changed structure"):
+        a.step({"w": p["w"]}, loss=1.0)
+    # another tree cannot join: one line naming the first differing leaf
+    with pytest.raises(RuntimeError, match=r"differs from run 'e'.*leaf \['w'\]: shape \(4, 4\), the run's is \(4, 3\)"):
+        Island({"w": jnp.ones((4, 4)), "b": jnp.zeros(3)}, run="e", nats_url=url, learner_id="c",
+               num_fragments=2, join_timeout=30)
+    assert a.close() == 0
+    with pytest.raises(IslandClosed):
+        a.step(p, loss=1.0)
