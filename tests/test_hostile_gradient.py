@@ -7,8 +7,8 @@ exactly the protocol a learner speaks) sends, to every fragment:
 * at version 0/1 (the fragment's first merges, before any norm history exists): every value 1e6;
   a vector just under the geometric norm bound; a claim of 2**62 tokens for one step; a vector
   of the right size in a 2-D shape;
-* late in the run: every value 1e6 again, and a vector just under the bound (far above the
-  median, so the merge clips it).
+* half-way through the learners' budget: every value 1e6 again, and a vector just under the bound
+  (far above the median, so the merge clips it).
 
 Then the learners finish their step budget. The attacked run's final held-out loss must be within
 the noise of a clean run of the same settings, started the same way in the same test; the
@@ -98,7 +98,9 @@ async def _run(tmp, attack: bool, agg_env: dict | None = None, steps: int = STEP
             newest = {f: v for f, v in run.heads}
             await attacker.volley(newest, early=True)
             early_versions = dict(newest)
-        # late: when every learner is past two thirds of its budget (their metrics tell)
+        # late: when every learner is past half its budget (their metrics tell), speaking as the one
+        # furthest from the end (a learner that finished is evicted, and its id then rejected first
+        # as inactive_learner: validation checks membership before norms)
         seen: dict[str, int] = {}
 
         async def on_metrics(m):
@@ -106,9 +108,10 @@ async def _run(tmp, attack: bool, agg_env: dict | None = None, steps: int = STEP
             seen[d.get("learner", "?")] = int(d.get("step", 0))
         sub = await run.nc.subscribe(f"{run.s.prefix}.metrics.learner.*", cb=on_metrics)
         assert await run.wait_until(
-            lambda: _ready(len(seen) >= run.n and min(seen.values()) >= 2 * steps // 3), 180), seen
+            lambda: _ready(len(seen) >= run.n and min(seen.values()) >= steps // 2), 180), seen
         await sub.unsubscribe()
         if attack:
+            attacker.learner = min(seen, key=seen.get)
             await attacker.volley({f: v for f, v in run.heads}, early=False)
         for name in run.learners:
             await asyncio.get_running_loop().run_in_executor(None, run.procs[name].wait, 180)
