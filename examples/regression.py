@@ -60,6 +60,11 @@ def loss_fn(params, x, y):
     return jnp.mean((predict(params, x) - y) ** 2)
 
 
+def trainable(params):
+    """The float part of the tree: what the optimizer and the gradient see."""
+    return {"hidden": params["hidden"], "out": params["out"]}
+
+
 def make_train_step(optimizer):
     import jax
     import optax
@@ -67,12 +72,11 @@ def make_train_step(optimizer):
     @jax.jit
     def train_step(params, opt_state, batch):
         x, y = batch
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        grads = jax.tree_util.tree_map(lambda g: g if g.dtype != jax.numpy.int32 else None, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        params["seen"] = params["seen"] + 1
-        return params, opt_state, loss
+        t = trainable(params)
+        loss, grads = jax.value_and_grad(loss_fn)(t, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, t)
+        t = optax.apply_updates(t, updates)
+        return {**t, "seen": params["seen"] + 1}, opt_state, loss
 
     return train_step
 
@@ -97,14 +101,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     seed = sum(map(ord, a.island))
     lr = 3e-3
-    optimizer = optax.masked(optax.adamw(lr, weight_decay=0.0),
-                             lambda t: {"hidden": True, "out": True, "seen": False})
+    optimizer = optax.adamw(lr, weight_decay=0.0)
     train_step = make_train_step(optimizer)
     held_x, held_y = make_data(12345, 1024)
     island = Island(init_params(), learner_id=a.island, tokens_per_step=64, max_inner_lr=lr,
                     sync_every=20, num_fragments=4)
     params = island.params
-    opt_state = optimizer.init(params)
+    opt_state = optimizer.init(trainable(params))
     print(f"island {a.island}: joined, held-out loss {float(loss_fn(params, held_x, held_y)):.4f}", flush=True)
     if a.mode == "train":
         params, opt_state = island.train(train_step, opt_state, batches(seed), steps=a.steps)

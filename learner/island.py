@@ -205,7 +205,10 @@ class HookBackend(_TreeBackend):
         with self._cv:
             self._served += 1
             self._cv.notify_all()
-            while self._deposit is None and not self.closing and not self.cancel.is_set():
+            # the user's thread may also be gone (an exception ended the script without close():
+            # the interpreter's exit then waits for this worker thread)
+            while (self._deposit is None and not self.closing and not self.cancel.is_set()
+                   and threading.main_thread().is_alive()):
                 self._cv.wait(0.1)
             if self._deposit is None:
                 return NO_STEP
