@@ -27,6 +27,15 @@ def machine() -> dict:
 peak_rss_mib = _peak_rss_mib  # VmHWM: see learner.loop.peak_rss_mib
 
 
+def rss_mib() -> float:
+    """This process's resident set now (VmRSS), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

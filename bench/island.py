@@ -22,15 +22,7 @@ import time
 
 import numpy as np
 
-from bench.common import finish, parser, peak_rss_mib, progress
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from bench.common import finish, parser, peak_rss_mib, progress, rss_mib
 
 
 def main() -> None:

@@ -208,3 +208,12 @@ def test_user_errors_are_one_line(nats_server):
     assert a.close() == 0
     with pytest.raises(IslandClosed):
         a.step(p, loss=1.0)
+
+
+def test_export_without_a_run_or_a_version_is_one_line(nats_server, tmp_path):
+    out = tmp_path / "m.npz"
+    p = subprocess.run([PY, "-m", "bus.cli", "export", "--out", str(out), "--timeout", "1"], cwd=ROOT,
+                       env=_env(nats_server.url, "nothing"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and not out.exists()
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "run 'nothing' has no manifest" in lines[0], p.stderr
