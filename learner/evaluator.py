@@ -93,6 +93,9 @@ class Evaluator:
         losses = [float(self._eval_fn(params, b)) for b in self._batches]
         return float(np.mean(losses))
 
+    def _heldout_tokens(self) -> int:
+        return int(self._batches.shape[0] * self._batches.shape[1] * self.spec.seq_len)
+
     async def evaluate_now(self) -> dict:
         """Evaluate the versions held now; returns (and remembers) the metrics record."""
         versions = dict(self.versions)
@@ -105,7 +108,7 @@ class Evaluator:
             "role": "evaluator", "run": self.common.run, "ts": time.time(), "eval_id": self.ecfg.eval_id,
             "eval_loss": loss, "version": sum(versions.values()), "version_min": min(versions.values()),
             "versions": {str(p): v for p, v in sorted(versions.items())},
-            "tokens": int(self._batches.shape[0] * self._batches.shape[1] * self.spec.seq_len),
+            "tokens": self._heldout_tokens(),
             "eval_seconds": round(time.monotonic() - t0, 4), "rss_mib": peak_rss_mib(),
             "rejected_globals": dict(self.rejected_globals),
         }

@@ -410,3 +410,109 @@ def load_params(path: str, like: Any) -> Any:
             a = a.astype(_np_dtype(leaf.dtype))
             out.append(jax.device_put(a, x.sharding) if isinstance(x, jax.Array) else a)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# -- evaluating a user's model ----------------------------------------------------------------------
+
+
+class _AnyPlan:
+    """A tree model's check without the plan: a reader takes the run's own fragment plan."""
+
+    def __init__(self, model: TreeModel):
+        self.model = model
+
+    def check(self, m: Manifest) -> str | None:
+        why = self.model.check(m)
+        return None if why is not None and why.startswith("fragment plan") else why
+
+
+def _tree_evaluator_class():
+    from learner.evaluator import Evaluator
+
+    class TreeEvaluator(Evaluator):
+        """``diloco eval`` for a user's tree: same following of global versions, same metrics
+        record on ``metrics.evaluator.<id>``, the user's ``eval_fn(params, batch) -> loss``."""
+
+        def __init__(self, common, lcfg, ecfg, like, eval_fn, batches, model: TreeModel):
+            super().__init__(common, ModelConfig(), lcfg, ecfg)
+            self.model, self.like = model, like
+            self.model_hash, self.plan = model.model_hash, model.plan
+            self._user_eval, self._user_batches = eval_fn, list(batches)
+            if not self._user_batches:
+                raise ValueError("evaluate_run needs at least one held-out batch")
+
+        def _prepare(self) -> None:
+            self._tree = TreeParams(self.like, self.model.tree, self.plan)
+
+        def _heldout_tokens(self) -> int:
+            return len(self._user_batches)  # batches; a tree run knows no tokens
+
+        def _evaluate(self, vectors: list[np.ndarray]) -> float:
+            for p, v in enumerate(vectors):
+                self._tree.set_fragment(p, v)
+            params = self._tree.tree()
+            return float(np.mean([float(self._user_eval(params, b)) for b in self._user_batches]))
+
+        async def _start(self) -> None:
+            from learner.service import (StartupError, connect_until, fetch_newest, global_reader,
+                                         join_run_model)
+
+            deadline = time.monotonic() + self.lcfg.manifest_timeout
+            await self._in_worker(self._prepare)
+            self.nc = await connect_until(self.common, f"eval-{self.ecfg.eval_id}", deadline, self.log)
+            js = self.nc.jetstream(timeout=10)
+            try:
+                # the run's own plan (its creator chose the number of fragments), for our tree
+                m = await join_run_model(js, self.common, _AnyPlan(self.model), deadline)
+                self.plan = tree_of_manifest(m)[1]
+                self._tree = TreeParams(self.like, self.model.tree, self.plan)
+            except StartupError as e:
+                self.startup_error = str(e)
+                raise
+            self.store = global_reader(js, self.common.run, self.plan, self.model_hash)
+            self.vectors, self.versions = await fetch_newest(self.store, self.plan, deadline, self.log)
+
+    return TreeEvaluator
+
+
+def evaluate_run(like: Any, eval_fn: Callable[[Any, Any], float], batches: Iterable, *, run: str | None = None,
+                 nats_url: str | None = None, eval_id: str = "eval-0", interval: float | None = None,
+                 once: bool = False, stop: threading.Event | None = None, num_fragments: int | None = None,
+                 env: dict[str, str] | None = None) -> dict | None:
+    """Evaluate a user's model as ``diloco eval`` does the built-in one: follow the run's global
+    versions, and whenever one changed (at most every ``interval`` s, DILOCO_EVAL_INTERVAL) publish
+    ``{"role": "evaluator", "eval_loss": mean eval_fn(params, batch) over batches, "version",
+    "versions", ...}`` on ``metrics.evaluator.<eval_id>``, so `diloco metrics` shows it.
+
+    ``like``: a tree of the run's structure (for instance your initial params). ``once``: evaluate
+    the current global model once and return the record. Otherwise runs until ``stop`` is set and
+    returns None. Blocks the calling thread."""
+    import os
+
+    from learner.config import EvalConfig
+
+    e = {k: v for k, v in os.environ.items() if k.startswith("DILOCO_")}
+    e.update(env or {})
+    for key, val in (("DILOCO_RUN", run), ("DILOCO_NATS_URL", nats_url), ("DILOCO_EVAL_ID", eval_id),
+                     ("DILOCO_EVAL_INTERVAL", interval), ("DILOCO_NUM_FRAGMENTS", num_fragments)):
+        if val is not None:
+            e[key] = str(val)
+    common = from_env(CommonConfig, e)
+    model_cfg = from_env(ModelConfig, e)
+    spec = tree_spec(like)
+    model = TreeModel(spec, model_cfg.num_fragments, model_cfg.max_imbalance, 1, lambda _: None)
+    ev = _tree_evaluator_class()(common, from_env(LearnerConfig, e), from_env(EvalConfig, e), like, eval_fn,
+                                 batches, model)
+
+    async def go() -> int:
+        halt = asyncio.Event()
+        if stop is not None:
+            loop = asyncio.get_running_loop()
+            threading.Thread(target=lambda: (stop.wait(), loop.call_soon_threadsafe(halt.set)),
+                             daemon=True).start()
+        return await ev.run(halt, once=once)
+
+    code = asyncio.run(go())
+    if code != 0:
+        raise RuntimeError(f"evaluator {eval_id}: {getattr(ev, 'startup_error', None) or f'exit {code}'}")
+    return ev.last if once else None

@@ -43,10 +43,12 @@ SPEC = MODEL_CFG.spec()
 PLAN = plan_fragments(param_shapes(SPEC), MODEL_CFG.num_fragments, max_imbalance=MODEL_CFG.max_imbalance)
 H = int(LEARNER["DILOCO_SYNC_EVERY"])
 LR = float(MODEL["DILOCO_MAX_INNER_LR"])
-# The final held-out loss of two clean runs of these settings differs by up to about 25% (the
-# runs are asynchronous and timed by the machine: docs/RELIABILITY.md, "hostile outer gradient");
-# unprotected, one such vector ended a run at a loss of 1.9 million (issue 12)
-TOLERANCE = 0.35  # relative
+# Noise: over 15 clean runs of these settings the final held-out loss had mean 1.57 and standard
+# deviation 0.215 (1.20-1.96; the runs are asynchronous and timed by the machine), so the
+# difference of two single runs has a standard deviation of 0.30. The attacked run must end within
+# 3 of those of the clean one (docs/RELIABILITY.md, "Ten runs in a row"). Unprotected, one such
+# vector ended a run at a loss of 1.9 million (issue 12); attacked runs measured mean 1.43.
+NOISE = 3 * 0.30
 
 
 class Attacker:
@@ -156,5 +158,5 @@ async def test_hostile_gradient_early_and_late_leaves_loss_within_noise(tmp_path
     assert rej.get("norm_bound", 0) == 2 * P, rej
     assert rej.get("bad_counters", 0) == P and rej.get("wrong_shape", 0) == P, rej
     assert clipped >= P, "the late near-bound vectors were not clipped"
-    assert clean["final"] < 0.8 * clean["first"]
-    assert hostile["final"] <= clean["final"] * (1 + TOLERANCE), (hostile["final"], clean["final"])
+    assert clean["final"] < 0.8 * clean["first"] and hostile["final"] < 0.8 * hostile["first"]
+    assert hostile["final"] <= clean["final"] + NOISE, (hostile["final"], clean["final"])

@@ -144,6 +144,15 @@ async def test_two_islands_train_a_user_model_export_and_load_back(nats_server, 
         assert exported < 0.5 * min(joined), (exported, joined)
         with pytest.raises(ValueError, match="shape"):
             load_params(str(out), reg.init_params(width=8))
+        # the user's evaluator (as diloco eval for the built-in model) reports the same loss
+        from learner.island import evaluate_run
+
+        rec = await asyncio.get_running_loop().run_in_executor(None, lambda: evaluate_run(
+            like, lambda prm, b: reg.loss_fn(prm, *b), [(hx, hy)], run=run, nats_url=nats_server.url,
+            once=True, env={"DILOCO_MANIFEST_TIMEOUT": "30"}))
+        assert rec["role"] == "evaluator" and rec["eval_loss"] == pytest.approx(exported, rel=1e-5, abs=1e-6)
+        with np.load(str(out)) as f:
+            assert orjson.loads(f["__diloco__"].tobytes())["versions"] == rec["versions"]
     finally:
         agg.terminate()
         agg.wait(30)
