@@ -22,10 +22,14 @@ Two checks, both per fragment of n parameters:
 * **Norm cap (clips; in every merge).** Each contribution's norm is clipped to
 
       cap = clip_factor * median of the fragment's recent applied norms   (>= min_history known)
-      cap = bound(min(S, reference_steps))                                 (before that)
+      cap = bound(min(S, reference_steps)) / BOUND_SLACK                   (before that)
 
   so after the first few contributions no single vector counts for more than ``clip_factor``
-  ordinary ones, however many steps it claims, and before that no more than the geometric bound.
+  ordinary ones, however many steps it claims, and before that no more than an honest AdamW
+  learner moving every parameter by the full learning rate on every step (honest ones measured
+  at 0.63-0.75 of that). A vector just under the rejection bound sent at version 0, when one
+  learner may be the whole run (participation scale 1), was still worth about 3 honest ones and
+  left the run measurably worse at its end; at this cap it is worth at most about 1.4.
   The history records the norms *as applied* (after clipping), so a hostile vector does not raise
   the reference it is measured against.
 """
@@ -55,8 +59,9 @@ def norm_caps(norms: Sequence[float], steps: Sequence[int], *, size: int, histor
     """Per contribution, the norm it may have in the merge (float64, len M; inf = no cap).
 
     With at least ``min_history`` applied norms of the fragment known: ``clip_factor`` x their
-    median. Before that: the geometric bound of min(steps, reference_steps) inner steps (if the
-    run declares ``max_inner_lr``; else no cap). ``clip_factor`` <= 0 disables the cap.
+    median. Before that: the geometric bound of min(steps, reference_steps) inner steps over
+    BOUND_SLACK, i.e. every parameter moved by the full learning rate on every step (if the run
+    declares ``max_inner_lr``; else no cap). ``clip_factor`` <= 0 disables the cap.
     """
     m = len(norms)
     if len(steps) != m:
@@ -68,7 +73,7 @@ def norm_caps(norms: Sequence[float], steps: Sequence[int], *, size: int, histor
         caps[:] = clip_factor * float(history_median)
     elif max_inner_lr is not None:
         for i, s in enumerate(steps):
-            caps[i] = norm_bound(max_inner_lr, size, min(max(1, int(s)), reference_steps))
+            caps[i] = norm_bound(max_inner_lr, size, min(max(1, int(s)), reference_steps)) / BOUND_SLACK
     return caps
 
 
