@@ -43,12 +43,13 @@ SPEC = MODEL_CFG.spec()
 PLAN = plan_fragments(param_shapes(SPEC), MODEL_CFG.num_fragments, max_imbalance=MODEL_CFG.max_imbalance)
 H = int(LEARNER["DILOCO_SYNC_EVERY"])
 LR = float(MODEL["DILOCO_MAX_INNER_LR"])
-# Noise: over 15 clean runs of these settings the final held-out loss had mean 1.57 and standard
-# deviation 0.215 (1.20-1.96; the runs are asynchronous and timed by the machine), so the
-# difference of two single runs has a standard deviation of 0.30. The attacked run must end within
-# 3 of those of the clean one (docs/RELIABILITY.md, "Ten runs in a row"). Unprotected, one such
-# vector ended a run at a loss of 1.9 million (issue 12); attacked runs measured mean 1.43.
-NOISE = 3 * 0.30
+# Noise: over 28 clean runs of these settings the final held-out loss had mean 1.54 and standard
+# deviation 0.244 (1.20-1.99; the runs are asynchronous and timed by the machine), over 28 attacked
+# runs mean 1.49 and standard deviation 0.205: the difference of one clean and one attacked run has
+# a standard deviation of 0.32. The attacked run must end within 3 of those of the clean one
+# (docs/RELIABILITY.md, "Ten runs in a row"). Unprotected, one such vector ended a run at a loss
+# of 1.9 million (issue 12).
+NOISE = 3 * 0.32
 
 
 class Attacker:
