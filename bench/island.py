@@ -77,8 +77,7 @@ def main() -> None:
         srv.start()
         try:
             island = Island(params, run="bench", learner_id="b0", nats_url=srv.url, sync_every=24,
-                            num_fragments=8, max_inner_lr=1e-3, env={"DILOCO_LOG_LEVEL": "warning",
-                                                                     "DILOCO_STREAM_MAX_BYTES": str(8 * 2**30)})
+                            num_fragments=8, max_inner_lr=1e-3, env={"DILOCO_LOG_LEVEL": "warning"})
             params = island.params
             hook, inner = [], []
             for i in range(steps):
