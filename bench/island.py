@@ -100,7 +100,7 @@ def main() -> None:
             srv.close()
     res = {"params": int(n_params), "fragments": 8, "steps": steps,
            "inner_step_s": round(float(np.mean(inner)), 5), "hook_s_mean": round(float(np.mean(hook)), 6),
-           "hook_s_max": round(float(np.max(hook)), 6),
+           "hook_s_max": round(float(np.max(hook)), 6), "hook_s": [round(h, 4) for h in hook],
            "hook_overhead": round(float(np.mean(hook) / np.mean(inner)), 5),
            "rebase_all_fragments_s": round(rebase, 4),
            "island_memory_over_params": round((peak - base_rss) * 2**20 / (4 * n_params), 3)}

@@ -15,6 +15,9 @@ gradients with error feedback, rebase on arrival, heartbeats, eviction and resyn
     island = Island(params, run="my-run", learner_id="eu-west")
     params, opt_state = island.train(train_step, opt_state, batches, steps=10_000)
 
+The island reads the parameters it was handed while the next inner step runs: do not donate them
+to your train step (``donate_argnums``).
+
 ``params`` is any JAX pytree of arrays (nested dicts, lists, tuples, Flax/Equinox nodes). Float
 leaves (float32, bfloat16, ...) are synchronised; outer gradients and the aggregator's state are
 float32. Non-float leaves are never sent: each island keeps its own. Leaves may be ``jax.Array``s
@@ -190,21 +193,30 @@ class _TreeBackend:
 
 
 class HookBackend(_TreeBackend):
-    """The user's loop drives: ``step`` hands the current parameters to the user and waits for the
-    next ones (``Island.step``)."""
+    """The user's loop drives: ``step`` waits for the user's next parameters (``Island.step``);
+    once arrivals are mixed in, ``serve`` hands them back, and the learner core computes the due
+    outer gradients while the user's next inner step runs."""
+
+    serves_early = True
 
     def __init__(self, params: TreeParams, cancel: threading.Event):
         super().__init__(params)
         self.cancel = cancel
         self._cv = threading.Condition()
         self._deposit: tuple[Any, float] | None = None
-        self._served = 0  # steps handed back to the user (the learner asked for the next one)
+        self._served = 0  # parameter sets handed to the user (the first: the run's, on joining)
         self.closing = False
 
-    def step(self):
+    def serve(self) -> None:
         with self._cv:
             self._served += 1
             self._cv.notify_all()
+
+    def step(self):
+        with self._cv:
+            if self._served == 0:  # joined: the run's current parameters are the user's first
+                self._served = 1
+                self._cv.notify_all()
             # the user's thread may also be gone (an exception ended the script without close():
             # the interpreter's exit then waits for this worker thread)
             while (self._deposit is None and not self.closing and not self.cancel.is_set()
@@ -218,8 +230,8 @@ class HookBackend(_TreeBackend):
         return loss
 
     def exchange(self, tree: Any, loss: float, alive: Callable[[], bool]) -> Any:
-        """User thread: deposit this step's parameters, wait until the learner took the step and
-        asked for the next one, return the parameters (with any arrived global version mixed in)."""
+        """User thread: deposit this step's parameters, wait until the learner took them and mixed
+        in any arrived global version, return the parameters."""
         self.params.check(tree)  # a wrong tree is the user's error, not the learner's
         with self._cv:
             target = self._served + 1

@@ -82,13 +82,21 @@ class TreeParams:
 
         return np.array(jax.device_get(self.leaves[self.index[path]]), dtype=np.float32)
 
+    def view(self, path: str) -> np.ndarray:
+        """Leaf ``path`` as a flat host array of its own dtype: no copy where JAX can avoid one
+        (a CPU array), else one transfer of the leaf."""
+        import jax
+
+        return np.asarray(jax.device_get(self.leaves[self.index[path]])).reshape(-1)
+
     def get_fragment(self, p: int) -> np.ndarray:
+        """Fragment p as a new float32 vector: only its slices are copied (and cast)."""
         frag = self.plan.fragments[p]
         out = np.empty(frag.size, dtype=np.float32)
         pos, cache = 0, {}
         for s in frag.slices:
             if s.path not in cache:
-                cache[s.path] = self.host(s.path).reshape(-1)
+                cache[s.path] = self.view(s.path)
             out[pos:pos + s.size] = cache[s.path][s.start:s.stop]
             pos += s.size
         return out

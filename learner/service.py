@@ -546,6 +546,13 @@ class Learner:
             due = self.book.on_step(time.monotonic() - t0)
             self.loss = loss
             self.rate.add(time.monotonic(), self.tokens_per_step)
+            if getattr(self.backend, "serves_early", False):
+                # an island's hook: mix arrivals into the parameters just taken and hand them back
+                # to the user now; the outer gradients below are computed while the user's next
+                # inner step runs (JAX arrays are immutable, so the taken tree stays as it was)
+                if self.pending:
+                    await self._apply_pending()
+                await self._in_worker(self.backend.serve)
             waits = []
             for p in due:
                 c = self.book.begin_sync(p)
