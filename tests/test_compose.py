@@ -33,11 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 
 #: Shrinks the run for a 2-core test machine (applied to every diloco service alike, so the model
-#: variables still agree): tiny model, 400 steps (a few seconds each), fast metrics and evaluations.
+#: variables still agree): tiny model, 1000 steps, fast metrics and evaluations. The learners must
+#: outlive the start of the metrics tool, which the test spawns once a learner reports a step and
+#: which takes 2-3 s to subscribe: 400 steps (about 2.5 s of training) lost that race in one CI run
+#: ("0 learners" in the snapshot).
 TEST_OVERRIDES = {
     "DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "2", "DILOCO_D_FF": "64",
     "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "8", "DILOCO_SYNC_EVERY": "12",
-    "DILOCO_INNER_LR": "0.003", "DILOCO_MAX_INNER_LR": "0.003", "DILOCO_MAX_STEPS": "400", "DILOCO_TOTAL_STEPS": "400", "DILOCO_WARMUP_STEPS": "20",
+    "DILOCO_INNER_LR": "0.003", "DILOCO_MAX_INNER_LR": "0.003", "DILOCO_MAX_STEPS": "1000", "DILOCO_TOTAL_STEPS": "1000", "DILOCO_WARMUP_STEPS": "20",
     "DILOCO_EVAL_INTERVAL": "1.0", "DILOCO_METRICS_INTERVAL": "0.5", "DILOCO_MANIFEST_TIMEOUT": "60",
     # five JAX processes share 2 cores here (in compose each container would get its own cores)
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
