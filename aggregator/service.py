@@ -93,8 +93,8 @@ class AggregatorService:
         self.spec = self.plan = None
         self.buffers: dict[int, list[Pending]] = {}
         if model.model == "builtin":
-            self._use(spec_hash(model.spec()), make_plan(model.spec(), model.num_fragments, model.max_imbalance))
             self.spec = model.spec()
+            self._use(spec_hash(self.spec), make_plan(self.spec, model.num_fragments, model.max_imbalance))
         self.settings = MergeSettings.from_config(cfg)
         self.grace = GracePolicy(mode=cfg.grace, grace=cfg.grace_seconds, max_grace=cfg.grace_seconds,
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
@@ -279,7 +279,7 @@ class AggregatorService:
             active=self.active(), known=self.known(),
             applied=st.applied if st else None, pending=pending,
             norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
-            per_round=max(1, len(self.active())),
+            per_round=max(1, len(self.participants(now))),  # as the merge counts rounds
             norm_outlier_factor=self.cfg.norm_outlier_factor, norm_min_history=self.cfg.norm_min_history,
             max_tokens_per_step=self.manifest.max_tokens_per_step, max_inner_lr=self.manifest.max_inner_lr,
         ) if st else None
