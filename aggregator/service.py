@@ -45,7 +45,7 @@ from bus.conn import connect
 from bus.downlink import Keyframe, encode_version
 from bus.log import get_logger, setup
 from bus.protocol import parse_grad_meta
-from bus.streams import Limits, ensure_run, missing_parts
+from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, ensure_run, missing_parts
 from bus.subjects import GLOBAL, STATE, Subjects
 from bus.transport import ChunkConsumer, ChunkPublisher, VersionConflict, VersionedStore, ack_all, term_all
 from learner.config import ModelConfig
@@ -95,6 +95,7 @@ class AggregatorService:
         if model.model == "builtin":
             self.spec = model.spec()
             self._use(spec_hash(self.spec), make_plan(self.spec, model.num_fragments, model.max_imbalance))
+            Limits.for_run(common, self.plan.sizes, common.run)  # LimitsTooSmall: refuse before connecting
         self.settings = MergeSettings.from_config(cfg)
         self.grace = GracePolicy(mode=cfg.grace, grace=cfg.grace_seconds, max_grace=cfg.grace_seconds,
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
@@ -452,8 +453,15 @@ class AggregatorService:
         # a short timeout: a request sent while the server restarts can go unanswered, and the
         # merge loop must retry it soon rather than stall (it waited 30 s in the chaos run)
         js = self.js = self.nc.jetstream(timeout=5)
+        if self.model.model == "run":  # the run's creator provisioned it, sized for its tree
+            await self._model_from_run(js, stop)
+            if stop.is_set():
+                return
+        # streams sized from the run's parameters (the plan is known now): an explicit limit too
+        # small for them was refused in __init__ (built-in) or here (a run's tree)
+        limits = Limits.for_run(self.common, self.plan.sizes, self.common.run)
         if self.cfg.provision:
-            await ensure_run(js, self.common.run, Limits.from_config(self.common), update=True)
+            await ensure_run(js, self.common.run, limits, update=True)
         elif missing := await missing_parts(js, self.common.run):
             raise RunMismatch(f"run {self.common.run!r} is not provisioned (missing {', '.join(missing)}) and "
                               "DILOCO_PROVISION=false: create it first with `diloco run create` (admin credentials)")
@@ -461,11 +469,7 @@ class AggregatorService:
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
-        if self.model.model == "run":
-            await self._model_from_run(js, stop)
-            if stop.is_set():
-                return
-        else:
+        if self.model.model != "run":
             self.manifest = await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
                                                 fragments=self.owned, max_inner_lr=self.model.max_inner_lr,
                                                 max_tokens_per_step=self.model.max_tokens_per_step)
@@ -527,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diloco aggregator: {e}", file=sys.stderr)
         return 2
     setup(common.log_level, run=common.run, role="aggregator", island=common.region)
-    svc = AggregatorService(common, model, cfg)
+    try:
+        svc = AggregatorService(common, model, cfg)
+    except LimitsTooSmall as e:
+        print(f"diloco aggregator: {e}", file=sys.stderr)
+        return 2
 
     async def go() -> None:
         stop = asyncio.Event()
@@ -539,4 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunMismatch as e:
         print(f"diloco aggregator: {e}", file=sys.stderr)
         return 3
+    except (LimitsTooSmall, StorageUnavailable) as e:
+        print(f"diloco aggregator: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -112,24 +112,73 @@ def cmd_run(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="diloco run", description=COMMANDS["run"][1])
     p.add_argument("action", choices=["create", "inspect", "delete"])
+    p.add_argument("--init", metavar="FILE", default=None,
+                   help="create: make version 0 from this .npz of named float leaves (`diloco export`'s format, "
+                        "or np.savez(f, **{path: array})): a run of your own model, merged by aggregators with "
+                        "DILOCO_MODEL=run. Without it the streams are sized for the built-in model "
+                        "(DILOCO_D_MODEL...), whose version 0 the aggregator makes from DILOCO_SEED")
     a = p.parse_args(argv)
+    if a.init is not None and a.action != "create":
+        p.error("--init goes with create")
     cfg = from_env(CommonConfig)
+    try:  # LimitsTooSmall, a bad --init file: one line, before connecting
+        limits, tree = _run_limits(cfg, a.init)
+    except ValueError as e:
+        print(f"diloco run: {e}", file=sys.stderr)
+        return 2
 
     async def go() -> object:
         nc = await connect(cfg, name=f"cli-run-{a.action}")
         try:
             js = nc.jetstream(timeout=10)
             if a.action == "create":
-                await ensure_run(js, cfg.run, Limits.from_config(cfg), update=True)
-                return await inspect_run(js, cfg.run)
+                await ensure_run(js, cfg.run, limits, update=True)
+                out: dict = {}
+                if tree is not None:
+                    from learner.island import create_tree_run
+
+                    spec, plan, arrays, model = tree
+                    out["created"] = await create_tree_run(js, cfg, spec, plan, arrays, model.max_imbalance,
+                                                           max_inner_lr=model.max_inner_lr)
+                    out["params"], out["fragments"] = spec.num_params, plan.num_fragments
+                return {**out, **await inspect_run(js, cfg.run)}
             if a.action == "inspect":
                 return await inspect_run(js, cfg.run)
             return {"deleted": await delete_run(js, cfg.run)}
         finally:
             await nc.close()
 
-    print(orjson.dumps(asyncio.run(go()), option=orjson.OPT_INDENT_2).decode())
+    from bus.streams import StorageUnavailable
+
+    try:
+        result = asyncio.run(go())
+    except StorageUnavailable as e:
+        print(f"diloco run: {e}", file=sys.stderr)
+        return 1
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     return 0
+
+
+def _run_limits(cfg: CommonConfig, init: str | None):
+    """(stream limits, (tree, plan, arrays, ModelConfig) of ``init`` or None): sized from the
+    ``--init`` file's tree, else from the built-in model of the environment."""
+    from bus.streams import Limits
+    from learner.config import ModelConfig
+
+    model = from_env(ModelConfig)
+    if init is None:
+        from aggregator.bootstrap import make_plan
+
+        plan = make_plan(model.spec(), model.num_fragments, model.max_imbalance)
+        return Limits.for_run(cfg, plan.sizes, cfg.run), None
+    from bus.tree import Leaf, TreeSpec
+    from learner.export import read_params_file
+    from learner.island import plan_for
+
+    arrays, dtypes = read_params_file(init)
+    spec = TreeSpec(tuple(Leaf(k, tuple(a.shape), dtypes[k]) for k, a in arrays.items()))
+    plan = plan_for(spec, model.num_fragments, model.max_imbalance)
+    return Limits.for_run(cfg, plan.sizes, cfg.run), (spec, plan, arrays, model)
 
 
 def cmd_config(argv: list[str]) -> int:

@@ -154,7 +154,8 @@ class CommonConfig:
     inflight_chunks: int = var(16, integer(1, 1024), "chunks published without waiting for their acks")
     stream_max_age: float = var(3600.0, number(1, 365 * 86400), "seconds a gradient chunk is kept in its stream")
     stream_max_bytes: int = var(
-        2 * 1024**3, integer(1024 * 1024), "bytes each stream of a run may hold (bounded disk use)"
+        0, integer(0), "bytes each stream of a run may hold; 0: sized from the run's parameter bytes "
+        "(an explicit value too small for the run is refused at start)"
     )
     global_history: int = var(2, integer(2, 64), "global versions kept per fragment, rounded up to even (>= 2 so readers never race)")
     partial_timeout: float = var(60.0, number(0.1, 86400), "seconds before an incomplete fragment is dropped")

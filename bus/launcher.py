@@ -231,10 +231,20 @@ def validate_envs(procs: list[ProcSpec]) -> None:
     need = {"aggregator": ("model", "aggregator"), "monitor": ("monitor",), "eval": ("model", "learner", "eval"),
             "learner": ("model", "learner")}
     for p in procs:
-        from_env(CommonConfig, p.env)
+        common = from_env(CommonConfig, p.env)
         for r in need[p.role]:
             if r in roles:
                 from_env(roles[r], p.env)
+        if p.role == "aggregator" and "model" in roles:  # the streams must hold the model's versions
+            from aggregator.bootstrap import make_plan
+            from bus.streams import Limits, LimitsTooSmall
+
+            model = from_env(roles["model"], p.env)
+            try:
+                Limits.for_run(common, make_plan(model.spec(), model.num_fragments, model.max_imbalance).sizes,
+                               common.run)
+            except LimitsTooSmall as e:
+                raise ConfigError(str(e)) from None
 
 
 def dp_equivalent_bytes(params: int, learners: int, total_inner_steps: int, bytes_per_value: int = 2) -> int:

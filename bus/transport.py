@@ -34,6 +34,10 @@ from bus.chunks import Assembled, Assembler, Chunk, Dropped, checksum, chunk_hea
 from bus.subjects import Subjects
 
 
+class VersionLost(RuntimeError):
+    """A committed version's chunks are no longer in its stream (dropped at the byte limit)."""
+
+
 class TransportError(RuntimeError):
     pass
 
@@ -284,6 +288,7 @@ class VersionedStore:
         self.bytes_received = 0
         self.bad_heads = 0  # head messages that did not parse (garbage on a head subject)
         self.rewrites = 0  # versions republished under a fresh object id (see put)
+        self._oldest: dict[int, int] = {}  # fragment -> first chunk seq of the version we committed
 
     def obj_id(self, fragment: int, version: int) -> str:
         return f"{self.s.run}.{self.kind}{'.' + self.tag if self.tag else ''}.{fragment}.v{version}"
@@ -339,7 +344,20 @@ class VersionedStore:
             self.s.versioned_head(self.kind, fragment, self.tag), memoryview(head.to_bytes()),
             {"Nats-Msg-Id": f"{oid}.head"}, time.monotonic() + self.publisher.deadline,
         )
+        if head.seqs:
+            self._oldest[fragment] = min(head.seqs)
+        await self._check_kept()
         return head
+
+    async def _check_kept(self) -> None:
+        """Raise :class:`VersionLost` if the stream dropped chunks of a version this store committed
+        (a stream at its byte limit drops its oldest messages: ``bus.streams`` sizes runs so it
+        cannot, this says so loudly if it does anyway)."""
+        first = (await self.js.stream_info(self.stream)).state.first_seq
+        lost = sorted(p for p, seq in self._oldest.items() if seq < first)
+        if lost:
+            raise VersionLost(f"stream {self.stream} dropped committed chunks of fragments {lost} at its byte "
+                              "limit: its max_bytes cannot hold the run (see DILOCO_STREAM_MAX_BYTES)")
 
     async def _readable(self, head: Head) -> bool:
         try:

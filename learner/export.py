@@ -16,6 +16,7 @@ import sys
 import time
 
 import numpy as np
+import orjson
 
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import connect
@@ -61,6 +62,32 @@ async def fetch_run_params(common: CommonConfig, timeout: float = 10.0) -> tuple
         return params, record
     finally:
         await nc.close()
+
+
+def read_params_file(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(leaf path -> float32 array, leaf path -> dtype) of an .npz of named float leaves: a file
+    ``diloco export`` wrote (its record gives each leaf's dtype) or the user's own ``np.savez(f,
+    **{path: array})``. ValueError, one line, if it holds no float leaf or a non-float one."""
+    import zipfile
+
+    try:
+        f = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable .npz of named arrays ({e})") from None
+    with f:
+        record = orjson.loads(bytes(f["__diloco__"])) if "__diloco__" in f.files else {}
+        arrays, dtypes = {}, {}
+        for k in f.files:
+            if k == "__diloco__":
+                continue
+            a = f[k]
+            if a.dtype.kind != "f":
+                raise ValueError(f"{path}: leaf {k} is {a.dtype}, not floating point (only float leaves are synced)")
+            arrays[k] = np.ascontiguousarray(a, dtype=np.float32)
+            dtypes[k] = str(record.get("dtypes", {}).get(k, a.dtype.name))
+    if not arrays:
+        raise ValueError(f"{path}: holds no float array (expected leaf path -> array, as `diloco export` writes)")
+    return arrays, dtypes
 
 
 class _Quiet:

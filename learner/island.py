@@ -147,7 +147,9 @@ async def create_tree_run(js, common: CommonConfig, spec: TreeSpec, plan: Fragme
 
     if await read_manifest(js, common.run) is not None:
         return False
-    await ensure_run(js, common.run, Limits.from_config(common), update=False)
+    # the creator owns the run's limits: every stream sized for this tree (LimitsTooSmall if an
+    # explicit DILOCO_STREAM_MAX_BYTES cannot hold it; Island() checked that before connecting)
+    await ensure_run(js, common.run, Limits.for_run(common, plan.sizes, common.run), update=True)
     kv = await js.key_value(Subjects(common.run).bucket("run"))
     try:
         await kv.create(CLAIM_KEY, orjson.dumps({"ts": time.time(), "model": spec.tree_hash()}))
@@ -283,6 +285,10 @@ class Island:
         lr = max_inner_lr if max_inner_lr is not None else model_cfg.max_inner_lr
         self._tree = TreeParams(params, self.spec, plan_for(self.spec, model_cfg.num_fragments,
                                                             model_cfg.max_imbalance))
+        if create:
+            from bus.streams import Limits
+
+            Limits.for_run(self.common, self._tree.plan.sizes, self.common.run)  # LimitsTooSmall: one line
         self._cancel = threading.Event()
         self._backend = HookBackend(self._tree, self._cancel)
         self.model = TreeModel(self.spec, model_cfg.num_fragments, model_cfg.max_imbalance, tokens_per_step,

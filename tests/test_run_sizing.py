@@ -1,0 +1,110 @@
+"""Stream limits that follow the model (issue 13, item 6).
+
+A stream at its byte limit drops its oldest messages: in GLOBAL those can be the committed version
+of a fragment that has not changed for a while. The control test shows that with a real server;
+the others show the run's limits are sized so it cannot happen, and that a limit too small for the
+run is refused at start with one line naming the variable and the bytes needed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bus import codec
+from bus.config import CommonConfig
+from bus.streams import DEFAULT_MAX_BYTES, Limits, LimitsTooSmall, ensure_run, footprint
+from bus.subjects import GLOBAL, Subjects
+from bus.transport import ChunkPublisher, VersionedStore, VersionLost
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = [300_000, 300_000, 300_000]  # three fragments of 1.2 MB each
+
+
+def test_footprint_counts_every_kept_version():
+    f2, f4 = footprint(SIZES, 2), footprint(SIZES, 4)
+    params = 4 * sum(SIZES)
+    assert f2["global"] >= 2 * 2 * params  # two slots, fp32 and keyframes
+    assert f4["global"] >= 2 * f2["global"] - 1024 * 1024  # history 4: two versions per slot
+    assert f2["state"] >= 2 * 3 * params
+    assert footprint([10 * n for n in SIZES], 2)["grad"] > 9 * f2["grad"]
+
+
+def test_auto_limits_hold_the_run_and_an_explicit_small_one_is_refused():
+    auto = Limits.for_run(CommonConfig(), SIZES)
+    need = footprint(SIZES, 2)
+    for kind in ("global", "state", "grad"):
+        assert auto.bytes_of(kind) >= need[kind]
+    assert auto.bytes_of("grad") >= DEFAULT_MAX_BYTES  # the learners' backlog keeps its old room
+    with pytest.raises(LimitsTooSmall) as e:
+        Limits.for_run(CommonConfig(stream_max_bytes=4_000_000), SIZES, "big")
+    msg = str(e.value)
+    assert "\n" not in msg and "DILOCO_STREAM_MAX_BYTES=4000000" in msg and "'big'" in msg
+    assert str(max(need.values())) in msg
+    ok = Limits.for_run(CommonConfig(stream_max_bytes=max(need.values())), SIZES)
+    assert ok.bytes_of("global") == ok.bytes_of("grad") == max(need.values())
+
+
+async def _write_versions(js, limits: Limits) -> tuple[bool, int, str | None]:
+    """Fragments 0 and 2 keep version 0; fragment 1 gets 12 versions. (fragment 0 v0 still
+    readable?, newest readable version of fragment 1)."""
+    await ensure_run(js, "t", limits, update=True)
+    store = VersionedStore(js, "t", GLOBAL, ChunkPublisher(js, 256 * 1024, 8))
+    vec = np.arange(SIZES[0], dtype=np.float32)
+    await store.put(0, 0, codec.encode_array(vec), {})
+    await store.put(2, 0, codec.encode_array(vec), {})
+    lost = None
+    for v in range(12):
+        try:
+            await store.put(1, v, codec.encode_array(vec + v), {})
+        except VersionLost as e:  # the writer says so: the version is still committed, fragment 0's is gone
+            lost = lost or str(e)
+    store.lost = lost
+    newest = await store.head(1)
+    await store.fetch(newest)
+    try:
+        blob = await store.fetch(await store.head(0))
+        return bool(np.array_equal(codec.decode_array(blob), vec)), newest.version, lost
+    except Exception:
+        return False, newest.version, lost
+
+
+async def test_control_a_stream_below_the_footprint_loses_a_committed_version(js):
+    """The failure the sizing prevents, on a real server: 4 MB holds 3 versions of 1.2 MB, while
+    the per-subject limits keep 4 (two of fragment 1, one each of 0 and 2): the writes of fragment 1
+    evict fragment 0's committed version 0 while every put succeeds on the server. The writer
+    notices (``VersionLost``, naming the fragments and the variable), so nothing reports it as kept."""
+    kept, newest, lost = await _write_versions(js, Limits(max_bytes=4_000_000))
+    assert newest == 11 and not kept
+    assert lost is not None and "fragments [0" in lost and "DILOCO_STREAM_MAX_BYTES" in lost
+
+
+async def test_a_run_sized_from_its_parameters_keeps_every_committed_version(js):
+    kept, newest, lost = await _write_versions(js, Limits.for_run(CommonConfig(max_chunk_bytes=256 * 1024), SIZES, "t"))
+    assert newest == 11 and kept and lost is None
+    info = await js.stream_info(Subjects("t").stream(GLOBAL))
+    assert info.config.max_bytes >= footprint(SIZES, 2)["global"]
+
+
+def _env(**extra: str) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    e.update({"DILOCO_NATS_URL": "nats://127.0.0.1:1", "DILOCO_RUN": "big", **extra})
+    return e
+
+
+@pytest.mark.parametrize("argv", [["-m", "bus.cli", "run", "create"], ["-m", "aggregator"],
+                                  ["-m", "bus.cli", "up", "--quick", "--out", "{tmp}"]])
+def test_every_provisioner_refuses_a_limit_too_small_in_one_line(argv, tmp_path):
+    """The issue's case (the default model, DILOCO_STREAM_MAX_BYTES=4000000): `diloco run create`,
+    the aggregator and `diloco up` stop before connecting, with one line naming the variable."""
+    argv = [a.replace("{tmp}", str(tmp_path / "up")) for a in argv]
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=_env(DILOCO_STREAM_MAX_BYTES="4000000"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "DILOCO_STREAM_MAX_BYTES=4000000 cannot hold run 'big'" in lines[0] and "needs" in lines[0]
