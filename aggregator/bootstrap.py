@@ -1,4 +1,8 @@
-"""Creating a run: version 0 of every global fragment and the run manifest.
+"""Creating a run of the built-in model: version 0 of every global fragment and the run manifest.
+
+(The run contract itself, manifest reading and runs of a user's tree, is ``bus.runs``. This is
+the one place the aggregator still knows the built-in model: with DILOCO_MODEL=builtin it makes
+version 0 from the seed, because under auth only the aggregator and admin may write version 0.)
 
 The aggregator owns the initial parameters: it builds them from the model spec and seed with
 numpy (``learner.spec.init_params``, bit-identical on every machine), publishes version 0 of every
@@ -11,65 +15,19 @@ left alone).
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import orjson
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError
 
 from bus import codec
 from bus.protocol import MANIFEST_KEY, Manifest
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import ChunkPublisher, VersionedStore
-from learner.fragments import FragmentPlan, gather, plan_fragments
-from learner.spec import ModelSpec, init_params, param_shapes, spec_hash
-
-
-class RunMismatch(RuntimeError):
-    """This process's model or fragment plan differs from the run's manifest."""
-
-
-def make_plan(spec: ModelSpec, num_fragments: int, max_imbalance: float) -> FragmentPlan:
-    return plan_fragments(param_shapes(spec), num_fragments, max_imbalance=max_imbalance)
-
-
-def check_manifest(m: Manifest, spec: ModelSpec, plan: FragmentPlan) -> None:
-    """Raise :class:`RunMismatch` saying what differs, or return quietly."""
-    if m.model_hash != spec_hash(spec):
-        raise RunMismatch(f"model spec hash {spec_hash(spec)} differs from run {m.run!r} ({m.model_hash}): "
-                          f"run spec {m.spec}, ours {spec.to_dict()}")
-    if m.plan_hash != plan.plan_hash() or m.num_fragments != plan.num_fragments:
-        raise RunMismatch(f"fragment plan {plan.plan_hash()} (P={plan.num_fragments}) differs from run "
-                          f"{m.run!r} ({m.plan_hash}, P={m.num_fragments}): check DILOCO_NUM_FRAGMENTS "
-                          f"and DILOCO_MAX_IMBALANCE")
-
-
-async def read_manifest(js: JetStreamContext, run: str) -> Manifest | None:
-    """The run's manifest, or None while the run (or its manifest) does not exist yet."""
-    try:
-        kv = await js.key_value(Subjects(run).bucket("run"))
-    except (BucketNotFoundError, NotFoundError):
-        return None
-    try:
-        e = await kv.get(MANIFEST_KEY)
-    except KeyNotFoundError:
-        return None
-    if e.value is None:
-        return None
-    return Manifest.from_dict(orjson.loads(e.value))
-
-
-async def wait_manifest(js: JetStreamContext, run: str, timeout: float, poll: float = 0.2) -> Manifest:
-    """The run's manifest, waiting up to ``timeout`` seconds for an aggregator to create it."""
-    t_end = time.monotonic() + timeout
-    while True:
-        m = await read_manifest(js, run)
-        if m is not None:
-            return m
-        if time.monotonic() > t_end:
-            raise TimeoutError(f"run {run!r} has no manifest after {timeout}s: is an aggregator running?")
-        await asyncio.sleep(poll)
+from bus.fragments import FragmentPlan, gather
+from bus.runs import read_manifest
+from learner.spec import ModelSpec, check_manifest, init_params, spec_hash
 
 
 async def bootstrap_run(js: JetStreamContext, run: str, spec: ModelSpec, seed: int, plan: FragmentPlan,

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from aggregator.bootstrap import RunMismatch, bootstrap_run, make_plan
+from aggregator.bootstrap import bootstrap_run
+from bus.runs import RunMismatch, read_manifest, tree_of_manifest
+from learner.spec import make_plan
 from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.contribution import Contribution
 from aggregator.merge import l2_norm
@@ -124,8 +126,6 @@ class AggregatorService:
     async def _model_from_run(self, js, stop: asyncio.Event) -> None:
         """DILOCO_MODEL=run: the run's manifest describes the model (a user's tree, created by an
         island or ``diloco run create --init``); wait for it, and merge that tree."""
-        from aggregator.bootstrap import read_manifest
-        from learner.island import tree_of_manifest
 
         logged = False
         while not stop.is_set():

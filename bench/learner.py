@@ -21,7 +21,7 @@ import time
 
 import orjson
 
-from aggregator.bootstrap import make_plan
+from learner.spec import make_plan
 from bench.common import finish, parser, progress
 from bus.config import CommonConfig, from_env
 from bus.conn import connect

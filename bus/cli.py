@@ -108,7 +108,7 @@ def cmd_run(argv: list[str]) -> int:
     import orjson
 
     from bus.conn import connect
-    from bus.streams import Limits, delete_run, ensure_run, inspect_run
+    from bus.streams import delete_run, ensure_run, inspect_run
 
     p = argparse.ArgumentParser(prog="diloco run", description=COMMANDS["run"][1])
     p.add_argument("action", choices=["create", "inspect", "delete"])
@@ -121,6 +121,9 @@ def cmd_run(argv: list[str]) -> int:
     if a.init is not None and a.action != "create":
         p.error("--init goes with create")
     cfg = from_env(CommonConfig)
+    from bus.log import setup
+
+    setup(cfg.log_level, run=cfg.run, role="cli")  # logs to stderr: stdout is the JSON result
     try:  # LimitsTooSmall, a bad --init file: one line, before connecting
         limits, tree = _run_limits(cfg, a.init)
     except ValueError as e:
@@ -135,7 +138,7 @@ def cmd_run(argv: list[str]) -> int:
                 await ensure_run(js, cfg.run, limits, update=True)
                 out: dict = {}
                 if tree is not None:
-                    from learner.island import create_tree_run
+                    from bus.runs import create_tree_run
 
                     spec, plan, arrays, model = tree
                     out["created"] = await create_tree_run(js, cfg, spec, plan, arrays, model.max_imbalance,
@@ -167,13 +170,13 @@ def _run_limits(cfg: CommonConfig, init: str | None):
 
     model = from_env(ModelConfig)
     if init is None:
-        from aggregator.bootstrap import make_plan
+        from learner.spec import make_plan
 
         plan = make_plan(model.spec(), model.num_fragments, model.max_imbalance)
         return Limits.for_run(cfg, plan.sizes, cfg.run), None
     from bus.tree import Leaf, TreeSpec
     from learner.export import read_params_file
-    from learner.island import plan_for
+    from bus.runs import plan_for
 
     arrays, dtypes = read_params_file(init)
     spec = TreeSpec(tuple(Leaf(k, tuple(a.shape), dtypes[k]) for k, a in arrays.items()))

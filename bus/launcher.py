@@ -236,7 +236,7 @@ def validate_envs(procs: list[ProcSpec]) -> None:
             if r in roles:
                 from_env(roles[r], p.env)
         if p.role == "aggregator" and "model" in roles:  # the streams must hold the model's versions
-            from aggregator.bootstrap import make_plan
+            from learner.spec import make_plan
             from bus.streams import Limits, LimitsTooSmall
 
             model = from_env(roles["model"], p.env)

@@ -353,7 +353,10 @@ class VersionedStore:
         """Raise :class:`VersionLost` if the stream dropped chunks of a version this store committed
         (a stream at its byte limit drops its oldest messages: ``bus.streams`` sizes runs so it
         cannot, this says so loudly if it does anyway)."""
-        first = (await self.js.stream_info(self.stream)).state.first_seq
+        try:
+            first = (await self.js.stream_info(self.stream)).state.first_seq
+        except Exception:  # the version is committed; the check waits for the next put
+            return
         lost = sorted(p for p, seq in self._oldest.items() if seq < first)
         if lost:
             raise VersionLost(f"stream {self.stream} dropped committed chunks of fragments {lost} at its byte "

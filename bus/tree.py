@@ -4,7 +4,7 @@ A run of a user's own model knows nothing of the model but this: the leaves of i
 each a path (``jax.tree_util.keystr`` of the leaf, e.g. ``['dense']['kernel']``), a shape and a
 dtype. The floating-point leaves are the ones a run synchronises; the others (step counters,
 integer buffers) stay on each island. The fragment plan is made from the float leaves' shapes
-(``learner.fragments.plan_fragments``), and the manifest of a run carries the tree description
+(``bus.fragments.plan_fragments``), and the manifest of a run carries the tree description
 and a hash of it, so a learner whose tree differs from the run's is refused with one line naming
 the first leaf that differs.
 """
@@ -76,28 +76,31 @@ class TreeSpec:
         return cls(leaves)
 
     def tree_hash(self) -> str:
-        """16 hex digits of sha256 over the canonical description (paths, shapes, dtypes, in order)."""
-        data = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+        """16 hex digits of sha256 over the canonical description of the synced leaves (paths,
+        shapes, dtypes, in order). Non-float leaves are each island's own: not part of the run."""
+        data = json.dumps(TreeSpec(self.synced).to_dict(), separators=(",", ":"), sort_keys=True).encode()
         return hashlib.sha256(data).hexdigest()[:16]
 
     def first_difference(self, other: "TreeSpec") -> str | None:
-        """None if equal, else one line naming the first leaf that differs (ours against ``other``)."""
-        theirs = {leaf.path: leaf for leaf in other.leaves}
-        mine = {leaf.path for leaf in self.leaves}
-        for leaf in self.leaves:
+        """None if the synced (float) leaves are equal, else one line naming the first that differs
+        (ours against ``other``, the run's). Non-float leaves are not compared: they are not synced."""
+        ours, run = self.synced, other.synced
+        theirs = {leaf.path: leaf for leaf in run}
+        mine = {leaf.path for leaf in ours}
+        for leaf in ours:
             if leaf.path not in theirs:
                 return f"leaf {leaf.path} is not in the run's tree"
-        for o in other.leaves:
+        for o in run:
             if o.path not in mine:
                 return f"leaf {o.path} of the run's tree is missing"
-        for i, leaf in enumerate(self.leaves):
+        for i, leaf in enumerate(ours):
             o = theirs[leaf.path]
             if o.shape != leaf.shape:
                 return f"leaf {leaf.path}: shape {leaf.shape}, the run's is {o.shape}"
             if o.dtype != leaf.dtype:
                 return f"leaf {leaf.path}: dtype {leaf.dtype}, the run's is {o.dtype}"
-            if other.leaves[i].path != leaf.path:
-                return f"leaf {leaf.path} is at position {i}, the run's tree has {other.leaves[i].path} there"
+            if run[i].path != leaf.path:
+                return f"leaf {leaf.path} is at position {i}, the run's tree has {run[i].path} there"
         return None
 
 

@@ -48,7 +48,7 @@ class Evaluator:
     """Follows a run's global versions and evaluates them. ``await run(stop, once=...)`` -> exit code."""
 
     def __init__(self, common: CommonConfig, model: ModelConfig, lcfg: LearnerConfig, ecfg: EvalConfig):
-        from aggregator.bootstrap import make_plan
+        from learner.spec import make_plan
 
         self.common, self.lcfg, self.ecfg = common, lcfg, ecfg
         self.spec = model.spec()

@@ -30,8 +30,8 @@ class ExportError(RuntimeError):
 
 async def fetch_run_params(common: CommonConfig, timeout: float = 10.0) -> tuple[dict[str, np.ndarray], dict]:
     """(path -> float32 array, record) of the run's newest global version of every fragment."""
-    from aggregator.bootstrap import make_plan, read_manifest
-    from learner.island import tree_of_manifest
+    from bus.runs import read_manifest, tree_of_manifest
+    from learner.spec import make_plan
     from learner.service import fetch_newest, global_reader, StartupError
     from learner.spec import ModelSpec
 

@@ -34,6 +34,7 @@ describes the tree. Configuration not passed as arguments comes from the ``DILOC
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -42,44 +43,19 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bus import codec
 from bus.config import CommonConfig, from_env
-from bus.protocol import MANIFEST_KEY, Manifest
-from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkPublisher, VersionConflict, VersionedStore
+from bus.protocol import Manifest
 from bus.tree import TreeSpec
 from learner.config import LearnerConfig, ModelConfig
-from learner.fragments import FragmentPlan, plan_fragments
+from bus.runs import create_tree_run, plan_for, tree_of_manifest
 from learner.pytree import TreeParams, flatten, named_float_arrays, tree_spec
 
 #: returned by a backend's ``step`` when no inner step happened (the island is closing)
 NO_STEP = None
-CLAIM_KEY = "creator"
 
 
 class IslandClosed(RuntimeError):
     """The island was closed (or its learner stopped): no more steps."""
-
-
-def plan_for(spec: TreeSpec, num_fragments: int, max_imbalance: float) -> FragmentPlan:
-    """The run's fragment plan for a tree: from its float leaves' shapes."""
-    return plan_fragments(spec.shapes(), min(num_fragments, max(1, spec.num_params)), max_imbalance=max_imbalance)
-
-
-def tree_manifest_spec(spec: TreeSpec, max_imbalance: float) -> dict:
-    """What a tree run's manifest holds under ``spec``: the tree and how its plan is made."""
-    return {"kind": "tree", "tree": spec.to_dict(), "max_imbalance": max_imbalance}
-
-
-def tree_of_manifest(m: Manifest) -> tuple[TreeSpec, FragmentPlan] | None:
-    """(tree, plan) of a run created from a user's tree, or None for a built-in-model run."""
-    if m.spec.get("kind") != "tree":
-        return None
-    spec = TreeSpec.from_dict(m.spec["tree"])
-    plan = plan_for(spec, m.num_fragments, float(m.spec.get("max_imbalance", 1.1)))
-    if plan.plan_hash() != m.plan_hash:
-        raise ValueError(f"run {m.run!r}: the manifest's plan hash {m.plan_hash} does not match its tree")
-    return spec, plan
 
 
 class TreeModel:
@@ -129,49 +105,6 @@ class TreeModel:
         await create_tree_run(js, common, self.tree, self.plan, self.init, self.max_imbalance,
                               max_inner_lr=self.max_inner_lr, max_tokens_per_step=self.max_tokens_per_step,
                               log=log)
-
-
-async def create_tree_run(js, common: CommonConfig, spec: TreeSpec, plan: FragmentPlan,
-                          init: dict[str, np.ndarray], max_imbalance: float, *, max_inner_lr: float | None = None,
-                          max_tokens_per_step: int | None = None, log=None) -> bool:
-    """Provision the run's streams and publish ``init`` as version 0 of every fragment, then the
-    manifest. Returns True if we created it, False if it existed or another writer claimed it.
-
-    The claim is a compare-and-set create of the run bucket's ``creator`` key: exactly one writer
-    publishes version 0, the others wait for the manifest (``join_run``)."""
-    from nats.js.errors import KeyWrongLastSequenceError
-
-    from aggregator.bootstrap import read_manifest
-    from bus.streams import Limits, ensure_run
-    from learner.fragments import gather
-
-    if await read_manifest(js, common.run) is not None:
-        return False
-    # the creator owns the run's limits: every stream sized for this tree (LimitsTooSmall if an
-    # explicit DILOCO_STREAM_MAX_BYTES cannot hold it; Island() checked that before connecting)
-    await ensure_run(js, common.run, Limits.for_run(common, plan.sizes, common.run), update=True)
-    kv = await js.key_value(Subjects(common.run).bucket("run"))
-    try:
-        await kv.create(CLAIM_KEY, orjson.dumps({"ts": time.time(), "model": spec.tree_hash()}))
-    except KeyWrongLastSequenceError:
-        if log is not None:
-            log.info("run_claimed_by_another_island", run=common.run)
-        return False
-    store = VersionedStore(js, common.run, GLOBAL, ChunkPublisher(js, common.max_chunk_bytes,
-                                                                   common.inflight_chunks))
-    meta = {"model": spec.tree_hash(), "plan": plan.plan_hash()}
-    for p in range(plan.num_fragments):
-        try:
-            await store.put(p, 0, codec.encode_array(gather(plan, init, p)), meta)
-        except VersionConflict:
-            pass  # written by an earlier attempt of ours (the claim is ours)
-    m = Manifest(run=common.run, model_hash=spec.tree_hash(), spec=tree_manifest_spec(spec, max_imbalance),
-                 seed=0, num_fragments=plan.num_fragments, plan_hash=plan.plan_hash(), created_at=time.time(),
-                 max_inner_lr=max_inner_lr, max_tokens_per_step=max_tokens_per_step)
-    await kv.create(MANIFEST_KEY, orjson.dumps(m.to_dict()))
-    if log is not None:
-        log.info("run_created", run=common.run, params=spec.num_params, fragments=plan.num_fragments)
-    return True
 
 
 # -- backends: everything they do runs in the learner's single worker thread ------------------------
@@ -254,6 +187,33 @@ class HookBackend(_TreeBackend):
 # -- the island -------------------------------------------------------------------------------------
 
 
+def _manifest_now(common: CommonConfig, timeout: float = 10.0) -> Manifest | None:
+    """The run's manifest if it exists (None if not, or if the server is not reachable yet: the
+    learner core then retries). Runs its own loop in a thread: the caller may be inside one."""
+    from bus.conn import connect
+    from bus.runs import read_manifest
+
+    out: list = [None]
+
+    async def go() -> None:
+        nc = await asyncio.wait_for(connect(common, name="island-probe", allow_reconnect=False), timeout)
+        try:
+            out[0] = await read_manifest(nc.jetstream(timeout=timeout), common.run)
+        finally:
+            await nc.close()
+
+    def main() -> None:
+        try:
+            asyncio.run(go())
+        except Exception:
+            pass
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    t.join(timeout + 5)
+    return out[0]
+
+
 class Island:
     """One island of a run (see the module docstring). Thread-safe for one user thread."""
 
@@ -283,6 +243,11 @@ class Island:
         self.cfg = from_env(LearnerConfig, {**e, "DILOCO_COMPUTE": "model", "DILOCO_FINAL_SYNC": "true"})
         self.spec = tree_spec(params)
         lr = max_inner_lr if max_inner_lr is not None else model_cfg.max_inner_lr
+        # a run that exists decides the fragment plan (its creator chose the number of fragments)
+        existing = _manifest_now(self.common)
+        if existing is not None and existing.spec.get("kind") == "tree":
+            model_cfg = dataclasses.replace(model_cfg, num_fragments=existing.num_fragments,
+                                            max_imbalance=float(existing.spec.get("max_imbalance", 1.1)))
         self._tree = TreeParams(params, self.spec, plan_for(self.spec, model_cfg.num_fragments,
                                                             model_cfg.max_imbalance))
         if create:
@@ -402,6 +367,14 @@ def export_params(run_params: dict[str, np.ndarray], path: str, meta: dict) -> N
     arrays["__diloco__"] = np.frombuffer(orjson.dumps(meta), dtype=np.uint8)
     with open(path, "wb") as f:
         np.savez(f, **arrays)
+
+
+def save_params(tree: Any, path: str) -> None:
+    """Write the float leaves of ``tree`` (leaf paths as keys, float32) and their dtypes to an .npz:
+    the file ``diloco run create --init`` makes version 0 from, and :func:`load_params` reads."""
+    spec = tree_spec(tree)
+    export_params(named_float_arrays(tree), path,
+                  {"kind": "tree", "dtypes": {leaf.path: leaf.dtype for leaf in spec.synced}, "ts": time.time()})
 
 
 def load_params(path: str, like: Any) -> Any:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from learner.fragments import FragmentPlan, sync_offsets
+from bus.fragments import FragmentPlan, sync_offsets
 
 # -- identity, data shard and seeds ---------------------------------------------------------------
 

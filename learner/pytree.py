@@ -5,7 +5,7 @@ Leaves are named by ``jax.tree_util.keystr`` of their key path (``['dense']['ker
 and Equinox produce these). Only floating-point leaves are synchronised (``bus.tree``); the others
 stay as the user's loop leaves them.
 
-Fragments are float32 host vectors (``learner.fragments``). Reading fragment p moves only the
+Fragments are float32 host vectors (``bus.fragments``). Reading fragment p moves only the
 leaves that fragment touches to the host; writing it back casts each touched leaf to its own dtype
 (bfloat16 stays bfloat16) and puts it on its own sharding, so a model sharded over an island's
 devices stays sharded as it was.
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from bus.tree import TreeSpec, describe
-from learner.fragments import FragmentPlan
+from bus.fragments import FragmentPlan
 
 
 def flatten(tree: Any) -> tuple[list[str], list[Any], Any]:

@@ -1,7 +1,7 @@
 """The learner service (``diloco learner``, ``python -m learner``): one island of a run.
 
 A thin asyncio shell around the pure core (``learner.loop``, ``learner.outer``,
-``learner.fragments``, ``learner.inner``). Configured by environment only (``CommonConfig``,
+``bus.fragments``, ``learner.inner``). Configured by environment only (``CommonConfig``,
 ``ModelConfig``, ``LearnerConfig``; see ``diloco config learner`` and docs/learner.md).
 
 Life of a learner::
@@ -56,7 +56,7 @@ from bus.global_reader import GlobalReader
 from bus.transport import ChunkPublisher, Head, follow_heads
 from learner import loop as lp
 from learner.config import LearnerConfig, ModelConfig
-from learner.fragments import FragmentPlan, gather
+from bus.fragments import FragmentPlan, gather
 from learner.outer import feedback_step, mix, outer_gradient, rebase, relative_error
 from learner.spec import ModelSpec, count_params, spec_hash
 
@@ -120,7 +120,8 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
 
     Learners and the evaluator never create streams (their least-privilege users may not): the
     aggregator, or ``diloco run create``, provisions the run."""
-    from aggregator.bootstrap import RunMismatch, check_manifest, wait_manifest
+    from bus.runs import RunMismatch, wait_manifest
+    from learner.spec import check_manifest
 
     try:
         m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()))
@@ -136,7 +137,7 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
 async def join_run_model(js, common: CommonConfig, run_model, deadline: float):
     """Wait for the manifest and check ``run_model`` against it: StartupError(3) naming the
     difference, (4) on timeout."""
-    from aggregator.bootstrap import wait_manifest
+    from bus.runs import wait_manifest
 
     try:
         m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()))
@@ -153,7 +154,7 @@ class BuiltinModel:
     kind is a user's tree, ``learner.island.TreeModel``)."""
 
     def __init__(self, model: ModelConfig, cfg: LearnerConfig):
-        from aggregator.bootstrap import make_plan
+        from learner.spec import make_plan
 
         self.spec = model.spec()
         self.model_hash = spec_hash(self.spec)
@@ -162,7 +163,8 @@ class BuiltinModel:
         self.num_params = count_params(self.spec)
 
     def check(self, m) -> str | None:
-        from aggregator.bootstrap import RunMismatch, check_manifest
+        from bus.runs import RunMismatch
+        from learner.spec import check_manifest
 
         try:
             check_manifest(m, self.spec, self.plan)

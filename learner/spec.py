@@ -25,6 +25,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from bus.fragments import FragmentPlan, plan_fragments
+from bus.protocol import Manifest
+from bus.runs import RunMismatch
+
 #: Bump when the forward pass changes in a way that makes old parameters meaningless with the
 #: same shapes (e.g. a different norm or activation). It is part of ``spec_hash``.
 ARCH_VERSION = 1
@@ -163,3 +167,19 @@ def spec_hash(spec: ModelSpec) -> str:
     payload = {"arch_version": ARCH_VERSION, **spec.to_dict()}
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def make_plan(spec: ModelSpec, num_fragments: int, max_imbalance: float) -> FragmentPlan:
+    """The fragment plan of the built-in model."""
+    return plan_fragments(param_shapes(spec), num_fragments, max_imbalance=max_imbalance)
+
+
+def check_manifest(m: Manifest, spec: ModelSpec, plan: FragmentPlan) -> None:
+    """Raise :class:`RunMismatch` saying what differs, or return quietly."""
+    if m.model_hash != spec_hash(spec):
+        raise RunMismatch(f"model spec hash {spec_hash(spec)} differs from run {m.run!r} ({m.model_hash}): "
+                          f"run spec {m.spec}, ours {spec.to_dict()}")
+    if m.plan_hash != plan.plan_hash() or m.num_fragments != plan.num_fragments:
+        raise RunMismatch(f"fragment plan {plan.plan_hash()} (P={plan.num_fragments}) differs from run "
+                          f"{m.run!r} ({m.plan_hash}, P={m.num_fragments}): check DILOCO_NUM_FRAGMENTS "
+                          f"and DILOCO_MAX_IMBALANCE")

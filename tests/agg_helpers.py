@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import orjson
 
-from aggregator.bootstrap import make_plan
+from learner.spec import make_plan
 from bus import codec
 from bus.protocol import grad_meta, grad_obj_id
 from bus.subjects import Subjects

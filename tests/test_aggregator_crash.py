@@ -18,7 +18,7 @@ from aggregator.step import FragmentState, MergeSettings, merge_step
 from bus import codec
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
-from learner.fragments import gather
+from bus.fragments import gather
 from learner.spec import init_params
 from tests.agg_helpers import HASH, MODEL, PLAN, PY, SPEC, FakeLearner, env
 

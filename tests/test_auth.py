@@ -31,7 +31,8 @@ import orjson
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from aggregator.bootstrap import bootstrap_run, read_manifest
+from aggregator.bootstrap import bootstrap_run
+from bus.runs import read_manifest
 from bus import auth
 from bus.auth import (
     AuthError,

@@ -30,7 +30,7 @@ from bus.protocol import grad_meta, grad_obj_id
 from bus.subjects import Subjects
 from bus.transport import ChunkPublisher
 from learner.config import ModelConfig
-from learner.fragments import plan_fragments
+from bus.fragments import plan_fragments
 from learner.spec import param_shapes, spec_hash
 from tests.chaos.harness import LEARNER, MODEL, ChaosRun
 from tests.system import member_states

@@ -32,9 +32,11 @@ def test_tree_spec_round_trips_hashes_and_names_the_first_difference():
     assert a.first_difference(b) == "leaf ['w']: shape (3, 4), the run's is (4, 4)"
     c = describe({"['w']": np.zeros((3, 4), np.float16), "['n']": np.zeros((), np.int32)})
     assert a.first_difference(c) == "leaf ['w']: dtype float32, the run's is float16"
-    d = describe({"['w']": np.zeros((3, 4), np.float32)})
-    assert a.first_difference(d) == "leaf ['n'] is not in the run's tree"
-    assert d.first_difference(a) == "leaf ['n'] of the run's tree is missing"
+    d = describe({"['w']": np.zeros((3, 4), np.float32)})  # non-float leaves are not the run's
+    assert a.first_difference(d) is None and a.tree_hash() == d.tree_hash()
+    e = describe({"['w']": np.zeros((3, 4), np.float32), "['v']": np.zeros(2, np.float32)})
+    assert e.first_difference(a) == "leaf ['v'] is not in the run's tree"
+    assert a.first_difference(e) == "leaf ['v'] of the run's tree is missing"
     assert a.first_difference(a) is None
 
 
@@ -50,7 +52,7 @@ def test_trees_without_float_leaves_or_arrays_are_refused():
 def test_pytree_fragments_keep_dtype_and_skip_non_float_leaves():
     import jax.numpy as jnp
 
-    from learner.island import plan_for
+    from bus.runs import plan_for
     from learner.pytree import TreeParams, tree_spec
 
     tree = {"a": [jnp.arange(6.0).reshape(2, 3), jnp.ones(5, jnp.bfloat16)], "n": jnp.array(7, jnp.int32)}
@@ -73,7 +75,7 @@ def test_pytree_fragments_keep_dtype_and_skip_non_float_leaves():
 SHARDED = r'''
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from learner.island import plan_for
+from bus.runs import plan_for
 from learner.pytree import TreeParams, tree_spec
 assert len(jax.devices()) == 8, jax.devices()
 mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -162,11 +164,11 @@ async def test_two_islands_train_a_user_model_export_and_load_back(nats_server, 
 async def test_two_islands_racing_to_create_a_run_end_with_one_version_zero(nats_server, js):
     import jax.numpy as jnp
 
-    from aggregator.bootstrap import read_manifest
+    from bus.runs import read_manifest
     from bus.config import CommonConfig
     from bus.subjects import GLOBAL
     from bus.transport import VersionedStore
-    from learner.island import create_tree_run, plan_for
+    from bus.runs import create_tree_run, plan_for
     from learner.pytree import named_float_arrays, tree_spec
 
     common = CommonConfig(nats_url=nats_server.url, run="race")
@@ -226,3 +228,42 @@ def test_export_without_a_run_or_a_version_is_one_line(nats_server, tmp_path):
     assert p.returncode == 1 and not out.exists()
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "run 'nothing' has no manifest" in lines[0], p.stderr
+
+
+@pytest.mark.timeout(180)
+def test_run_create_from_an_init_file_and_an_island_joins_it(nats_server, tmp_path):
+    """`diloco run create --init FILE`: version 0 is the file's parameters (a bfloat16 leaf keeps its
+    dtype through the file's record), an island of the same tree joins it without creating
+    anything, a second create changes nothing, and a file with a non-float leaf is one line."""
+    import jax.numpy as jnp
+
+    from learner.island import Island, save_params
+
+    tree = {"w": jnp.arange(12.0).reshape(4, 3), "h": jnp.full((5,), 0.5, jnp.bfloat16), "n": jnp.array(3)}
+    init = tmp_path / "init.npz"
+    save_params(tree, str(init))
+    env = _env(nats_server.url, "fromfile", DILOCO_NUM_FRAGMENTS="2")
+
+    def create(path) -> subprocess.CompletedProcess:
+        return subprocess.run([PY, "-m", "bus.cli", "run", "create", "--init", str(path)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    first = create(init)
+    assert first.returncode == 0, first.stderr
+    out = orjson.loads(first.stdout)
+    assert out["created"] is True and out["params"] == 17 and out["fragments"] == 2
+    assert orjson.loads(create(init).stdout)["created"] is False
+    like = {"w": jnp.zeros((4, 3)), "h": jnp.zeros((5,), jnp.bfloat16), "n": jnp.array(9)}
+    isl = Island(like, run="fromfile", nats_url=nats_server.url, learner_id="j", create=False, join_timeout=60)
+    try:
+        got = isl.params
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(12.0).reshape(4, 3))
+        assert got["h"].dtype == jnp.bfloat16 and float(got["h"][0]) == 0.5
+        assert int(got["n"]) == 9  # non-float leaves are the island's own
+    finally:
+        assert isl.close(final_sync=False) == 0
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **{"['w']": np.zeros(3, np.float32), "['n']": np.zeros(2, np.int64)})
+    r = create(bad)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "leaf ['n'] is int64, not floating point" in lines[0], r.stderr

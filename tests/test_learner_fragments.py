@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.fragments import (
+from bus.fragments import (
     Fragment,
     FragmentPlan,
     Slice,

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from aggregator.bootstrap import make_plan
+from learner.spec import make_plan
 from learner import loop as lp
-from learner.fragments import gather_all
+from bus.fragments import gather_all
 from learner.spec import ModelSpec, count_params, init_params
 
 SPEC = ModelSpec(d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=32)
@@ -216,7 +216,7 @@ def test_unsent_fragments_are_those_with_steps_since_their_sync():
 
 @pytest.mark.parametrize("P,H", [(1, 1), (3, 4), (8, 24), (5, 7), (24, 24), (30, 24)])
 def test_schedule_with_a_constant_period_is_the_staggered_modular_one(P, H):
-    from learner.fragments import due_fragments, sync_offsets
+    from bus.fragments import due_fragments, sync_offsets
 
     b = lp.Bookkeeper(P, H=H, tokens_per_step=1)
     for step in range(1, 5 * H + 3):

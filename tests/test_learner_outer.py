@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner.fragments import gather, plan_fragments, scatter
+from bus.fragments import gather, plan_fragments, scatter
 from learner.outer import ErrorFeedback, feedback_step, mix, outer_gradient, relative_error
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import orjson
 import pytest
 
-from aggregator.bootstrap import bootstrap_run, make_plan
+from aggregator.bootstrap import bootstrap_run
+from learner.spec import make_plan
 from bus import codec
 from bus.chunks import CHUNK_HEADER
 from bus.config import CommonConfig
@@ -29,7 +30,7 @@ from bus.streams import ensure_run
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import Assembled, ChunkConsumer, VersionedStore, ack_all
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
-from learner.fragments import gather_all
+from bus.fragments import gather_all
 from learner.spec import init_params, spec_hash
 from monitor.membership import Member, State, member_to_dict
 

@@ -142,7 +142,7 @@ def test_bad_seed_raises():
 
 def test_numpy_only_modules_do_not_import_jax():
     code = (
-        "import sys, learner.spec, learner.fragments, learner.outer, learner.data; "
+        "import sys, learner.spec, bus.fragments, learner.outer, learner.data; "
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]; "
         "assert not bad, bad"
     )
