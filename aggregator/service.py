@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from aggregator.bootstrap import bootstrap_run
-from bus.runs import RunMismatch, read_manifest, tree_of_manifest
-from learner.spec import make_plan
+from bus.runs import RunMismatch, read_manifest, run_tree
 from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.contribution import Contribution
 from aggregator.merge import l2_norm
@@ -50,8 +48,6 @@ from bus.protocol import parse_grad_meta
 from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, ensure_run, missing_parts
 from bus.subjects import GLOBAL, STATE, Subjects
 from bus.transport import ChunkConsumer, ChunkPublisher, VersionConflict, VersionedStore, ack_all, term_all
-from learner.config import ModelConfig
-from learner.spec import spec_hash
 
 
 _AUDIT = ("learner", "incarnation", "fragment", "round", "base", "obj", "subject", "claimed", "detail")
@@ -89,15 +85,12 @@ class Stats:
 
 
 class AggregatorService:
-    def __init__(self, common: CommonConfig, model: ModelConfig, cfg: AggregatorConfig):
-        self.common, self.model, self.cfg = common, model, cfg
+    def __init__(self, common: CommonConfig, cfg: AggregatorConfig):
+        """The aggregator knows no model: it merges the tree the run's manifest describes."""
+        self.common, self.cfg = common, cfg
         self.s = Subjects(common.run)
-        self.spec = self.plan = None
+        self.plan = None
         self.buffers: dict[int, list[Pending]] = {}
-        if model.model == "builtin":
-            self.spec = model.spec()
-            self._use(spec_hash(self.spec), make_plan(self.spec, model.num_fragments, model.max_imbalance))
-            Limits.for_run(common, self.plan.sizes, common.run)  # LimitsTooSmall: refuse before connecting
         self.settings = MergeSettings.from_config(cfg)
         self.grace = GracePolicy(mode=cfg.grace, grace=cfg.grace_seconds, max_grace=cfg.grace_seconds,
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
@@ -111,7 +104,7 @@ class AggregatorService:
         self.seen: set[str] = set()
         self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived
         self.recent: dict[str, float] = {}  # learner -> monotonic time of its newest accepted contribution
-        self.manifest = None  # the run's manifest (bootstrap_run): declared geometry for validation
+        self.manifest = None  # the run's manifest: the tree, its plan, the declared geometry
         self.arrivals = ArrivalStats()
         self.stats = Stats()
         self._audit: list[dict] = []  # rejections waiting to be published as events
@@ -124,23 +117,25 @@ class AggregatorService:
         self.buffers = {p: [] for p in self.owned}
 
     async def _model_from_run(self, js, stop: asyncio.Event) -> None:
-        """DILOCO_MODEL=run: the run's manifest describes the model (a user's tree, created by an
-        island or ``diloco run create --init``); wait for it, and merge that tree."""
-
+        """Wait for the run's manifest (its creator: a learner, an island, ``diloco run create``,
+        ``diloco up``) and merge the tree it describes, whatever the model."""
         logged = False
         while not stop.is_set():
-            m = await read_manifest(js, self.common.run)
+            try:
+                m = await read_manifest(js, self.common.run)
+            except Exception as e:  # the server restarting: try again
+                self.log.warning("manifest_read_failed", error=repr(e))
+                m = None
             if m is not None:
-                got = tree_of_manifest(m)
-                if got is None:
-                    raise RunMismatch(f"run {self.common.run!r} trains the built-in model: start the aggregator "
-                                      "without DILOCO_MODEL=run")
+                tree, plan = run_tree(m)
                 self.manifest = m
-                self._use(m.model_hash, got[1])
-                self.log.info("model_from_run", params=got[0].num_params, fragments=got[1].num_fragments)
+                self._use(m.model_hash, plan)
+                self.log.info("model_from_run", params=tree.num_params, fragments=plan.num_fragments,
+                              kind=m.spec.get("kind", "builtin"))
                 return
             if not logged:
-                self.log.info("waiting_for_manifest", run=self.common.run)
+                self.log.info("waiting_for_manifest", run=self.common.run,
+                              hint="create the run: `diloco run create`, or start a learner or island")
                 logged = True
             await asyncio.sleep(0.5)
 
@@ -197,7 +192,7 @@ class AggregatorService:
             gh = await gstore.head(p)
             if got is None:
                 if gh is None:
-                    raise RuntimeError(f"fragment {p} has neither state nor global version after bootstrap")
+                    raise RuntimeError(f"fragment {p} has neither state nor global version (the run's creator writes version 0 before the manifest)")
                 gh, blob = await gstore.get(p)
                 if "ref" in gh.meta:
                     raise RunMismatch(f"fragment {p}: no aggregator state, and global version {gh.version} is a "
@@ -453,12 +448,10 @@ class AggregatorService:
         # a short timeout: a request sent while the server restarts can go unanswered, and the
         # merge loop must retry it soon rather than stall (it waited 30 s in the chaos run)
         js = self.js = self.nc.jetstream(timeout=5)
-        if self.model.model == "run":  # the run's creator provisioned it, sized for its tree
-            await self._model_from_run(js, stop)
-            if stop.is_set():
-                return
-        # streams sized from the run's parameters (the plan is known now): an explicit limit too
-        # small for them was refused in __init__ (built-in) or here (a run's tree)
+        await self._model_from_run(js, stop)
+        if stop.is_set():
+            return
+        # streams sized from the run's parameters (LimitsTooSmall: an explicit limit cannot hold them)
         limits = Limits.for_run(self.common, self.plan.sizes, self.common.run)
         if self.cfg.provision:
             await ensure_run(js, self.common.run, limits, update=True)
@@ -469,10 +462,6 @@ class AggregatorService:
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
-        if self.model.model != "run":
-            self.manifest = await bootstrap_run(js, self.common.run, self.spec, self.model.seed, self.plan, pub,
-                                                fragments=self.owned, max_inner_lr=self.model.max_inner_lr,
-                                                max_tokens_per_step=self.model.max_tokens_per_step)
         self.settings = dataclasses.replace(self.settings, max_inner_lr=self.manifest.max_inner_lr)
         await self._recover(js)
         lo, hi = self.owned.start, self.owned.stop - 1
@@ -525,17 +514,12 @@ class AggregatorService:
 def main(argv: list[str] | None = None) -> int:
     try:
         common = from_env(CommonConfig)
-        model = from_env(ModelConfig)
         cfg = from_env(AggregatorConfig)
     except ConfigError as e:
         print(f"diloco aggregator: {e}", file=sys.stderr)
         return 2
     setup(common.log_level, run=common.run, role="aggregator", island=common.region)
-    try:
-        svc = AggregatorService(common, model, cfg)
-    except LimitsTooSmall as e:
-        print(f"diloco aggregator: {e}", file=sys.stderr)
-        return 2
+    svc = AggregatorService(common, cfg)
 
     async def go() -> None:
         stop = asyncio.Event()

@@ -110,7 +110,8 @@ class Cluster:
 
     def start(self, name: str, module: str, **extra: str) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
-        p = subprocess.Popen([PY, "-m", module], env=self.env(**extra), stdout=log, stderr=log,
+        argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        p = subprocess.Popen([PY, "-m", *argv], env=self.env(**extra), stdout=log, stderr=log,
                              start_new_session=True)
         log.close()
         self.procs[name] = p

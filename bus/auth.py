@@ -474,6 +474,8 @@ def render_env(user: User, run: str, password: str, *, url: str | None = None, t
         rows.append(("DILOCO_TLS_CA", tls_ca))
     if tls_cert and tls_key:
         rows += [("DILOCO_TLS_CERT", tls_cert), ("DILOCO_TLS_KEY", tls_key)]
+    if user.role == "learner":
+        rows.append(("DILOCO_CREATE_RUN", "false"))  # a learner may not write version 0: admin creates the run
     if user.role == "aggregator" and not provision:
         rows.append(("DILOCO_PROVISION", "false"))  # --strict: only admin creates the run
     head = (f"{ENV_HEADER} user {user.name} (role {user.role}) of run {run}. Secret: keep it 0600.\n"

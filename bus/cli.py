@@ -18,10 +18,10 @@ from bus.config import ROLE_CONFIGS, CommonConfig, ConfigError, from_env, markdo
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "nats": ("bus.cli:cmd_nats", "run an embedded JetStream nats-server in the foreground"),
-    "run": ("bus.cli:cmd_run", "create, inspect or delete a run's streams and buckets"),
+    "run": ("bus.cli:cmd_run", "create a run (streams, version 0, manifest), inspect or delete it"),
     "config": ("bus.cli:cmd_config", "print a role's effective configuration and its sources"),
     "learner": ("learner.service:main", "run one learner (island)"),
-    "aggregator": ("aggregator.service:main", "run the aggregator"),
+    "aggregator": ("bus.cli:cmd_aggregator", "run the aggregator (creating a built-in run if there is none)"),
     "monitor": ("monitor.service:main", "run the membership monitor"),
     "eval": ("learner.evaluator:main", "follow global versions and publish held-out loss"),
     "metrics": ("monitor.cli:cmd_metrics", "live table of a run's metrics"),
@@ -108,22 +108,27 @@ def cmd_run(argv: list[str]) -> int:
     import orjson
 
     from bus.conn import connect
-    from bus.streams import delete_run, ensure_run, inspect_run
+    from bus.streams import delete_run, inspect_run
 
     p = argparse.ArgumentParser(prog="diloco run", description=COMMANDS["run"][1])
     p.add_argument("action", choices=["create", "inspect", "delete"])
     p.add_argument("--init", metavar="FILE", default=None,
                    help="create: make version 0 from this .npz of named float leaves (`diloco export`'s format, "
-                        "or np.savez(f, **{path: array})): a run of your own model, merged by aggregators with "
-                        "DILOCO_MODEL=run. Without it the streams are sized for the built-in model "
-                        "(DILOCO_D_MODEL...), whose version 0 the aggregator makes from DILOCO_SEED")
+                        "or np.savez(f, **{path: array})): a run of your own model. Without it: a run of the "
+                        "built-in model (DILOCO_D_MODEL...), version 0 from DILOCO_SEED")
+    p.add_argument("--streams-only", action="store_true",
+                   help="create: only the streams and buckets, sized for the model (the admin of a run under "
+                        "strict auth; the aggregator's credentials then write version 0)")
     a = p.parse_args(argv)
-    if a.init is not None and a.action != "create":
-        p.error("--init goes with create")
+    if (a.init is not None or a.streams_only) and a.action != "create":
+        p.error("--init and --streams-only go with create")
     cfg = from_env(CommonConfig)
     from bus.log import setup
 
     setup(cfg.log_level, run=cfg.run, role="cli")  # logs to stderr: stdout is the JSON result
+    from aggregator.config import AggregatorConfig
+
+    provision = from_env(AggregatorConfig).provision  # false: the streams are admin's (strict auth)
     try:  # LimitsTooSmall, a bad --init file: one line, before connecting
         limits, tree = _run_limits(cfg, a.init)
     except ValueError as e:
@@ -135,15 +140,25 @@ def cmd_run(argv: list[str]) -> int:
         try:
             js = nc.jetstream(timeout=10)
             if a.action == "create":
-                await ensure_run(js, cfg.run, limits, update=True)
-                out: dict = {}
-                if tree is not None:
-                    from bus.runs import create_tree_run
+                from bus.runs import create_tree_run, read_manifest
 
+                out: dict = {}
+                if a.streams_only:
+                    from bus.streams import ensure_run
+
+                    await ensure_run(js, cfg.run, limits, update=True)
+                elif tree is not None:
                     spec, plan, arrays, model = tree
                     out["created"] = await create_tree_run(js, cfg, spec, plan, arrays, model.max_imbalance,
-                                                           max_inner_lr=model.max_inner_lr)
+                                                           max_inner_lr=model.max_inner_lr, provision=provision)
                     out["params"], out["fragments"] = spec.num_params, plan.num_fragments
+                else:
+                    from learner.builtin import create_builtin_run
+                    from learner.config import ModelConfig
+
+                    out["created"] = await create_builtin_run(js, cfg, from_env(ModelConfig), provision=provision)
+                    m = await read_manifest(js, cfg.run)
+                    out["fragments"] = m.num_fragments if m is not None else None
                 return {**out, **await inspect_run(js, cfg.run)}
             if a.action == "inspect":
                 return await inspect_run(js, cfg.run)
@@ -151,6 +166,7 @@ def cmd_run(argv: list[str]) -> int:
         finally:
             await nc.close()
 
+    from bus.runs import RunMismatch
     from bus.streams import StorageUnavailable
 
     try:
@@ -158,7 +174,66 @@ def cmd_run(argv: list[str]) -> int:
     except StorageUnavailable as e:
         print(f"diloco run: {e}", file=sys.stderr)
         return 1
+    except RunMismatch as e:
+        print(f"diloco run: {e}", file=sys.stderr)
+        return 3
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+def cmd_aggregator(argv: list[str]) -> int:
+    """`diloco aggregator`: with DILOCO_MODEL=builtin (default) first create the run of the built-in
+    model if it has none (as `diloco run create` would, with the aggregator's own credentials:
+    under auth the aggregator writes version 0); then the aggregator, which knows no model and
+    merges what the run's manifest describes (``python -m aggregator`` is the aggregator alone)."""
+    from aggregator.config import AggregatorConfig
+    from aggregator.service import main as aggregator_main
+    from learner.config import ModelConfig
+
+    common, model, cfg = from_env(CommonConfig), from_env(ModelConfig), from_env(AggregatorConfig)
+    if model.model == "builtin":
+        code = create_builtin_if_missing(common, model, provision=cfg.provision, who="diloco aggregator")
+        if code:
+            return code
+    return aggregator_main(argv)
+
+
+def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = True, who: str = "diloco") -> int:
+    """Create the built-in run of ``model`` unless it exists; 0, or an exit code after one line."""
+    from bus.conn import connect
+    from bus.log import setup
+    from bus.runs import RunMismatch
+    from bus.streams import LimitsTooSmall, StorageUnavailable
+    from learner.builtin import create_builtin_run
+
+    from bus.streams import Limits
+    from learner.builtin import builtin_manifest
+
+    setup(common.log_level, run=common.run, role="cli")
+    try:  # before connecting: a limit too small for the model is a configuration error
+        Limits.for_run(common, builtin_manifest(common.run, model)[1].sizes, common.run)
+    except LimitsTooSmall as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return 2
+
+    async def go() -> None:
+        nc = await connect(common, name="create-run")
+        try:
+            await create_builtin_run(nc.jetstream(timeout=10), common, model, provision=provision)
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(go())
+    except (LimitsTooSmall, StorageUnavailable) as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return 2
+    except RunMismatch as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return 3
+    except Exception as e:
+        print(f"{who}: cannot create run {common.run!r} at {common.nats_url}: {e!r}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -62,7 +62,7 @@ class Manifest:
 
     run: str
     model_hash: str
-    spec: dict  # learner.spec.ModelSpec fields
+    spec: dict  # what the model is: ModelSpec fields (the built-in model), or {"kind": "tree"} (a user's)
     seed: int
     num_fragments: int
     plan_hash: str
@@ -72,6 +72,10 @@ class Manifest:
     # learner, and the most tokens one inner step of any learner may consume
     max_inner_lr: float | None = None
     max_tokens_per_step: int | None = None
+    # the parameter tree (``bus.tree.TreeSpec.to_dict``) and how its fragment plan is made: with
+    # them any process can merge or read the run without knowing the model (``bus.runs.run_tree``)
+    tree: dict | None = None
+    max_imbalance: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,7 +86,9 @@ class Manifest:
             m = cls(str(d["run"]), str(d["model_hash"]), dict(d["spec"]), int(d["seed"]), int(d["num_fragments"]),
                     str(d["plan_hash"]), float(d["created_at"]),
                     None if d.get("max_inner_lr") is None else float(d["max_inner_lr"]),
-                    None if d.get("max_tokens_per_step") is None else int(d["max_tokens_per_step"]))
+                    None if d.get("max_tokens_per_step") is None else int(d["max_tokens_per_step"]),
+                    None if d.get("tree") is None else dict(d["tree"]),
+                    None if d.get("max_imbalance") is None else float(d["max_imbalance"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed manifest: {e}") from None
         if m.num_fragments < 1 or not math.isfinite(m.created_at):
@@ -91,4 +97,6 @@ class Manifest:
             raise ValueError("malformed manifest: max_inner_lr must be finite and > 0")
         if m.max_tokens_per_step is not None and m.max_tokens_per_step < 1:
             raise ValueError("malformed manifest: max_tokens_per_step must be >= 1")
+        if m.max_imbalance is not None and not (math.isfinite(m.max_imbalance) and m.max_imbalance >= 1):
+            raise ValueError("malformed manifest: max_imbalance must be finite and >= 1")
         return m

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import orjson
@@ -28,7 +29,7 @@ from bus import codec
 from bus.config import CommonConfig
 from bus.fragments import FragmentPlan, gather, plan_fragments
 from bus.protocol import MANIFEST_KEY, Manifest
-from bus.streams import Limits, ensure_run
+from bus.streams import Limits, ensure_run, missing_parts
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import ChunkPublisher, VersionConflict, VersionedStore
 from bus.tree import TreeSpec
@@ -63,7 +64,8 @@ async def wait_manifest(js: JetStreamContext, run: str, timeout: float, poll: fl
         if m is not None:
             return m
         if time.monotonic() > t_end:
-            raise TimeoutError(f"run {run!r} has no manifest after {timeout}s: is an aggregator running?")
+            raise TimeoutError(f"run {run!r} has no manifest after {timeout}s: create it (`diloco run create`, "
+                               "or start a learner or island that may create it)")
         await asyncio.sleep(poll)
 
 
@@ -72,54 +74,101 @@ def plan_for(spec: TreeSpec, num_fragments: int, max_imbalance: float) -> Fragme
     return plan_fragments(spec.shapes(), min(num_fragments, max(1, spec.num_params)), max_imbalance=max_imbalance)
 
 
-def tree_manifest_spec(spec: TreeSpec, max_imbalance: float) -> dict:
-    """What a tree run's manifest holds under ``spec``: the tree and how its plan is made."""
-    return {"kind": "tree", "tree": spec.to_dict(), "max_imbalance": max_imbalance}
+def run_tree(m: Manifest) -> tuple[TreeSpec, FragmentPlan]:
+    """(tree, fragment plan) of any run, from its manifest alone: what the aggregator, the
+    evaluator of a user's model and ``diloco export`` need. :class:`RunMismatch` if the manifest
+    describes no tree (a run created before manifests carried one) or its plan hash disagrees."""
+    raw = m.tree if m.tree is not None else m.spec.get("tree")
+    if raw is None:
+        raise RunMismatch(f"run {m.run!r} was created by an older version: its manifest describes no parameter "
+                          "tree (delete it with `diloco run delete` and create it again)")
+    try:
+        spec = TreeSpec.from_dict(raw)
+    except ValueError as e:
+        raise RunMismatch(f"run {m.run!r}: {e}") from None
+    mi = m.max_imbalance if m.max_imbalance is not None else float(m.spec.get("max_imbalance", 1.1))
+    plan = plan_for(spec, m.num_fragments, mi)
+    if plan.plan_hash() != m.plan_hash:
+        raise RunMismatch(f"run {m.run!r}: the manifest's plan hash {m.plan_hash} does not match its tree "
+                          f"({plan.plan_hash()})")
+    return spec, plan
 
 
 def tree_of_manifest(m: Manifest) -> tuple[TreeSpec, FragmentPlan] | None:
     """(tree, plan) of a run created from a user's tree, or None for a built-in-model run."""
     if m.spec.get("kind") != "tree":
         return None
-    spec = TreeSpec.from_dict(m.spec["tree"])
-    plan = plan_for(spec, m.num_fragments, float(m.spec.get("max_imbalance", 1.1)))
-    if plan.plan_hash() != m.plan_hash:
-        raise ValueError(f"run {m.run!r}: the manifest's plan hash {m.plan_hash} does not match its tree")
-    return spec, plan
+    return run_tree(m)
+
+
+async def create_run(js, common: CommonConfig, manifest: Manifest, plan: FragmentPlan,
+                     init: Callable[[], Mapping[str, np.ndarray]], *, log=None, claim_timeout: float = 60.0,
+                     provision: bool = True) -> bool:
+    """Create run ``common.run``: streams sized for ``plan`` (the creator owns the run's limits),
+    a claim, version 0 of every fragment from ``init()`` (path -> array, called only by the
+    claimant), then ``manifest``. True if we created it; False if it existed or another process
+    holds the claim (wait for its manifest, ``wait_manifest``).
+
+    The claim is a compare-and-set create of the run bucket's ``creator`` key, so of several
+    processes racing (islands, learners, ``diloco run create``) exactly one writes version 0. A
+    claim older than ``claim_timeout`` seconds with no manifest is a creator that died half-way:
+    the next creator takes it over (compare-and-set again), keeps the fragments already written
+    and writes the others. Raises ``LimitsTooSmall`` if an explicit stream limit cannot hold the run.
+    ``provision=False`` (DILOCO_PROVISION=false under strict auth): the streams must exist already
+    (:class:`RunMismatch` naming what to do otherwise), and are left as they are."""
+    if await read_manifest(js, common.run) is not None:
+        return False
+    limits = Limits.for_run(common, plan.sizes, common.run)
+    if provision:
+        await ensure_run(js, common.run, limits, update=True)
+    elif missing := await missing_parts(js, common.run):
+        raise RunMismatch(f"run {common.run!r} is not provisioned (missing {', '.join(missing)}) and "
+                          "DILOCO_PROVISION=false: create it first with `diloco run create --streams-only` "
+                          "(admin credentials)")
+    kv = await js.key_value(Subjects(common.run).bucket("run"))
+    claim = orjson.dumps({"ts": time.time(), "model": manifest.model_hash})
+    try:
+        await kv.create(CLAIM_KEY, claim)
+    except KeyWrongLastSequenceError:
+        entry = await kv.get(CLAIM_KEY)
+        try:
+            age = time.time() - float(orjson.loads(entry.value or b"{}").get("ts", 0.0))
+        except (ValueError, TypeError, AttributeError):
+            age = float("inf")  # garbage in the claim: nobody can be writing under it
+        if age < claim_timeout or await read_manifest(js, common.run) is not None:
+            if log is not None:
+                log.info("run_claimed_by_another_process", run=common.run)
+            return False
+        try:
+            await kv.update(CLAIM_KEY, claim, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            return False
+        if log is not None:
+            log.warning("run_claim_taken_over", run=common.run, claim_age_s=round(age, 1))
+    params = init()
+    store = VersionedStore(js, common.run, GLOBAL, ChunkPublisher(js, common.max_chunk_bytes,
+                                                                   common.inflight_chunks))
+    meta = {"model": manifest.model_hash, "plan": plan.plan_hash()}
+    for p in range(plan.num_fragments):
+        try:
+            await store.put(p, 0, codec.encode_array(gather(plan, params, p)), meta)
+        except VersionConflict:
+            pass  # written by the creator whose claim we took over: version 0 stays as it is
+    try:
+        await kv.create(MANIFEST_KEY, orjson.dumps(manifest.to_dict()))
+    except KeyWrongLastSequenceError:
+        return False  # a creator we took over from finished after all: its manifest stands
+    if log is not None:
+        log.info("run_created", run=common.run, params=plan.total_size, fragments=plan.num_fragments)
+    return True
 
 
 async def create_tree_run(js, common: CommonConfig, spec: TreeSpec, plan: FragmentPlan,
-                          init: dict[str, np.ndarray], max_imbalance: float, *, max_inner_lr: float | None = None,
-                          max_tokens_per_step: int | None = None, log=None) -> bool:
-    """Provision the run's streams and publish ``init`` as version 0 of every fragment, then the
-    manifest. Returns True if we created it, False if it existed or another writer claimed it.
-
-    The claim is a compare-and-set create of the run bucket's ``creator`` key: exactly one writer
-    publishes version 0, the others wait for the manifest (``join_run``)."""
-    if await read_manifest(js, common.run) is not None:
-        return False
-    # the creator owns the run's limits: every stream sized for this tree (LimitsTooSmall if an
-    # explicit DILOCO_STREAM_MAX_BYTES cannot hold it; Island() checked that before connecting)
-    await ensure_run(js, common.run, Limits.for_run(common, plan.sizes, common.run), update=True)
-    kv = await js.key_value(Subjects(common.run).bucket("run"))
-    try:
-        await kv.create(CLAIM_KEY, orjson.dumps({"ts": time.time(), "model": spec.tree_hash()}))
-    except KeyWrongLastSequenceError:
-        if log is not None:
-            log.info("run_claimed_by_another_island", run=common.run)
-        return False
-    store = VersionedStore(js, common.run, GLOBAL, ChunkPublisher(js, common.max_chunk_bytes,
-                                                                   common.inflight_chunks))
-    meta = {"model": spec.tree_hash(), "plan": plan.plan_hash()}
-    for p in range(plan.num_fragments):
-        try:
-            await store.put(p, 0, codec.encode_array(gather(plan, init, p)), meta)
-        except VersionConflict:
-            pass  # written by an earlier attempt of ours (the claim is ours)
-    m = Manifest(run=common.run, model_hash=spec.tree_hash(), spec=tree_manifest_spec(spec, max_imbalance),
-                 seed=0, num_fragments=plan.num_fragments, plan_hash=plan.plan_hash(), created_at=time.time(),
-                 max_inner_lr=max_inner_lr, max_tokens_per_step=max_tokens_per_step)
-    await kv.create(MANIFEST_KEY, orjson.dumps(m.to_dict()))
-    if log is not None:
-        log.info("run_created", run=common.run, params=spec.num_params, fragments=plan.num_fragments)
-    return True
+                          init: Mapping[str, np.ndarray], max_imbalance: float, *, max_inner_lr: float | None = None,
+                          max_tokens_per_step: int | None = None, log=None, provision: bool = True) -> bool:
+    """:func:`create_run` of a user's tree with ``init`` (path -> array) as version 0."""
+    m = Manifest(run=common.run, model_hash=spec.tree_hash(), spec={"kind": "tree"}, seed=0,
+                 num_fragments=plan.num_fragments, plan_hash=plan.plan_hash(), created_at=time.time(),
+                 max_inner_lr=max_inner_lr, max_tokens_per_step=max_tokens_per_step, tree=spec.to_dict(),
+                 max_imbalance=max_imbalance)
+    return await create_run(js, common, m, plan, lambda: init, log=log, provision=provision)

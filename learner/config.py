@@ -11,12 +11,15 @@ from bus.config import boolean, choice, integer, number, register, text, token, 
 @register("model")
 @dataclass(frozen=True)
 class ModelConfig:
-    """The run's architecture and fragmentation. Every process of a run must agree on these:
-    the aggregator creates version 0 from them, learners refuse to start when their hash differs."""
+    """The built-in model's architecture and the run's fragmentation. Whoever creates a built-in run
+    (a learner, ``diloco run create``, ``diloco up``) makes version 0 and the manifest from them;
+    learners refuse to start when their hash differs. The aggregator and the monitor need none of
+    them: they follow the run's manifest."""
 
     model: str = var("builtin", choice("builtin", "run"),
-                     "builtin: the byte-level transformer of the variables below; run: whatever the run's manifest "
-                     "describes (a user's JAX tree, created by an island or `diloco run create --init`)")
+                     "`diloco aggregator` with builtin: create a run of the built-in transformer (the variables "
+                     "below) if there is none; run: only follow what the run's creator made (an island, `diloco "
+                     "run create --init`). The aggregator itself merges whatever the manifest describes")
     d_model: int = var(128, integer(8, 65536), "model width")
     n_layers: int = var(4, integer(1, 1024), "transformer blocks")
     n_heads: int = var(4, integer(1, 1024), "attention heads (must divide DILOCO_D_MODEL)")
@@ -90,7 +93,11 @@ class LearnerConfig:
     step_time: float = var(0.05, number(0.0, 3600), "synthetic mode: seconds per inner step")
     slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer")
     sync_timeout: float = var(120.0, number(0.1), "sync mode: seconds to wait for the merged version")
-    manifest_timeout: float = var(300.0, number(0.1), "seconds to wait at start for the run manifest (an aggregator)")
+    manifest_timeout: float = var(300.0, number(0.1), "seconds to wait at start for the run's manifest (its creator)")
+    create_run: bool = var(True, boolean(),
+                           "create the run if it has none (version 0 of the built-in model from DILOCO_SEED; an "
+                           "island: its own parameters); false under auth, where only admin and the aggregator "
+                           "may write version 0 (`diloco auth init` writes false into learners' env files)")
 
     def __post_init__(self) -> None:
         if not self.synthetic and self.warmup_steps >= self.total_steps:

@@ -80,8 +80,8 @@ class TreeModel:
             return (f"run {m.run!r} trains the built-in model ({m.model_hash}), not a user's tree: "
                     "use another DILOCO_RUN")
         try:
-            theirs = TreeSpec.from_dict(m.spec["tree"])
-        except ValueError as e:
+            theirs = TreeSpec.from_dict(m.tree if m.tree is not None else m.spec.get("tree"))
+        except (ValueError, TypeError) as e:
             return f"run {m.run!r}: {e}"
         diff = self.tree.first_difference(theirs)
         if diff is not None:
@@ -247,7 +247,7 @@ class Island:
         existing = _manifest_now(self.common)
         if existing is not None and existing.spec.get("kind") == "tree":
             model_cfg = dataclasses.replace(model_cfg, num_fragments=existing.num_fragments,
-                                            max_imbalance=float(existing.spec.get("max_imbalance", 1.1)))
+                                            max_imbalance=float(existing.max_imbalance or 1.1))
         self._tree = TreeParams(params, self.spec, plan_for(self.spec, model_cfg.num_fragments,
                                                             model_cfg.max_imbalance))
         if create:
@@ -258,7 +258,8 @@ class Island:
         self._backend = HookBackend(self._tree, self._cancel)
         self.model = TreeModel(self.spec, model_cfg.num_fragments, model_cfg.max_imbalance, tokens_per_step,
                                lambda learner: self._backend,
-                               init=named_float_arrays(params) if create else None, max_inner_lr=lr)
+                               init=named_float_arrays(params) if create and self.cfg.create_run else None,
+                               max_inner_lr=lr)
         self._closed = False
         self._start(join_timeout)
 

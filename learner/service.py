@@ -60,7 +60,7 @@ from bus.fragments import FragmentPlan, gather
 from learner.outer import feedback_step, mix, outer_gradient, rebase, relative_error
 from learner.spec import ModelSpec, count_params, spec_hash
 
-EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_TIMEOUT = 0, 1, 3, 4
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_MISMATCH, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 
 #: Seconds between polls of every fragment's head, a safety net next to the watch (which may
 #: miss heads while a reconnect re-creates its consumer).
@@ -156,6 +156,7 @@ class BuiltinModel:
     def __init__(self, model: ModelConfig, cfg: LearnerConfig):
         from learner.spec import make_plan
 
+        self.model_cfg, self.create = model, cfg.create_run
         self.spec = model.spec()
         self.model_hash = spec_hash(self.spec)
         self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
@@ -176,7 +177,19 @@ class BuiltinModel:
         return initial_blobs(self.spec, self.plan, m.seed)
 
     async def create_run_if_missing(self, js, common: CommonConfig, log) -> None:
-        return None  # the aggregator creates a built-in model's run (version 0 from its seed)
+        """Create the built-in run (version 0 from the seed) unless it exists or DILOCO_CREATE_RUN
+        is false; several learners racing end with one version 0 (``bus.runs.create_run``)."""
+        if not self.create:
+            return
+        from bus.streams import LimitsTooSmall
+        from learner.builtin import create_builtin_run
+
+        try:
+            await create_builtin_run(js, common, self.model_cfg, log=log)
+        except LimitsTooSmall as e:
+            raise StartupError(EXIT_CONFIG, str(e)) from None
+        except Exception as e:  # no right to create it, a server blip: wait for its creator
+            log.warning("run_not_created", error=repr(e), hint="waiting for the run's manifest")
 
 
 def check_geometry(m, inner_lr: float, tokens_per_step: int) -> None:
@@ -192,7 +205,7 @@ def check_geometry(m, inner_lr: float, tokens_per_step: int) -> None:
 
 
 def initial_blobs(spec: ModelSpec, plan: FragmentPlan, seed: int):
-    """``head -> blob``: version 0 built here, as ``aggregator.bootstrap`` builds it (numpy init from
+    """``head -> blob``: version 0 built here, as ``learner.builtin`` builds it (numpy init from
     the manifest's seed, bit-identical), so a fresh run starts without downloading its parameters
     (data-parallel workers do not download their init either). The reader takes it only when its
     size and crc32 equal the head's; anything else (a later version, another seed) is downloaded."""

@@ -32,7 +32,8 @@ class Procs:
 
     def start(self, name: str, module: str, url: str | None = None, **extra: str) -> subprocess.Popen:
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")
-        p = subprocess.Popen([PY, "-m", module], env=env(url or self.url, self.run, **extra),
+        argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        p = subprocess.Popen([PY, "-m", *argv], env=env(url or self.url, self.run, **extra),
                              stdout=log, stderr=log, start_new_session=True)
         log.close()
         self.procs[name] = p

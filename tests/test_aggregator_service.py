@@ -16,6 +16,8 @@ from bus.chunks import checksum, chunk_headers
 from bus.config import CommonConfig
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
+from bus.conn import connect
+from learner.builtin import create_builtin_run
 from tests.agg_helpers import MODEL, PLAN, FakeLearner, set_members
 
 RUN = "agg"
@@ -23,7 +25,12 @@ RUN = "agg"
 
 async def _start(nats_server, **cfg):
     common = CommonConfig(nats_url=nats_server.url, run=RUN, metrics_interval=0.2, partial_timeout=1.0)
-    svc = AggregatorService(common, MODEL, AggregatorConfig(**cfg))
+    nc = await connect(common, name="create")
+    try:  # as `diloco aggregator` does before the aggregator
+        await create_builtin_run(nc.jetstream(timeout=10), common, MODEL)
+    finally:
+        await nc.close()
+    svc = AggregatorService(common, AggregatorConfig(**cfg))
     stop = asyncio.Event()
     task = asyncio.create_task(svc.run(stop))
     for _ in range(200):

@@ -31,7 +31,7 @@ import orjson
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from aggregator.bootstrap import bootstrap_run
+from learner.builtin import create_builtin_run
 from bus.runs import read_manifest
 from bus import auth
 from bus.auth import (
@@ -280,7 +280,7 @@ def secured(tmp_path_factory):
         await ensure_run(admin.js(), RUN)  # `diloco run create` as admin
         await admin.nc.close()
         agg = await login(srv, r, "aggregator")
-        await bootstrap_run(agg.js(), RUN, SPEC, MODEL.seed, PLAN)
+        await create_builtin_run(agg.js(), CommonConfig(run=RUN), MODEL)  # `diloco aggregator` does it
         await agg.nc.close()
 
     try:
@@ -506,7 +506,8 @@ class Procs:
 
     def start(self, name: str, module: str, env: dict) -> None:
         err = open(self.tmp / f"{name}.err", "w")
-        self.procs[name] = (subprocess.Popen([sys.executable, "-m", module], cwd=str(ROOT), env=env,
+        argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        self.procs[name] = (subprocess.Popen([sys.executable, "-m", *argv], cwd=str(ROOT), env=env,
                                              stdout=subprocess.DEVNULL, stderr=err), err)
 
     def stop(self) -> dict[str, str]:
@@ -577,7 +578,7 @@ async def test_strict_mode_only_admin_provisions(tmp_path):
             assert env_of(r, "aggregator")["DILOCO_PROVISION"] == "false"
             assert "DILOCO_PROVISION" not in env_of(r, "learner-us-0")
             since = log_offset(srv)
-            early = subprocess.run([sys.executable, "-m", "aggregator"], env=_proc_env(r, "aggregator", srv),
+            early = subprocess.run([sys.executable, "-m", "bus.cli", "aggregator"], env=_proc_env(r, "aggregator", srv),
                                    capture_output=True, text=True, timeout=60)
             assert early.returncode == 3, early.stderr[-2000:]
             line = early.stderr.strip().splitlines()[-1]
@@ -585,8 +586,8 @@ async def test_strict_mode_only_admin_provisions(tmp_path):
             assert server_violations(srv, since) == []
             await ensure_run(admin.js(), RUN)
             assert all(v is not None for v in (await inspect_run(admin.js(), RUN)).values())
-            # once admin created it, the aggregator runs: it bootstraps version 0 of every fragment
-            proc = subprocess.Popen([sys.executable, "-m", "aggregator"], env=_proc_env(r, "aggregator", srv),
+            # once admin created it, `diloco aggregator` runs: it writes version 0 of every fragment
+            proc = subprocess.Popen([sys.executable, "-m", "bus.cli", "aggregator"], env=_proc_env(r, "aggregator", srv),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             try:
                 store = VersionedStore(agg.js(), RUN, GLOBAL)
@@ -600,7 +601,7 @@ async def test_strict_mode_only_admin_provisions(tmp_path):
                 proc.terminate()
                 proc.wait(30)
             assert server_violations(srv, since) == []
-            await bootstrap_run(agg.js(), RUN, SPEC, MODEL.seed, PLAN)  # idempotent with the aggregator's
+            assert not await create_builtin_run(agg.js(), CommonConfig(run=RUN), MODEL)  # it exists: nothing written
             await expect_denied(admin, S.versioned_head(GLOBAL, 0),
                                 lambda: admin.js(DENY_TIMEOUT).publish(S.versioned_head(GLOBAL, 0), b"{}"))
             from bus.streams import delete_run

@@ -1,6 +1,6 @@
 """The learner service and the evaluator against a real nats-server.
 
-Version 0 and the manifest come from ``aggregator.bootstrap.bootstrap_run`` (no aggregator
+Version 0 and the manifest come from ``learner.builtin.create_builtin_run`` (no aggregator
 process); the test itself plays the aggregator where one is needed (publishing newer global
 versions with ``VersionedStore.put``). Learners run as real subprocesses (``python -m learner``)
 unless a test needs to look inside one, then in-process. Tiny model: d_model 32, 2 layers,
@@ -20,13 +20,12 @@ import numpy as np
 import orjson
 import pytest
 
-from aggregator.bootstrap import bootstrap_run
+from learner.builtin import create_builtin_run
 from learner.spec import make_plan
 from bus import codec
 from bus.chunks import CHUNK_HEADER
 from bus.config import CommonConfig
 from bus.protocol import parse_grad_meta
-from bus.streams import ensure_run
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import Assembled, ChunkConsumer, VersionedStore, ack_all
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
@@ -49,8 +48,11 @@ MODEL_ENV = {"DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "
 
 
 async def bootstrap(js):
-    await ensure_run(js, RUN)
-    return await bootstrap_run(js, RUN, SPEC, 0, PLAN)
+    """Create the run (version 0 from seed 0, then the manifest), as `diloco run create` does."""
+    from bus.runs import read_manifest
+
+    await create_builtin_run(js, CommonConfig(run=RUN), MC)
+    return await read_manifest(js, RUN)
 
 
 def learner_env(server, **kw) -> dict:

@@ -96,11 +96,11 @@ def _env(**extra: str) -> dict:
     return e
 
 
-@pytest.mark.parametrize("argv", [["-m", "bus.cli", "run", "create"], ["-m", "aggregator"],
+@pytest.mark.parametrize("argv", [["-m", "bus.cli", "run", "create"], ["-m", "bus.cli", "aggregator"],
                                   ["-m", "bus.cli", "up", "--quick", "--out", "{tmp}"]])
 def test_every_provisioner_refuses_a_limit_too_small_in_one_line(argv, tmp_path):
     """The issue's case (the default model, DILOCO_STREAM_MAX_BYTES=4000000): `diloco run create`,
-    the aggregator and `diloco up` stop before connecting, with one line naming the variable."""
+    `diloco aggregator` and `diloco up` stop before connecting, with one line naming the variable."""
     argv = [a.replace("{tmp}", str(tmp_path / "up")) for a in argv]
     r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=_env(DILOCO_STREAM_MAX_BYTES="4000000"),
                        capture_output=True, text=True, timeout=120)
@@ -108,3 +108,17 @@ def test_every_provisioner_refuses_a_limit_too_small_in_one_line(argv, tmp_path)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stderr
     assert "DILOCO_STREAM_MAX_BYTES=4000000 cannot hold run 'big'" in lines[0] and "needs" in lines[0]
+
+
+def test_the_aggregator_of_an_existing_run_refuses_a_limit_too_small(nats_server):
+    """The aggregator alone (``python -m aggregator``) knows the model from the manifest only: it
+    refuses once it has read it, in one line, and leaves the run's streams as they were."""
+    env = {**_env(DILOCO_NATS_URL=nats_server.url), "DILOCO_D_MODEL": "64"}
+    made = subprocess.run([sys.executable, "-m", "bus.cli", "run", "create"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    r = subprocess.run([sys.executable, "-m", "aggregator"], cwd=ROOT, env={**env, "DILOCO_STREAM_MAX_BYTES": "4000000"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("diloco aggregator:")]
+    assert len(lines) == 1 and "DILOCO_STREAM_MAX_BYTES=4000000 cannot hold run 'big'" in lines[0], r.stderr

@@ -1,0 +1,43 @@
+"""The built-in byte-level transformer as a run: its parameter tree, manifest and version 0.
+
+A built-in run is a run like any other (``bus.runs``): its manifest carries the tree (every
+parameter float32, in ``learner.spec.param_shapes`` order) and how the fragment plan is made, so the
+aggregator merges it without knowing the model. What is particular to it: version 0 is made from
+the seed (``learner.spec.init_params``, numpy, bit-identical on every machine), so a learner can
+build it locally instead of downloading it, and several creators racing write the same bytes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bus.config import CommonConfig
+from bus.fragments import FragmentPlan
+from bus.protocol import Manifest
+from bus.runs import create_run
+from bus.tree import Leaf, TreeSpec
+from learner.config import ModelConfig
+from learner.spec import ModelSpec, init_params, make_plan, param_shapes, spec_hash
+
+
+def builtin_tree(spec: ModelSpec) -> TreeSpec:
+    return TreeSpec(tuple(Leaf(path, tuple(shape), "float32") for path, shape in param_shapes(spec).items()))
+
+
+def builtin_manifest(run: str, model: ModelConfig) -> tuple[Manifest, FragmentPlan]:
+    """The manifest of a built-in run of ``model`` (and its plan), with the declared geometry."""
+    spec = model.spec()
+    plan = make_plan(spec, model.num_fragments, model.max_imbalance)
+    m = Manifest(run=run, model_hash=spec_hash(spec), spec=spec.to_dict(), seed=model.seed,
+                 num_fragments=plan.num_fragments, plan_hash=plan.plan_hash(), created_at=time.time(),
+                 max_inner_lr=model.max_inner_lr, max_tokens_per_step=model.max_tokens_per_step,
+                 tree=builtin_tree(spec).to_dict(), max_imbalance=model.max_imbalance)
+    return m, plan
+
+
+async def create_builtin_run(js, common: CommonConfig, model: ModelConfig, log=None, provision: bool = True) -> bool:
+    """Create the run of the built-in model (``bus.runs.create_run``): True if we did."""
+    m, plan = builtin_manifest(common.run, model)
+    spec = model.spec()
+    return await create_run(js, common, m, plan, lambda: init_params(spec, model.seed), log=log,
+                            provision=provision)
