@@ -50,6 +50,76 @@ def encode_array(arr: np.ndarray, q: str = "fp32", block: int = quant.DEFAULT_BL
     return out
 
 
+def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str, *, keep_residual: bool,
+                         block: int = quant.DEFAULT_BLOCK, chunk: int = 1 << 16
+                         ) -> tuple[bytearray, np.ndarray, np.ndarray | None, float]:
+    """One error-feedback round, fused: (blob, sent, new residual, relative error).
+
+    ``corrected = delta + residual`` (in ``delta``'s memory: the caller hands it over), the blob
+    of ``corrected`` under ``q``, ``sent`` = what a receiver decodes from it, and with
+    ``keep_residual`` the new residual ``corrected - sent`` (written into ``residual`` when given,
+    else a new array); relative error ``||corrected - sent|| / ||corrected||``. Bitwise what
+    ``encode_array`` / ``decode_array`` / ``learner.outer.feedback_step`` give (quantiser blocks
+    are independent, and chunks are whole blocks), but in chunks of ``chunk`` values written
+    straight into the blob: no temporary of the fragment's size, and the chunk's temporaries stay
+    in cache (2-3x faster for a fragment of millions of values)."""
+    x = np.asarray(delta)
+    if x.dtype != np.float32 or x.ndim != 1 or not x.flags.c_contiguous or not x.flags.writeable:
+        raise CodecError("encode_with_feedback: delta must be a writeable contiguous 1-D float32 array")
+    n = x.size
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != np.float32:
+            raise CodecError(f"residual {residual.shape} {residual.dtype} does not match delta {x.shape} float32")
+        if keep_residual and not residual.flags.writeable:
+            residual = residual.copy()
+    header = msgpack.packb({"v": VERSION, "q": q, "b": block, "dt": np.dtype(np.float32).str, "sh": [n]})
+    specs = quant.part_specs(q, n, block)
+    out = bytearray(4 + len(header) + sum(d.itemsize * c for d, c in specs))
+    struct.pack_into("<I", out, 0, len(header))
+    out[4:4 + len(header)] = header
+    views, off = [], 4 + len(header)
+    for d, c in specs:
+        views.append(np.frombuffer(out, dtype=d, count=c, offset=off))
+        off += d.itemsize * c
+    sent = np.empty(n, dtype=np.float32)
+    new_res = (residual if residual is not None else np.empty(n, dtype=np.float32)) if keep_residual else None
+    step = max(block, chunk - chunk % block)
+    num = den = 0.0
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        c = x[s:e]
+        if residual is not None:
+            c += residual[s:e]
+        parts = quant.quantise(c, q, block)
+        _place(views, parts, q, s, block)
+        sc = quant.dequantise(parts, q, e - s, block)
+        sent[s:e] = sc
+        den += float(np.dot(c, c))
+        if new_res is not None:
+            r = new_res[s:e]
+            np.subtract(c, sc, out=r)
+            num += float(np.dot(r, r))
+        else:
+            d = c - sc
+            num += float(np.dot(d, d))
+    if den == 0.0:
+        err = 0.0 if num == 0.0 else float("inf")
+    else:
+        err = math.sqrt(num / den)
+    return out, sent, new_res, err
+
+
+def _place(views: list[np.ndarray], parts: list[np.ndarray], q: str, start: int, block: int) -> None:
+    """Write a chunk's wire parts (the chunk starts at value ``start``, a multiple of ``block``)."""
+    if q in ("fp32", "bf16"):
+        views[0][start:start + parts[0].size] = parts[0]
+        return
+    b0 = start // block
+    views[0][b0:b0 + parts[0].size] = parts[0]  # one scale per block
+    per = 1 if q == "int8" else 2  # values per byte of the codes part
+    views[1][start // per:start // per + parts[1].size] = parts[1]
+
+
 def decode_header(buf: bytes | bytearray | memoryview) -> tuple[dict, int]:
     """(header, offset of the first part). Raises :class:`CodecError` on anything malformed."""
     mv = memoryview(buf)

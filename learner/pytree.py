@@ -63,13 +63,17 @@ class TreeParams:
                 why = str(e)
             raise ValueError(f"params changed structure: {why or 'leaf order'}")
 
-    def set_tree(self, tree: Any, checked: bool = False) -> None:
-        """Take the user's newest parameters (checked against the run's tree unless ``checked``)."""
+    def set_tree(self, tree: Any, checked: bool = False) -> list | None:
+        """Take the user's newest parameters (checked against the run's tree unless ``checked``).
+        Returns the previous leaves: dropping the last reference to them frees their buffers,
+        which for a big model takes tens of ms, so the caller chooses where that happens."""
         if not checked:
             self.check(tree)
+        old = getattr(self, "leaves", None)
         paths, leaves, treedef = flatten(tree)
         self.paths, self.leaves, self.treedef = paths, list(leaves), treedef
         self.index = {p: i for i, p in enumerate(paths)}
+        return old
 
     def tree(self) -> Any:
         import jax

@@ -57,7 +57,7 @@ from bus.transport import ChunkPublisher, Head, follow_heads
 from learner import loop as lp
 from learner.config import LearnerConfig, ModelConfig
 from bus.fragments import FragmentPlan, gather
-from learner.outer import feedback_step, mix, outer_gradient, rebase, relative_error
+from learner.outer import mix, outer_gradient, rebase
 from learner.spec import ModelSpec, count_params, spec_hash
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_MISMATCH, EXIT_TIMEOUT = 0, 1, 2, 3, 4
@@ -506,9 +506,16 @@ class Learner:
         try:
             vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
         finally:
-            self.store.local = None
+            local_hits, self.store.local = self.store.local_hits, None
         self.backend = await self._in_worker(self._make_backend)
-        await self._in_worker(self.backend.load, vectors)
+        # an island whose own parameters are the run's version 0 (every fragment's bytes equal:
+        # the reader took each from our local copy) has nothing to load
+        ours = (getattr(self.run_model, "holds_version0", False) and local_hits == self.P
+                and all(v == 0 for v in versions.values()))
+        if not ours:
+            await self._in_worker(self.backend.load, vectors)
+        if hasattr(self.run_model, "joined"):
+            self.run_model.joined()
         if hasattr(self.backend, "compile"):
             self.log.info("compiled", seconds=round(await self._in_worker(self.backend.compile), 3))
         self.base = vectors
@@ -545,10 +552,14 @@ class Learner:
     async def _train(self) -> None:
         cfg = self.cfg
         total = cfg.steps_to_run
+        hook = getattr(self.backend, "serves_early", False)
         while not self._halt.is_set() and self.book.step < total:
-            if self._resync_requested:
+            # an island's hook (``hook``): the parameters held here were handed back to the user
+            # already, and the next deposit replaces them; arrivals and a resync are applied to
+            # that deposit instead (below), or they would be lost with the base moved on
+            if self._resync_requested and not hook:
                 await self._resync()
-            if self.pending:
+            if self.pending and not hook:
                 await self._apply_pending()
             t0 = time.monotonic()
             loss = await self._in_worker(self.backend.step)
@@ -561,10 +572,13 @@ class Learner:
             due = self.book.on_step(time.monotonic() - t0)
             self.loss = loss
             self.rate.add(time.monotonic(), self.tokens_per_step)
-            if getattr(self.backend, "serves_early", False):
-                # an island's hook: mix arrivals into the parameters just taken and hand them back
-                # to the user now; the outer gradients below are computed while the user's next
-                # inner step runs (JAX arrays are immutable, so the taken tree stays as it was)
+            if hook:
+                # mix arrivals (or a resync) into the parameters just taken and hand them back to
+                # the user now; the outer gradients below are computed while the user's next inner
+                # step runs (JAX arrays are immutable, so the taken tree stays as it was)
+                if self._resync_requested:
+                    await self._resync()
+                    due = []  # the step's work is dropped with the rest: nothing to send
                 if self.pending:
                     await self._apply_pending()
                 await self._in_worker(self.backend.serve)
@@ -622,23 +636,20 @@ class Learner:
         delta would repeat this one and the aggregator would apply it again and again.
         """
         p, q = c.fragment, self.cfg.quantiser
-        theta = self.backend.get_fragment(p)
+        theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
         delta = outer_gradient(self.base[p], theta)
         if self.unsent[p] is not None:  # a publish that failed for good: its work goes out now
             delta += self.unsent[p]
             self.unsent[p] = None
-        self.base[p] = np.array(theta, dtype=np.float32, copy=True)
-        out: dict = {}
-
-        def roundtrip(x: np.ndarray) -> np.ndarray:  # quant.roundtrip, keeping the encoded blob
-            out["x"], out["blob"] = x, codec.encode_array(x, q)
-            return codec.decode_array(out["blob"])
-
-        if self.cfg.error_feedback and q != "fp32":
-            sent, self.residual[p] = feedback_step(delta, self.residual[p], roundtrip)
-        else:
-            sent = roundtrip(delta)
-        self.quant_error = relative_error(out["x"], sent)
+        self.base[p] = theta
+        # error feedback, quantisation and the decoded copy in one chunked pass (bitwise the
+        # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
+        ef = self.cfg.error_feedback and q != "fp32"
+        blob, sent, residual, self.quant_error = codec.encode_with_feedback(
+            delta, self.residual[p] if ef else None, q, keep_residual=ef)
+        if ef:
+            self.residual[p] = residual
+        out = {"blob": blob}
         meta = grad_meta(run=self.common.run, model=self.model_hash, learner=self.id,
                          incarnation=self.incarnation, fragment=p, round_=c.round,
                          base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,

@@ -267,3 +267,47 @@ def test_run_create_from_an_init_file_and_an_island_joins_it(nats_server, tmp_pa
     r = create(bad)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "leaf ['n'] is int64, not floating point" in lines[0], r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_arrival_after_the_hand_back_reaches_the_users_next_step(nats_server, monkeypatch):
+    """Hook mode: parameters handed back to the user are replaced by the user's next deposit, so a
+    global version that lands after the hand-back must be mixed into that deposit. (It used to be
+    applied to the tree already handed back, at the top of the learner's loop, and so lost while
+    the learner's base moved on: the next outer gradient then carried minus the global update.)"""
+    import jax.numpy as jnp
+
+    from learner.island import HookBackend, Island
+
+    injected = {}
+    serve = HookBackend.serve
+
+    def serve_then_arrive(self):
+        serve(self)
+        learner = injected.get("learner")
+        if learner is not None and self._served == 3 and "vec" not in injected:
+            # a version of fragment 0 lands right after the hand-back of step 2
+            v = learner.book.frags[0].base_version + 1
+            vec = learner.base[0] + 1.0
+            injected["vec"] = vec
+            learner._loop.call_soon_threadsafe(learner.pending.__setitem__, 0, (v, vec))
+
+    monkeypatch.setattr(HookBackend, "serve", serve_then_arrive)
+    tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
+    isl = Island(tree, run="late", nats_url=nats_server.url, learner_id="h", sync_every=1000, num_fragments=1,
+                 join_timeout=60)
+    try:
+        isl.learner._loop = isl._loop
+        injected["learner"] = isl.learner
+        p = isl.params
+        seen = []
+        for _ in range(6):
+            p = isl.step(p, loss=0.0)  # the user's step changes nothing: what comes back is the run's
+            seen.append(float(np.asarray(p["w"]).mean()))
+        assert "vec" in injected
+        assert seen[-1] == 1.0, seen  # the arrival reached the user
+        np.testing.assert_array_equal(isl.learner.base[0], injected["vec"])
+        # and no progress is claimed: theta equals the base, the next outer gradient is zero
+        assert np.abs(isl._tree.get_fragment(0) - isl.learner.base[0]).max() == 0.0
+    finally:
+        isl.close(final_sync=False)
