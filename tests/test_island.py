@@ -311,3 +311,36 @@ def test_an_arrival_after_the_hand_back_reaches_the_users_next_step(nats_server,
         assert np.abs(isl._tree.get_fragment(0) - isl.learner.base[0]).max() == 0.0
     finally:
         isl.close(final_sync=False)
+
+
+@pytest.mark.timeout(120)
+async def test_a_claim_left_by_a_dead_creator_is_taken_over(nats_server, js):
+    """A creator that died after its claim and before the manifest would leave the run unusable:
+    a claim older than the timeout, with no manifest, is taken over by the next creator (and a
+    fresh one is respected)."""
+    import jax.numpy as jnp
+
+    from bus.config import CommonConfig
+    from bus.runs import CLAIM_KEY, create_tree_run, plan_for, read_manifest
+    from bus.streams import Limits, ensure_run
+    from bus.subjects import Subjects
+    from learner.pytree import named_float_arrays, tree_spec
+
+    common = CommonConfig(nats_url=nats_server.url, run="orphan")
+    tree = {"w": jnp.ones((10,))}
+    spec = tree_spec(tree)
+    plan = plan_for(spec, 1, 1.1)
+    await ensure_run(js, "orphan", Limits())
+    kv = await js.key_value(Subjects("orphan").bucket("run"))
+    await kv.create(CLAIM_KEY, orjson.dumps({"ts": 0.0, "model": "dead"}))  # a claim from long ago
+    assert await create_tree_run(js, common, spec, plan, named_float_arrays(tree), 1.1)
+    assert (await read_manifest(js, "orphan")).model_hash == spec.tree_hash()
+    # a live claim (just now) on another run is left alone
+    common2 = CommonConfig(nats_url=nats_server.url, run="busy")
+    await ensure_run(js, "busy", Limits())
+    kv2 = await js.key_value(Subjects("busy").bucket("run"))
+    import time as _time
+
+    await kv2.create(CLAIM_KEY, orjson.dumps({"ts": _time.time(), "model": "alive"}))
+    assert not await create_tree_run(js, common2, spec, plan, named_float_arrays(tree), 1.1)
+    assert await read_manifest(js, "busy") is None

@@ -122,3 +122,33 @@ def test_the_aggregator_of_an_existing_run_refuses_a_limit_too_small(nats_server
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("diloco aggregator:")]
     assert len(lines) == 1 and "DILOCO_STREAM_MAX_BYTES=4000000 cannot hold run 'big'" in lines[0], r.stderr
+
+
+def test_run_create_streams_only_sizes_the_streams_and_writes_no_version(nats_server):
+    """Strict auth: admin creates the streams (sized for the model) and nothing else; the
+    aggregator's credentials write version 0 later."""
+    import asyncio
+
+    from bus.conn import connect
+    from bus.runs import read_manifest
+    from learner.builtin import builtin_manifest
+    from learner.config import ModelConfig
+
+    env = {**_env(DILOCO_NATS_URL=nats_server.url), "DILOCO_RUN": "adm"}
+    r = subprocess.run([sys.executable, "-m", "bus.cli", "run", "create", "--streams-only"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+    async def look():
+        nc = await connect(CommonConfig(nats_url=nats_server.url, run="adm"), name="t")
+        try:
+            js = nc.jetstream(timeout=10)
+            info = await js.stream_info(Subjects("adm").stream(GLOBAL))
+            return info.config.max_bytes, await read_manifest(js, "adm")
+        finally:
+            await nc.close()
+
+    max_bytes, manifest = asyncio.run(look())
+    sizes = builtin_manifest("adm", ModelConfig())[1].sizes
+    assert manifest is None
+    assert max_bytes == Limits.for_run(CommonConfig(), sizes).bytes_of("global") >= footprint(sizes, 2)["global"]
