@@ -146,6 +146,10 @@ class AggregatorService:
             return set(self.seen)
         return {k for k, st in self.members.items() if st == "active"}
 
+    def leavers(self) -> set[str]:
+        """Learners that left (done, not failed): what they sent before leaving is still merged."""
+        return {k for k, st in self.members.items() if st == "left"} if self.cfg.require_membership else set()
+
     def participants(self, now: float) -> set[str]:
         """Learners taking part in the run for the participation scale and the staleness rounds: the
         active ones and those whose contributions arrived within DILOCO_PARTICIPATION_WINDOW seconds.
@@ -272,7 +276,7 @@ class AggregatorService:
             run=self.common.run, model_hash=self.model_hash,
             fragment_sizes={q: self.plan.sizes[q] for q in self.owned},
             current_version={q: self.states[q].version for q in self.owned},
-            active=self.active(), known=self.known(),
+            active=self.active() | self.leavers(), known=self.known(),
             applied=st.applied if st else None, pending=pending,
             norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
             per_round=max(1, len(self.participants(now))),  # as the merge counts rounds

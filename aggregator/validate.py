@@ -7,7 +7,8 @@ another run never costs a pass over its vector:
     1. wrong_run         c.run != ctx.run
     2. wrong_model       c.model_hash != ctx.model_hash
     3. unknown_learner   learner never admitted to the membership (not in ctx.known)
-    4. inactive_learner  known but not active now (suspect or evicted)
+    4. inactive_learner  known but not active now (suspect or evicted; a learner that *left*,
+                         done rather than failed, is in ``ctx.active``: its last work counts)
     5. wrong_fragment    fragment not in the plan owned by this aggregator
     6. bad_counters      inner_steps <= 0, tokens <= 0, tokens < steps, tokens/steps above
                          max_tokens_per_step, steps above max_inner_steps, round < 0 or

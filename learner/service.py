@@ -448,13 +448,14 @@ class Learner:
                                              f"diloco learner {self.id}")
             if code is not None:
                 return code
-            tasks += [asyncio.create_task(c) for c in (
-                self._heartbeats(), self._metrics_loop(), self._follow_globals(),
-                self._follow_membership())]
+            beats = asyncio.create_task(self._heartbeats())
+            tasks += [beats] + [asyncio.create_task(c) for c in (
+                self._metrics_loop(), self._follow_globals(), self._follow_membership())]
             if self.cfg.dynamic_h:
                 tasks.append(asyncio.create_task(self._follow_rates()))
             await self._train()
             await self._drain()
+            await self._leave(beats)
             await self._publish_metrics()
             self.log.info("stopped", step=self.book.step, contributions=self.book.contributions,
                           bytes_sent=self.publisher.bytes_sent, bytes_received=self.store.bytes_received,
@@ -932,6 +933,21 @@ class Learner:
                        step=self.book.step, tokens_per_s=self.rate.rate(time.monotonic()),
                        versions=self.book.versions(), sent_at=time.time())
         return heartbeat_to_dict(hb)
+
+    async def _leave(self, beats: asyncio.Task) -> None:
+        """Done (the step budget, an island closed, a stop), with every publish settled: the last
+        heartbeat says ``leaving``, so the monitor marks us ``left`` rather than evicting us for the
+        silence, and the aggregator still merges what we sent (tests/test_system_membership.py)."""
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        hb = self.heartbeat()
+        hb["leaving"] = True
+        try:
+            await self.nc.publish(self.s.heartbeat(self.id), orjson.dumps(hb))
+            await self.nc.flush(timeout=5)
+            self.log.info("left", step=self.book.step)
+        except Exception as e:  # the monitor then evicts us for the silence, as before
+            self.log.warning("leave_failed", error=repr(e))
 
     async def _heartbeats(self) -> None:
         interval = self.cfg.heartbeat_interval

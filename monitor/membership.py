@@ -14,6 +14,12 @@ State machine (every edge is listed in `ALLOWED_EDGES`)::
     joining | rejoining --silent evict_after--> evicted
     evicted --heartbeat--> rejoining --holds current versions--> active
     active | suspect --heartbeat with a new incarnation--> rejoining
+    joining | active | suspect | rejoining --leaving heartbeat--> left
+    left --heartbeat--> rejoining
+
+A learner that is done (its step budget reached, an island closed, a stop) sends one last
+heartbeat with ``leaving: true`` after its last outer gradients were stored: it is then ``left``,
+never suspected or evicted for its silence, and the aggregator still merges what it sent.
 
 Only `active` members count in the aggregator's quorum (`is_counted_in_quorum`).
 
@@ -68,6 +74,7 @@ class State(str, Enum):
     SUSPECT = "suspect"
     EVICTED = "evicted"
     REJOINING = "rejoining"
+    LEFT = "left"
 
 
 #: Every (old, new) pair a transition may have; `None` means "not a member yet".
@@ -85,6 +92,11 @@ ALLOWED_EDGES: frozenset[tuple[State | None, State]] = frozenset(
         (State.EVICTED, State.REJOINING),
         (State.REJOINING, State.ACTIVE),
         (State.REJOINING, State.EVICTED),
+        (State.JOINING, State.LEFT),
+        (State.ACTIVE, State.LEFT),
+        (State.SUSPECT, State.LEFT),
+        (State.REJOINING, State.LEFT),
+        (State.LEFT, State.REJOINING),
     }
 )
 
@@ -188,6 +200,7 @@ class Heartbeat:
     tokens_per_s: float
     versions: Versions
     sent_at: float
+    leaving: bool = False  # the learner is done: its last heartbeat
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "versions", normalize_versions(self.versions))
@@ -316,8 +329,10 @@ def on_heartbeat(
             tokens_per_s=hb.tokens_per_s,
         )
         restarted = hb.incarnation != old.incarnation
-        if old.state is State.EVICTED:
-            reason = "heartbeat after eviction"
+        if old.state is State.LEFT and hb.leaving and not restarted:
+            pass  # the leaving heartbeat again (sent twice, or redelivered)
+        elif old.state in (State.EVICTED, State.LEFT):
+            reason = f"heartbeat after {'eviction' if old.state is State.EVICTED else 'leaving'}"
             if restarted:
                 reason += f" from new incarnation {hb.incarnation}"
             member, t = _move(member, State.REJOINING, reason, now)
@@ -331,7 +346,10 @@ def on_heartbeat(
             member, t = _move(member, State.ACTIVE, reason, now)
             transitions.append(t)
 
-    if member.state in (State.JOINING, State.REJOINING) and holds_current(
+    if hb.leaving and member.state is not State.LEFT:
+        member, t = _move(member, State.LEFT, f"left at step {hb.step} (its last outer gradients sent)", now)
+        transitions.append(t)
+    elif member.state in (State.JOINING, State.REJOINING) and not hb.leaving and holds_current(
         hb.versions, current_versions, cfg.max_version_lag
     ):
         if current_versions:
@@ -364,8 +382,8 @@ def on_tick(
     may_evict = now >= monitor_started_at + cfg.effective_startup_grace
     for name in sorted(members):
         member = members[name]
-        if member.state is State.EVICTED:
-            continue
+        if member.state in (State.EVICTED, State.LEFT):
+            continue  # a learner that left is silent on purpose
         silence = now - max(member.last_seen, monitor_started_at)
         if may_evict and silence >= cfg.evict_after:
             reason = (
@@ -391,7 +409,7 @@ def forgettable(members: Mapping[str, Member], now: float, forget_after: float) 
     if forget_after <= 0:
         return []
     return sorted(n for n, m in members.items()
-                  if m.state is State.EVICTED and now - max(m.since, m.last_seen) >= forget_after)
+                  if m.state in (State.EVICTED, State.LEFT) and now - max(m.since, m.last_seen) >= forget_after)
 
 
 def is_counted_in_quorum(member: Member) -> bool:
@@ -509,6 +527,7 @@ def heartbeat_to_dict(hb: Heartbeat) -> dict[str, Any]:
         "tokens_per_s": hb.tokens_per_s,
         "versions": _versions_to_json(hb.versions),
         "sent_at": hb.sent_at,
+        **({"leaving": True} if hb.leaving else {}),
     }
 
 
@@ -656,6 +675,9 @@ def validate_heartbeat(
     versions = _parse_versions(raw["versions"], limits)
     if isinstance(versions, str):
         raise InvalidHeartbeat("bad_versions", versions)
+    leaving = raw.get("leaving", False)
+    if not isinstance(leaving, bool):
+        raise InvalidHeartbeat("bad_leaving", f"leaving must be true or false, got {str(leaving)[:40]!r}")
 
     return Heartbeat(
         learner=raw["learner"],
@@ -665,4 +687,5 @@ def validate_heartbeat(
         tokens_per_s=float(tps),
         versions=versions,
         sent_at=float(sent_at),
+        leaving=leaving,
     )

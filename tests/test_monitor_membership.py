@@ -396,7 +396,7 @@ def test_transition_and_count_states_are_json_able():
         "learner": "l0", "old": None, "new": "joining", "reason": ts[0].reason, "at": T0,
     }
     assert count_states(members) == {
-        "joining": 0, "active": 1, "suspect": 0, "evicted": 0, "rejoining": 0,
+        "joining": 0, "active": 1, "suspect": 0, "evicted": 0, "rejoining": 0, "left": 0,
     }
 
 
@@ -570,3 +570,45 @@ def test_random_sequences_only_take_allowed_edges(seq, start_offset, grace, lag)
         # and survive the KV round trip
         for m in members.values():
             assert member_from_dict(json.loads(json.dumps(member_to_dict(m)))) == m
+
+
+
+# -- leaving: a learner that is done is not a failure ------------------------------------------------
+
+
+def test_a_leaving_heartbeat_makes_a_member_left_and_silence_then_evicts_nobody():
+    from dataclasses import replace
+
+    members, _ = on_heartbeat({}, hb(versions={0: 1}), T0, {0: 1}, CFG)
+    assert members["l0"].state is State.ACTIVE
+    members, ts = on_heartbeat(members, replace(hb(versions={0: 1}, step=400), leaving=True), T0 + 1, {0: 1}, CFG)
+    assert members["l0"].state is State.LEFT and edges(ts) == [(State.ACTIVE, State.LEFT)]
+    assert "left at step 400" in ts[0].reason
+    again, ts = on_heartbeat(members, replace(hb(versions={0: 1}), leaving=True), T0 + 1.5, {0: 1}, CFG)
+    assert again["l0"].state is State.LEFT and ts == []  # the leaving heartbeat twice: nothing new
+    later, ts = on_tick(members, T0 + 1000, T0 - 100, CFG)
+    assert later["l0"].state is State.LEFT and ts == []  # silent on purpose: never suspect or evicted
+    assert forgettable(later, T0 + 1000, 600.0) == ["l0"]
+    back, ts = on_heartbeat(later, hb(incarnation="inc-b", versions={0: 1}), T0 + 1001, {0: 1}, CFG)
+    assert edges(ts) == [(State.LEFT, State.REJOINING), (State.REJOINING, State.ACTIVE)]
+    assert all(edge in ALLOWED_EDGES for edge in edges(ts))
+
+
+def test_a_first_heartbeat_that_leaves_joins_and_leaves():
+    from dataclasses import replace
+
+    members, ts = on_heartbeat({}, replace(hb(), leaving=True), T0, None, CFG)
+    assert members["l0"].state is State.LEFT
+    assert edges(ts) == [(None, State.JOINING), (State.JOINING, State.LEFT)]
+
+
+def test_leaving_goes_on_the_wire_and_is_validated():
+    from dataclasses import replace
+
+    raw = heartbeat_to_dict(replace(hb(sent_at=T0), leaving=True))
+    assert raw["leaving"] is True and validate_heartbeat(raw, now=T0).leaving
+    assert "leaving" not in heartbeat_to_dict(hb(sent_at=T0))
+    assert validate_heartbeat(heartbeat_to_dict(hb(sent_at=T0)), now=T0).leaving is False
+    with pytest.raises(InvalidHeartbeat) as e:
+        validate_heartbeat(raw_hb(leaving="yes"), now=T0)
+    assert e.value.reason == "bad_leaving"

@@ -108,3 +108,43 @@ async def _true(v):
 
 async def _state_is(js, learner, state):
     return (await member_states(js, RUN)).get(learner) == state
+
+
+async def test_a_learner_that_reaches_its_budget_leaves_and_its_last_work_is_merged(nats_server, nc, js, procs):
+    """A learner that is done is not a failure: after its final sync it sends a leaving heartbeat,
+    the monitor marks it ``left`` (never evicted for the silence that follows), and the aggregator
+    merges every outer gradient it sent, the final sync's included (no inactive_learner rejection)."""
+    tap = MetricsTap()
+    await tap.start(nc, RUN)
+    procs.start("aggregator", "aggregator", **FAST_AGG)
+    procs.start("monitor", "monitor", DILOCO_MONITOR_ID="mon-a", **FAST_MONITOR)
+    budget = {"a": "60", "b": "100"}
+    learners = {lid: procs.start(lid, "learner", DILOCO_LEARNER_ID=lid, **{**SYNTH_LEARNER, "DILOCO_MAX_STEPS": n,
+                                                                           "DILOCO_FINAL_SYNC": "true"})
+                for lid, n in budget.items()}
+    for lid, p in learners.items():
+        ok, _ = await wait_for(lambda p=p: _true(p.poll() is not None), 60)
+        assert ok and p.returncode == 0, lid
+    sent = {lid: tap.get("learner", lid).get("contributions") for lid in budget}
+    assert all(n and n > 0 for n in sent.values()), sent
+    # silent for several evict_after (1 s): still left, never evicted
+    await asyncio.sleep(3.0)
+    assert await member_states(js, RUN) == {"a": "left", "b": "left"}
+
+    def merged():
+        return tap.get("aggregator", "agg-0").get("contributions", {})
+
+    ok, _ = await wait_for(lambda: _true(all(merged().get(lid, 0) == n for lid, n in sent.items())), 20)
+    assert ok, (merged(), sent)
+    assert tap.get("aggregator", "agg-0").get("rejected", {}).get("inactive_learner", 0) == 0
+    transitions = []
+    sub = await js.subscribe(f"diloco.{RUN}.events.membership", deliver_policy=DeliverPolicy.ALL, ordered_consumer=True)
+    while True:
+        try:
+            m = await sub.next_msg(timeout=1.0)
+        except Exception:
+            break
+        transitions.append(orjson.loads(m.data))
+    await sub.unsubscribe()
+    assert [t["new"] for t in transitions if t["learner"] == "a"][-1] == "left"
+    assert not any(t["new"] == "evicted" for t in transitions), transitions
