@@ -149,10 +149,30 @@ async def test_two_islands_train_a_user_model_export_and_load_back(nats_server, 
         # the user's evaluator (as diloco eval for the built-in model) reports the same loss
         from learner.island import evaluate_run
 
+        from bus.config import CommonConfig
+        from bus.conn import connect
+        from bus.subjects import Subjects
+        from monitor.metrics_view import MetricsSnapshot, fold, render_table
+
+        heard = []
+        nc = await connect(CommonConfig(nats_url=nats_server.url, run=run), name="watch")
+
+        async def on_metrics(m):
+            heard.append(orjson.loads(m.data))
+
+        await nc.subscribe(Subjects(run).metrics_all, cb=on_metrics)
         rec = await asyncio.get_running_loop().run_in_executor(None, lambda: evaluate_run(
             like, lambda prm, b: reg.loss_fn(prm, *b), [(hx, hy)], run=run, nats_url=nats_server.url,
             once=True, env={"DILOCO_MANIFEST_TIMEOUT": "30"}))
         assert rec["role"] == "evaluator" and rec["eval_loss"] == pytest.approx(exported, rel=1e-5, abs=1e-6)
+        await asyncio.sleep(0.5)
+        await nc.close()
+        # what `diloco metrics` shows: the same record, on the subject the built-in evaluator uses
+        snap = MetricsSnapshot(run=run)
+        for msg in heard:
+            snap = fold(snap, msg)
+        assert snap.evaluator is not None and snap.evaluator.eval_loss == pytest.approx(rec["eval_loss"])
+        assert f"{rec['eval_loss']:.3f}"[:4] in render_table(snap, width=120)
         with np.load(str(out)) as f:
             assert orjson.loads(f["__diloco__"].tobytes())["versions"] == rec["versions"]
     finally:
