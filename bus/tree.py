@@ -1,7 +1,7 @@
 """The run contract for any model: a description of its parameter tree (pure, numpy only).
 
 A run of a user's own model knows nothing of the model but this: the leaves of its parameter tree,
-each a path (``jax.tree_util.keystr`` of the leaf, e.g. ``['dense']['kernel']``), a shape and a
+each a path (its key path joined with ``/``, e.g. ``dense/kernel``; ``learner.pytree``), a shape and a
 dtype. The floating-point leaves are the ones a run synchronises; the others (step counters,
 integer buffers) stay on each island. The fragment plan is made from the float leaves' shapes
 (``bus.fragments.plan_fragments``), and the manifest of a run carries the tree description

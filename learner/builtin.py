@@ -21,7 +21,11 @@ from learner.spec import ModelSpec, init_params, make_plan, param_shapes, spec_h
 
 
 def builtin_tree(spec: ModelSpec) -> TreeSpec:
-    return TreeSpec(tuple(Leaf(path, tuple(shape), "float32") for path, shape in param_shapes(spec).items()))
+    """The parameter tree of the built-in model: its flat dict of named float32 arrays, in the
+    order JAX flattens a dict (sorted keys), so an island holding that dict (``learner.island``)
+    has exactly this tree and can join a built-in run. (The fragment plan does not depend on the
+    order: ``bus.fragments`` packs by size and path.)"""
+    return TreeSpec(tuple(Leaf(path, tuple(shape), "float32") for path, shape in sorted(param_shapes(spec).items())))
 
 
 def builtin_manifest(run: str, model: ModelConfig) -> tuple[Manifest, FragmentPlan]:

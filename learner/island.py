@@ -77,12 +77,13 @@ class TreeModel:
         self.max_inner_lr, self.max_tokens_per_step = max_inner_lr, max_tokens_per_step
 
     def check(self, m: Manifest) -> str | None:
-        """None if this tree can join run ``m``, else one line saying why not."""
-        if m.spec.get("kind") != "tree":
-            return (f"run {m.run!r} trains the built-in model ({m.model_hash}), not a user's tree: "
-                    "use another DILOCO_RUN")
+        """None if this tree can join run ``m`` (a run of a user's tree, or of the built-in model
+        when this tree is the built-in model's flat dict), else one line saying why not."""
+        raw = m.tree if m.tree is not None else m.spec.get("tree")
+        if raw is None:
+            return f"run {m.run!r} describes no parameter tree (created by an older version): use another DILOCO_RUN"
         try:
-            theirs = TreeSpec.from_dict(m.tree if m.tree is not None else m.spec.get("tree"))
+            theirs = TreeSpec.from_dict(raw)
         except (ValueError, TypeError) as e:
             return f"run {m.run!r}: {e}"
         diff = self.tree.first_difference(theirs)
@@ -114,6 +115,11 @@ class TreeModel:
 
     def joined(self) -> None:
         self.init = None  # a host copy of every parameter: not needed once the run has started
+
+    def adopt(self, m: Manifest) -> None:
+        """The run's model hash is what its versions and our outer gradients carry (a built-in
+        run's is the hash of the model spec, not of the tree)."""
+        self.model_hash = m.model_hash
 
     def make_backend(self, learner) -> Any:
         return self._make_backend(learner)
@@ -270,7 +276,7 @@ class Island:
         lr = max_inner_lr if max_inner_lr is not None else model_cfg.max_inner_lr
         # a run that exists decides the fragment plan (its creator chose the number of fragments)
         existing = _manifest_now(self.common)
-        if existing is not None and existing.spec.get("kind") == "tree":
+        if existing is not None and (existing.tree is not None or existing.spec.get("kind") == "tree"):
             model_cfg = dataclasses.replace(model_cfg, num_fragments=existing.num_fragments,
                                             max_imbalance=float(existing.max_imbalance or 1.1))
         self._tree = TreeParams(params, self.spec, plan_for(self.spec, model_cfg.num_fragments,

@@ -1,8 +1,9 @@
 """A user's JAX parameter pytree as named leaves, and fragments read from and written into it.
 
-Leaves are named by ``jax.tree_util.keystr`` of their key path (``['dense']['kernel']``,
-``[0].w``, ...): stable for nested dicts, lists, tuples and registered dataclass-like nodes (Flax
-and Equinox produce these). Only floating-point leaves are synchronised (``bus.tree``); the others
+Leaves are named by their key path joined with ``/`` (``dense/kernel``, ``0/w``, ...): stable
+for nested dicts, lists, tuples and registered dataclass-like nodes (Flax and Equinox produce
+these); a flat dict of named arrays (the built-in model's) is named by its keys. Two leaves that
+would get the same name (``{"a/b": x, "a": {"b": y}}``) are refused. Only floating-point leaves are synchronised (``bus.tree``); the others
 stay as the user's loop leaves them.
 
 Fragments are float32 host vectors (``bus.fragments``). Reading fragment p moves only the
@@ -31,8 +32,18 @@ def flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
         raise ValueError(f"params are not a JAX pytree: {e}") from None
     if not flat:
         raise ValueError(f"params are not a JAX pytree of arrays: {type(tree).__name__} has no leaves")
-    paths = [jax.tree_util.keystr(kp) or "<root>" for kp, _ in flat]
+    paths = ["/".join(_key_name(k) for k in kp) or "<root>" for kp, _ in flat]
     return paths, [leaf for _, leaf in flat], treedef
+
+
+def _key_name(k: Any) -> str:
+    """One step of a leaf's path: a dict key, a sequence index, an attribute or a flattened index
+    (``{"dense": {"kernel": w}}`` -> ``dense/kernel``, ``[w, b]`` -> ``0``, ``1``): for a flat
+    dict of named arrays, as the built-in model's, the names are its keys."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
 
 
 def tree_spec(tree: Any) -> TreeSpec:

@@ -502,6 +502,11 @@ class Learner:
         self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
         await self.run_model.create_run_if_missing(self.js, self.common, self.log)
         manifest = await join_run_model(self.js, self.common, self.run_model, deadline)
+        if hasattr(self.run_model, "adopt"):  # an island in a run whose hash is not its tree's
+            self.run_model.adopt(manifest)
+            if self.run_model.model_hash != self.model_hash:
+                self.model_hash = self.run_model.model_hash
+                self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
         check_geometry(manifest, self.cfg.inner_lr, self.tokens_per_step)
         self.store.local = self.run_model.initial_blob(manifest)
         try:

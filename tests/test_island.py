@@ -57,7 +57,7 @@ def test_pytree_fragments_keep_dtype_and_skip_non_float_leaves():
 
     tree = {"a": [jnp.arange(6.0).reshape(2, 3), jnp.ones(5, jnp.bfloat16)], "n": jnp.array(7, jnp.int32)}
     spec = tree_spec(tree)
-    assert [leaf.path for leaf in spec.synced] == ["['a'][0]", "['a'][1]"]
+    assert [leaf.path for leaf in spec.synced] == ["a/0", "a/1"]
     plan = plan_for(spec, 2, 1.1)
     tp = TreeParams(tree, spec, plan)
     vecs = [tp.get_fragment(p) for p in range(2)]
@@ -233,7 +233,7 @@ def test_user_errors_are_one_line(nats_server):
     with pytest.raises(ValueError, match="params changed structure"):
         a.step({"w": p["w"]}, loss=1.0)
     # another tree cannot join: one line naming the first differing leaf
-    with pytest.raises(RuntimeError, match=r"differs from run 'e'.*leaf \['w'\]: shape \(4, 4\), the run's is \(4, 3\)"):
+    with pytest.raises(RuntimeError, match=r"differs from run 'e'.*leaf w: shape \(4, 4\), the run's is \(4, 3\)"):
         Island({"w": jnp.ones((4, 4)), "b": jnp.zeros(3)}, run="e", nats_url=url, learner_id="c",
                num_fragments=2, join_timeout=30)
     assert a.close() == 0
@@ -364,3 +364,70 @@ async def test_a_claim_left_by_a_dead_creator_is_taken_over(nats_server, js):
     await kv2.create(CLAIM_KEY, orjson.dumps({"ts": _time.time(), "model": "alive"}))
     assert not await create_tree_run(js, common2, spec, plan, named_float_arrays(tree), 1.1)
     assert await read_manifest(js, "busy") is None
+
+
+@pytest.mark.timeout(180)
+async def test_the_built_in_transformer_trains_through_the_island_api_in_a_built_in_run(nats_server, nc, js):
+    """Nothing of the built-in model is special: its flat dict of named arrays is a tree like any
+    other, so an island holding it joins a run of the built-in model (created as `diloco run
+    create` does), takes that run's version 0 rather than its own parameters, trains with its own
+    optax loop, and the model-agnostic aggregator merges its outer gradients."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from bus.config import CommonConfig
+    from bus.runs import read_manifest
+    from learner.builtin import create_builtin_run
+    from learner.island import Island
+    from learner.model import loss_fn
+    from learner.spec import init_params
+    from tests.agg_helpers import MODEL, SPEC, TINY
+    from tests.system import MetricsTap
+
+    run = "bi"
+    common = CommonConfig(nats_url=nats_server.url, run=run)
+    assert await create_builtin_run(js, common, MODEL)
+    tap = MetricsTap()
+    await tap.start(nc, run)
+    agg = subprocess.Popen([PY, "-m", "aggregator"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           env=_env(nats_server.url, run, **TINY, DILOCO_REQUIRE_MEMBERSHIP="false",
+                                    DILOCO_GRACE="fixed", DILOCO_GRACE_SECONDS="0.1", DILOCO_METRICS_INTERVAL="0.2"))
+    try:
+        mine = {k: jnp.asarray(v) for k, v in init_params(SPEC, 7).items()}  # not the run's seed
+        opt = optax.adamw(1e-3)
+        batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, SPEC.seq_len + 1)), jnp.int32)
+
+        @jax.jit
+        def train_step(p, st, b):
+            loss, g = jax.value_and_grad(loss_fn)(p, b, SPEC)
+            u, st = opt.update(g, st, p)
+            return optax.apply_updates(p, u), st, loss
+
+        def island_run():
+            isl = Island(mine, run=run, nats_url=nats_server.url, learner_id="isl", sync_every=4,
+                         tokens_per_step=4 * SPEC.seq_len, max_inner_lr=1e-3, join_timeout=60,
+                         env={"DILOCO_LOG_LEVEL": "warning", **TINY})
+            first = isl.params
+            params, _ = isl.train(train_step, opt.init(first), (batch for _ in range(40)))
+            return first, isl.learner.book.contributions, isl.model.model_hash
+
+        first, sent, model_hash = await asyncio.get_running_loop().run_in_executor(None, island_run)
+        run_v0 = init_params(SPEC, 0)
+        for k, v in run_v0.items():  # the run's version 0 (seed 0), not the island's own seed-7 parameters
+            np.testing.assert_array_equal(np.asarray(first[k]), v)
+        assert model_hash == (await read_manifest(js, run)).model_hash  # the run's (spec) hash, adopted
+        assert sent > 0
+
+        def merged():
+            return tap.get("aggregator", "agg-0").get("contributions", {}).get("isl", 0)
+
+        for _ in range(100):
+            if merged() >= sent:
+                break
+            await asyncio.sleep(0.1)
+        assert merged() == sent, (merged(), sent, tap.get("aggregator", "agg-0").get("rejected"))
+        assert not tap.get("aggregator", "agg-0").get("rejected")
+    finally:
+        agg.terminate()
+        agg.wait(30)
