@@ -79,5 +79,6 @@ class AggregatorConfig:
                               "quantised downlink: versions of a fragment between two whole fp32 keyframes")
     ack_wait: float = var(30.0, number(1.0), "seconds before JetStream redelivers an unacked chunk (crash recovery time)")
     provision: bool = var(True, boolean(),
-                          "create missing streams and apply the configured limits at start (false: the run "
-                          "must exist; `diloco auth init --strict` writes false, admin runs `diloco run create`)")
+                          "create missing streams and apply the limits sized from the run at start (false: the "
+                          "streams must exist; `diloco auth init --strict` writes false, admin runs `diloco run "
+                          "create --streams-only`)")

@@ -96,8 +96,8 @@ class LearnerConfig:
     manifest_timeout: float = var(300.0, number(0.1), "seconds to wait at start for the run's manifest (its creator)")
     create_run: bool = var(True, boolean(),
                            "create the run if it has none (version 0 of the built-in model from DILOCO_SEED; an "
-                           "island: its own parameters); false under auth, where only admin and the aggregator "
-                           "may write version 0 (`diloco auth init` writes false into learners' env files)")
+                           "island: its own parameters); false under auth, where only the aggregator may write version 0 "
+                           "(`diloco auth init` writes false into learners' env files)")
 
     def __post_init__(self) -> None:
         if not self.synthetic and self.warmup_steps >= self.total_steps:
