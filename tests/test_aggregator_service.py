@@ -238,3 +238,44 @@ async def test_a_state_version_committed_behind_our_back_is_adopted_not_overwrit
     finally:
         stop2.set()
         await asyncio.wait_for(task2, 15)
+
+
+async def test_a_rejection_is_settled_only_once_its_audit_event_is_stored(nats_server, js):
+    """The contribution of a rejection is terminated after its event is in JetStream: while the
+    event cannot be stored it stays unsettled (a crash then redelivers it, to be judged again),
+    and nothing queued is dropped. (It used to be terminated at once, and a kill -9 before the
+    event lost the record of an acknowledged contribution: the chaos run's ``none_lost``.)"""
+    svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.1)
+    await set_members(js, RUN, {"good": "active"})
+    await _until(lambda: svc.members.get("good") == "active")
+    real_publish = svc.js.publish
+    events = Subjects(RUN).event("reject")
+    outage = {"on": True}
+
+    async def publish(subject, payload, **kw):
+        if subject == events and outage["on"]:
+            raise TimeoutError("the events stream is unreachable")
+        return await real_publish(subject, payload, **kw)
+
+    svc.js.publish = publish
+    bad = FakeLearner(js, RUN, "good")
+    for _ in range(3):
+        await bad.send(0, base=0, run="other")  # wrong_run
+    assert await _until(lambda: svc.stats.rejected.get("wrong_run") == 3)
+    await asyncio.sleep(0.5)  # a few rounds of the main loop with the publish failing
+    assert len(svc._audit) == 3  # kept, not dropped
+    info = await js.consumer_info(Subjects(RUN).stream("grad"), "agg_0_1")
+    assert info.num_ack_pending >= 3  # not settled: a crash now would redeliver them
+    outage["on"] = False
+    assert await _until(lambda: not svc._audit)
+    sub = await js.subscribe(events, deliver_policy=DeliverPolicy.ALL)
+    got = [orjson.loads((await sub.next_msg(timeout=5)).data)["reason"] for _ in range(3)]
+    assert got == ["wrong_run"] * 3
+    for _ in range(50):
+        info = await js.consumer_info(Subjects(RUN).stream("grad"), "agg_0_1")
+        if info.num_ack_pending == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert info.num_ack_pending == 0
+    stop.set()
+    await task
