@@ -166,19 +166,25 @@ def cmd_run(argv: list[str]) -> int:
         finally:
             await nc.close()
 
-    from bus.runs import RunMismatch
-    from bus.streams import StorageUnavailable
-
-    try:
-        result = asyncio.run(go())
-    except StorageUnavailable as e:
-        print(f"diloco run: {e}", file=sys.stderr)
-        return 1
-    except RunMismatch as e:
-        print(f"diloco run: {e}", file=sys.stderr)
-        return 3
+    code, result = _one_line("diloco run", go)
+    if code:
+        return code
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     return 0
+
+
+def _one_line(who: str, go) -> tuple[int, object]:
+    """Run ``go()`` (a coroutine function): (0, its result), or an exit code after one line on
+    stderr for what a run's creation can meet: a limit too small (2), a server without the
+    storage (1), a run that is not this one or not provisioned (3)."""
+    from bus.runs import RunMismatch
+    from bus.streams import LimitsTooSmall, StorageUnavailable
+
+    try:
+        return 0, asyncio.run(go())
+    except (LimitsTooSmall, StorageUnavailable, RunMismatch) as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return {LimitsTooSmall: 2, StorageUnavailable: 1, RunMismatch: 3}[type(e)], None
 
 
 def cmd_aggregator(argv: list[str]) -> int:
@@ -202,12 +208,8 @@ def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = 
     """Create the built-in run of ``model`` unless it exists; 0, or an exit code after one line."""
     from bus.conn import connect
     from bus.log import setup
-    from bus.runs import RunMismatch
-    from bus.streams import LimitsTooSmall, StorageUnavailable
-    from learner.builtin import create_builtin_run
-
-    from bus.streams import Limits
-    from learner.builtin import builtin_manifest
+    from bus.streams import Limits, LimitsTooSmall
+    from learner.builtin import builtin_manifest, create_builtin_run
 
     setup(common.log_level, run=common.run, role="cli")
     try:  # before connecting: a limit too small for the model is a configuration error
@@ -224,17 +226,10 @@ def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = 
             await nc.close()
 
     try:
-        asyncio.run(go())
-    except (LimitsTooSmall, StorageUnavailable) as e:
-        print(f"{who}: {e}", file=sys.stderr)
-        return 2
-    except RunMismatch as e:
-        print(f"{who}: {e}", file=sys.stderr)
-        return 3
+        return _one_line(who, go)[0]
     except Exception as e:
         print(f"{who}: cannot create run {common.run!r} at {common.nats_url}: {e!r}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _run_limits(cfg: CommonConfig, init: str | None):

@@ -289,6 +289,7 @@ class VersionedStore:
         self.bad_heads = 0  # head messages that did not parse (garbage on a head subject)
         self.rewrites = 0  # versions republished under a fresh object id (see put)
         self._oldest: dict[int, int] = {}  # fragment -> first chunk seq of the version we committed
+        self.check_every, self._checked_at = 1.0, float("-inf")
 
     def obj_id(self, fragment: int, version: int) -> str:
         return f"{self.s.run}.{self.kind}{'.' + self.tag if self.tag else ''}.{fragment}.v{version}"
@@ -352,7 +353,12 @@ class VersionedStore:
     async def _check_kept(self) -> None:
         """Raise :class:`VersionLost` if the stream dropped chunks of a version this store committed
         (a stream at its byte limit drops its oldest messages: ``bus.streams`` sizes runs so it
-        cannot, this says so loudly if it does anyway)."""
+        cannot, this says so loudly if it does anyway). At most every ``check_every`` seconds:
+        it costs a request, and the aggregator's merge loop writes several versions a second."""
+        now = time.monotonic()
+        if now - self._checked_at < self.check_every:
+            return
+        self._checked_at = now
         try:
             first = (await self.js.stream_info(self.stream)).state.first_seq
         except Exception:  # the version is committed; the check waits for the next put

@@ -54,6 +54,7 @@ async def _write_versions(js, limits: Limits) -> tuple[bool, int, str | None]:
     readable?, newest readable version of fragment 1)."""
     await ensure_run(js, "t", limits, update=True)
     store = VersionedStore(js, "t", GLOBAL, ChunkPublisher(js, 256 * 1024, 8))
+    store.check_every = 0.0  # check after every put (the default is once a second)
     vec = np.arange(SIZES[0], dtype=np.float32)
     await store.put(0, 0, codec.encode_array(vec), {})
     await store.put(2, 0, codec.encode_array(vec), {})
