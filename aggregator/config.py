@@ -77,6 +77,11 @@ class AggregatorConfig:
                                   "global versions: fp32 = whole; else this quantiser of the delta against a keyframe")
     keyframe_every: int = var(64, integer(1, 1_000_000),
                               "quantised downlink: versions of a fragment between two whole fp32 keyframes")
+    admission_wait: float = var(30.0, number(0.0, 3600),
+                                "seconds a contribution is held while its learner is not admitted yet (unknown to "
+                                "the members bucket, joining, rejoining or suspect) before it is rejected (0: reject at once)")
+    admission_hold_mb: float = var(256.0, number(0.0),
+                                   "MiB of contributions held for learners not admitted yet; beyond it they are rejected at once")
     ack_wait: float = var(30.0, number(1.0), "seconds before JetStream redelivers an unacked chunk (crash recovery time)")
     provision: bool = var(True, boolean(),
                           "create missing streams and apply the limits sized from the run at start (false: the "

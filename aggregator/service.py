@@ -31,12 +31,13 @@ import numpy as np
 import orjson
 
 from bus.runs import RunMismatch, read_manifest, run_tree
+from aggregator.admission import AdmissionHold
 from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.contribution import Contribution
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, GracePolicy, decide
 from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale
-from aggregator.validate import ValidationContext, validate
+from aggregator.validate import Reason, ValidationContext, validate
 from bus import codec
 from bus.signals import install_stop
 from bus.chunks import Assembled, Dropped
@@ -91,6 +92,8 @@ class AggregatorService:
         self.s = Subjects(common.run)
         self.plan = None
         self.buffers: dict[int, list[Pending]] = {}
+        # contributions whose learner the monitor has not admitted yet (aggregator/admission.py)
+        self.hold = AdmissionHold(cfg.admission_wait, int(cfg.admission_hold_mb * 2**20))
         self.settings = MergeSettings.from_config(cfg)
         self.grace = GracePolicy(mode=cfg.grace, grace=cfg.grace_seconds, max_grace=cfg.grace_seconds,
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
@@ -267,11 +270,18 @@ class AggregatorService:
         c = Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
                          incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
                          base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec)
-        p = c.fragment
         if not self.cfg.require_membership and c.run == self.common.run:
             self.seen.add(c.learner)
+        norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
+        self._consider(Pending(c, norm, r.tokens, now), now)
+
+    def _consider(self, x: Pending, now: float, since: float | None = None) -> None:
+        """Validate a contribution: buffer it for the merge, hold it until its learner is admitted,
+        or reject it. ``since``: when it was first held (an item handed back by the hold)."""
+        c = x.c
+        p = c.fragment
         st = self.states.get(p)
-        pending = {x.c.key for x in self.buffers.get(p, [])}
+        pending = {b.c.key for b in self.buffers.get(p, [])}
         ctx = ValidationContext(
             run=self.common.run, model_hash=self.model_hash,
             fragment_sizes={q: self.plan.sizes[q] for q in self.owned},
@@ -283,16 +293,32 @@ class AggregatorService:
             norm_outlier_factor=self.cfg.norm_outlier_factor, norm_min_history=self.cfg.norm_min_history,
             max_tokens_per_step=self.manifest.max_tokens_per_step, max_inner_lr=self.manifest.max_inner_lr,
         ) if st else None
-        norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
-        reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=norm)
-        if reason is not None:
-            self._reject(str(getattr(reason, "value", reason)), r.tokens, learner=c.learner, incarnation=c.incarnation,
-                         fragment=p, round=c.round, base=c.base_version, version=st.version if st else None)
+        reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=x.norm)
+        if (reason in (Reason.unknown_learner, Reason.inactive_learner) and self.cfg.require_membership
+                and self.hold.offer(x, c.learner, self.members.get(c.learner), getattr(c.vector, "nbytes", 0),
+                                    now, since)):
+            if since is None:
+                self.log.info("contribution_held", learner=c.learner, state=self.members.get(c.learner),
+                              fragment=p, round=c.round, held=len(self.hold))
             return
-        self.buffers[p].append(Pending(c, norm, r.tokens, now))
+        if reason is not None:
+            self._reject(str(getattr(reason, "value", reason)), x.tokens, learner=c.learner, incarnation=c.incarnation,
+                         fragment=p, round=c.round, base=c.base_version, version=st.version if st else None,
+                         **({"held_s": round(now - since, 3)} if since is not None else {}))
+            return
+        if since is not None:
+            self.log.info("contribution_admitted", learner=c.learner, fragment=p, round=c.round,
+                          held_s=round(now - since, 3))
+        self.buffers[p].append(Pending(c, x.norm, x.tokens, now))
         self.recent[c.learner] = now
         self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps)
         self.stats.accepted += 1
+
+    def _release_held(self, now: float) -> None:
+        """Decide the held contributions whose learner was admitted, evicted, or waited too long."""
+        if len(self.hold):
+            for h in self.hold.sweep(self.members.get, now):
+                self._consider(h.item, now, since=h.since)
 
     # -- merging ----------------------------------------------------------------------------------
 
@@ -433,6 +459,7 @@ class AggregatorService:
                        "id": self.cfg.aggregator_id,
                        "versions": {str(p): st.version for p, st in self.states.items()},
                        "buffered": {str(p): len(b) for p, b in self.buffers.items() if b},
+                       "held": len(self.hold),
                        "active": len(self.active()), **self.stats.to_metrics(),
                        "transport_dropped": dict(self.consumer.stats.dropped or {})}
                 await self.nc.publish(self.s.metrics("aggregator", self.cfg.aggregator_id), codec.dumps_json(msg))
@@ -446,7 +473,7 @@ class AggregatorService:
     async def _keep_alive_held(self) -> None:
         """Tell JetStream we still work on held chunks so they are not redelivered while buffered."""
         now = time.monotonic()
-        for buf in self.buffers.values():
+        for buf in [*self.buffers.values(), [h.item for h in self.hold.items]]:
             for x in buf:
                 if now - x.arrived > self.cfg.ack_wait / 3:
                     for m in x.tokens:
@@ -502,6 +529,7 @@ class AggregatorService:
                 timeout = 0.2 if wake is None else max(0.01, min(0.2, wake - now))
                 for r in await self.consumer.poll(timeout=timeout):
                     await self._handle(r, time.monotonic())
+                self._release_held(time.monotonic())
                 wake = None
                 for p in self.owned:
                     if p in self.unpublished:

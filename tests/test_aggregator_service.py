@@ -51,8 +51,9 @@ async def _until(pred, timeout=10.0):
 
 
 async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchanged(nats_server, js):
+    # admission_wait: the stranger (never admitted) is held that long, then rejected
     svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.1, max_staleness=2,
-                                   norm_outlier_factor=5.0, norm_min_history=5)
+                                   norm_outlier_factor=5.0, norm_min_history=5, admission_wait=0.5)
     n = PLAN.sizes[0]
     await set_members(js, RUN, {"good": "active", "sleepy": "evicted"})
     await _until(lambda: svc.members.get("good") == "active")
@@ -277,5 +278,35 @@ async def test_a_rejection_is_settled_only_once_its_audit_event_is_stored(nats_s
             break
         await asyncio.sleep(0.1)
     assert info.num_ack_pending == 0
+    stop.set()
+    await task
+
+
+async def test_a_contribution_that_beats_its_learners_admission_is_held_then_merged(nats_server, js):
+    """The CI failure of stop 19: a fresh learner's first outer gradients reached the aggregator
+    before the monitor admitted it and were rejected as unknown_learner (work lost)."""
+    svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.05, admission_wait=30)
+    await set_members(js, RUN, {"other": "active"})
+    await _until(lambda: "other" in svc.members)
+    new, joining = FakeLearner(js, RUN, "new", 1), FakeLearner(js, RUN, "joiner", 2)
+    for who, p in ((new, 0), (new, 1), (joining, 0)):
+        await who.send(p, base=0)
+    await set_members(js, RUN, {"joiner": "joining"})
+    assert await _until(lambda: len(svc.hold) == 3), len(svc.hold)
+    await asyncio.sleep(0.5)  # nothing is merged or rejected while they wait
+    assert len(svc.hold) == 3 and not svc.stats.rejected and svc.stats.merges == 0
+    await set_members(js, RUN, {"new": "active"})
+    assert await _until(lambda: svc.stats.contributions["new"] == 2), dict(svc.stats.contributions)
+    assert len(svc.hold) == 1 and svc.states[0].version == 1 and svc.states[1].version == 1
+    await set_members(js, RUN, {"joiner": "active"})
+    assert await _until(lambda: svc.stats.contributions["joiner"] == 1)
+    assert len(svc.hold) == 0 and not svc.stats.rejected
+    # an eviction while held rejects at once, for the current reason
+    late = FakeLearner(js, RUN, "late", 3)
+    await late.send(0, base=svc.states[0].version)
+    assert await _until(lambda: len(svc.hold) == 1)
+    await set_members(js, RUN, {"late": "evicted"})
+    assert await _until(lambda: svc.stats.rejected == {"inactive_learner": 1}), dict(svc.stats.rejected)
+    assert len(svc.hold) == 0
     stop.set()
     await task

@@ -239,9 +239,9 @@ def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
     for lid, l in s["learners"].items():
         assert l["steps"] == 400 and l["exit_code"] == 0, (lid, l)
         assert l["contributions"] > 0, (lid, l)  # accepted and applied by the aggregator
-    # the only rejections a healthy run may see: contributions sent while the monitor still lists the
-    # learner as joining (tiny steps outrun its first heartbeats; see docs/deploy.md)
-    assert set(s["rejected"]) <= {"inactive_learner"}, s["rejected"]
+    # a healthy run rejects nothing: contributions sent before the monitor admitted their learner
+    # (tiny steps outrun its first heartbeats) are held until it does (aggregator/admission.py)
+    assert not s["rejected"], s["rejected"]
     assert all(v > 0 for v in s["versions"].values())
     assert s["evictions"] == 0
     assert s["broker_bytes"] > 0 and s["dp_equivalent_bytes"] > 0 and s["broker_over_dp"] > 0
