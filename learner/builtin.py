@@ -45,3 +45,23 @@ async def create_builtin_run(js, common: CommonConfig, model: ModelConfig, log=N
     spec = model.spec()
     return await create_run(js, common, m, plan, lambda: init_params(spec, model.seed), log=log,
                             provision=provision)
+
+
+def builtin_backend(spec: ModelSpec, plan: FragmentPlan, cfg, shard):
+    """``diloco learner``'s compute: the island library's run-it-for-me backend
+    (``learner.backends.TrainBackend``) with the built-in transformer's jitted AdamW step (it
+    donates its inputs), its optimizer (``learner.inner``) and batches of this learner's shard."""
+    from learner.backends import TrainBackend
+    from learner.inner import make_optimizer, make_train_step
+    from learner.loop import params_from_fragments
+    from learner.model import to_jax
+
+    optimizer = make_optimizer(cfg.inner_lr, cfg.warmup_steps, cfg.total_steps,
+                               weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
+
+    def batches():
+        while True:
+            yield shard.batch(cfg.batch_size)
+
+    return TrainBackend(make_train_step(spec, optimizer, donate=True), batches(), builtin_tree(spec), plan,
+                        build=lambda vectors: to_jax(params_from_fragments(plan, vectors)), init_opt=optimizer.init)

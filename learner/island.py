@@ -52,12 +52,7 @@ from learner.config import LearnerConfig, ModelConfig
 from bus.runs import create_tree_run, plan_for, tree_of_manifest
 from learner.pytree import TreeParams, flatten, named_float_arrays, tree_spec
 
-#: returned by a backend's ``step`` when no inner step happened (the island is closing)
-NO_STEP = None
-
-
-class IslandClosed(RuntimeError):
-    """The island was closed (or its learner stopped): no more steps."""
+from learner.backends import NO_STEP, HookBackend, IslandClosed, TrainBackend  # noqa: F401 (public names)
 
 
 class TreeModel:
@@ -132,87 +127,6 @@ class TreeModel:
         await create_tree_run(js, common, self.tree, self.plan, self.init, self.max_imbalance,
                               max_inner_lr=self.max_inner_lr, max_tokens_per_step=self.max_tokens_per_step,
                               log=log)
-
-
-# -- backends: everything they do runs in the learner's single worker thread ------------------------
-
-
-class _TreeBackend:
-    slowdown_included = True
-
-    def __init__(self, params: TreeParams):
-        self.params = params
-
-    def load(self, vectors: list[np.ndarray]) -> None:
-        for p, v in enumerate(vectors):
-            self.params.set_fragment(p, v)
-
-    def get_fragment(self, p: int) -> np.ndarray:
-        return self.params.get_fragment(p)
-
-    def set_fragment(self, p: int, vector: np.ndarray) -> None:
-        self.params.set_fragment(p, vector)
-
-
-class HookBackend(_TreeBackend):
-    """The user's loop drives: ``step`` waits for the user's next parameters (``Island.step``);
-    once arrivals are mixed in, ``serve`` hands them back, and the learner core computes the due
-    outer gradients while the user's next inner step runs."""
-
-    serves_early = True
-
-    def __init__(self, params: TreeParams, cancel: threading.Event):
-        super().__init__(params)
-        self.cancel = cancel
-        self._cv = threading.Condition()
-        self._deposit: tuple[Any, float] | None = None
-        self._served = 0  # parameter sets handed to the user (the first: the run's, on joining)
-        self._previous = None  # the leaves the last step replaced, freed in serve()
-        self.closing = False
-
-    def serve(self) -> None:
-        with self._cv:
-            self._served += 1
-            self._cv.notify_all()
-        # the previous step's parameters are freed here, in the worker thread, while the user's
-        # next step runs: freeing 200 MB of buffers took 35 ms inside island.step (bench.island)
-        self._previous = None
-
-    def step(self):
-        with self._cv:
-            if self._served == 0:  # joined: the run's current parameters are the user's first
-                self._served = 1
-                self._cv.notify_all()
-            # the user's thread may also be gone (an exception ended the script without close():
-            # the interpreter's exit then waits for this worker thread)
-            while (self._deposit is None and not self.closing and not self.cancel.is_set()
-                   and threading.main_thread().is_alive()):
-                self._cv.wait(0.1)
-            if self._deposit is None:
-                return NO_STEP
-            tree, loss = self._deposit
-            self._deposit = None
-        self._previous = self.params.set_tree(tree, checked=True)  # checked in the user's thread (exchange)
-        return loss
-
-    def exchange(self, tree: Any, loss: float, alive: Callable[[], bool]) -> Any:
-        """User thread: deposit this step's parameters, wait until the learner took them and mixed
-        in any arrived global version, return the parameters."""
-        self.params.check(tree)  # a wrong tree is the user's error, not the learner's
-        with self._cv:
-            target = self._served + 1
-            self._deposit = (tree, loss)
-            self._cv.notify_all()
-            while self._served < target:
-                if not alive():
-                    raise IslandClosed("the island's learner stopped (see its log)")
-                self._cv.wait(0.1)
-            return self.params.tree()
-
-    def close(self) -> None:
-        with self._cv:
-            self.closing = True
-            self._cv.notify_all()
 
 
 # -- the island -------------------------------------------------------------------------------------

@@ -37,10 +37,11 @@ def _pair(a: np.ndarray, b: np.ndarray, names: str) -> tuple[np.ndarray, np.ndar
     return a.astype(np.float32, copy=False), b.astype(np.float32, copy=False)
 
 
-def outer_gradient(base: np.ndarray, local: np.ndarray) -> np.ndarray:
-    """Delta = base - local, float32 (a new array). Positive where training moved down."""
+def outer_gradient(base: np.ndarray, local: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Delta = base - local, float32 (a new array, or ``out``: a learner whose base moves on writes
+    the delta into the old base's memory). Positive where training moved down."""
     base, local = _pair(base, local, "base/local")
-    return np.subtract(base, local, dtype=np.float32)
+    return np.subtract(base, local, out=out, dtype=np.float32)
 
 
 def mix(local: np.ndarray, global_: np.ndarray, alpha: float) -> np.ndarray:

@@ -323,56 +323,6 @@ class SyntheticBackend:
         self.frags[p][:] = vector
 
 
-class JaxBackend:
-    """The real model: jitted AdamW steps (``learner.inner``) on this learner's data shard."""
-
-    slowdown_included = False
-
-    def __init__(self, spec: ModelSpec, plan: FragmentPlan, cfg: LearnerConfig, shard):
-        from learner.inner import make_optimizer, make_train_step
-
-        self.spec, self.plan, self.shard, self.batch_size = spec, plan, shard, cfg.batch_size
-        self.optimizer = make_optimizer(cfg.inner_lr, cfg.warmup_steps, cfg.total_steps,
-                                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
-        # donate: the step reuses the params and moments buffers (no second copy at peak). The
-        # base copies are numpy arrays, never aliases of the live params.
-        self.train_step = make_train_step(spec, self.optimizer, donate=True)
-        self.params = None
-        self.opt_state = None
-
-    def load(self, vectors: list[np.ndarray]) -> None:
-        from learner.model import to_jax
-
-        self.params = to_jax(lp.params_from_fragments(self.plan, vectors))
-        if self.opt_state is None:  # the inner optimizer state survives merges and resyncs
-            self.opt_state = self.optimizer.init(self.params)
-
-    def compile(self) -> float:
-        """Compile the step ahead of time (so the first step, and its slowdown, is not the compile)."""
-        t0 = time.monotonic()
-        batch = self.shard.batch(self.batch_size)
-        self.train_step = self.train_step.lower(self.params, self.opt_state, batch).compile()
-        return time.monotonic() - t0
-
-    def step(self) -> float:
-        batch = self.shard.batch(self.batch_size)
-        self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state, batch)
-        return float(loss)
-
-    def get_fragment(self, p: int) -> np.ndarray:
-        return gather(self.plan, self.params, p)
-
-    def set_fragment(self, p: int, vector: np.ndarray) -> None:
-        import jax.numpy as jnp
-
-        host = {path: np.array(self.params[path], dtype=np.float32, copy=True)
-                for path in lp.fragment_paths(self.plan, p)}
-        lp.write_fragment(self.plan, host, p, vector)
-        params = dict(self.params)
-        params.update({path: jnp.asarray(v) for path, v in host.items()})
-        self.params = params
-
-
 # -- the learner -----------------------------------------------------------------------------------
 
 
@@ -388,6 +338,9 @@ class Learner:
         """``run_model``: the model to train (``BuiltinModel`` of ``model`` by default; a user's
         tree through ``learner.island``): its hash, fragment plan, version 0 and compute backend."""
         self.common, self.model_cfg, self.cfg = common, model, cfg
+        from learner.malloc import fix_mmap_threshold
+
+        fix_mmap_threshold(cfg.malloc_mmap_threshold)  # fragment-sized arrays go back to the system
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.id = cfg.learner_id
         self.run_model = run_model if run_model is not None else BuiltinModel(model, cfg)
@@ -545,7 +498,9 @@ class Learner:
         shard = corpus.shard(self.shard_index, self.num_shards, spec.seq_len, self.seed)
         self.log.info("data", source=corpus.source, tokens=len(corpus), fingerprint=corpus.fingerprint(),
                       shard=self.shard_index, shard_tokens=len(shard))
-        return JaxBackend(spec, self.plan, self.cfg, shard)
+        from learner.builtin import builtin_backend
+
+        return builtin_backend(spec, self.plan, self.cfg, shard)
 
     def memory(self) -> dict[str, int]:
         keys = self.store.keys.values() if self.store is not None else ()
@@ -643,7 +598,10 @@ class Learner:
         """
         p, q = c.fragment, self.cfg.quantiser
         theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
-        delta = outer_gradient(self.base[p], theta)
+        old = self.base[p]  # ours alone (never an alias of the parameters or a keyframe), replaced below:
+        # the delta goes into its memory, one fragment-sized array less at the peak of a sync
+        reuse = isinstance(old, np.ndarray) and old.dtype == np.float32 and old.flags.writeable and old.shape == theta.shape
+        delta = outer_gradient(old, theta, out=old if reuse else None)
         if self.unsent[p] is not None:  # a publish that failed for good: its work goes out now
             delta += self.unsent[p]
             self.unsent[p] = None

@@ -102,8 +102,8 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
     learner = FakeLearner(js, RUN, "a", 1, scale=1e-2)
     metas = {}
     try:
-        head, _ = await reader.newest(0)  # version 0: whole, kept as keyframe 0
-        assert head.version == 0 and reader.keys[0].version == 0
+        head, _ = await reader.newest(0)  # version 0: whole, and not kept (an fp32 downlink never needs it)
+        assert head.version == 0 and 0 not in reader.keys
         for v in range(8):
             await learner.send(0, base=v)
             assert await _until(lambda: svc.states[0].version == v + 1)
@@ -118,7 +118,9 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
         # are deltas against the newest keyframe
         assert metas == {1: {"ref": 0}, 2: {"ref": 0}, 3: {"key": 3}, 4: {"ref": 3}, 5: {"ref": 3},
                          6: {"key": 6}, 7: {"ref": 6}, 8: {"ref": 6}}
-        assert reader.keyframes_fetched == 0  # it saw every keyframe version itself
+        # keyframe 0 fetched once, from the keyframe subjects, by the first delta; keyframes 3 and 6
+        # it saw itself
+        assert reader.keyframes_fetched == 1
         # a reader that joins now fetches keyframe 6 from the keyframe subjects, then the delta
         head, vec = await late.newest(0)
         assert head.version == 8 and late.keyframes_fetched == 1 and late.keys[0].version == 6
@@ -139,7 +141,7 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
         head = await store.head(0)
         assert head.version == 9 and head.meta.get("ref") == 6
         got = await reader.read(head)
-        assert reader.keyframes_fetched == 0
+        assert reader.keyframes_fetched == 1  # still keyframe 0's only: it held keyframe 6
         np.testing.assert_allclose(got, svc.states[0].params, atol=np.abs(svc.states[0].params).max() / 100)
     finally:
         stop.set()

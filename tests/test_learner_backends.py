@@ -1,0 +1,78 @@
+"""TrainBackend (run it for me, in the learner core's worker thread) without a server."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bus.runs import plan_for
+from learner.backends import NO_STEP, TrainBackend
+from learner.pytree import tree_spec
+
+
+def _model():
+    params = {"dense": {"w": jnp.ones((4, 3)), "b": jnp.zeros(3, jnp.bfloat16)}, "count": jnp.array(0, jnp.int32)}
+    opt = optax.adamw(1e-2)
+
+    def loss_fn(p, x):
+        return jnp.mean((x @ p["dense"]["w"] + p["dense"]["b"].astype(jnp.float32)) ** 2)
+
+    @jax.jit
+    def train_step(p, st, x):
+        float_p = {"dense": p["dense"]}
+        loss, g = jax.value_and_grad(loss_fn)(float_p, x)
+        u, st = opt.update(g, st, float_p)
+        new = optax.apply_updates(float_p, u)
+        new["dense"]["b"] = new["dense"]["b"].astype(jnp.bfloat16)
+        return {**new, "count": p["count"] + 1}, st, loss
+
+    return params, opt, train_step
+
+
+def test_train_backend_steps_until_the_batches_end_and_keeps_its_optimizer_state_through_loads():
+    params, opt, train_step = _model()
+    spec = tree_spec(params)
+    plan = plan_for(spec, 2, 1.1)
+    x = jnp.ones((2, 4))
+    built = []
+    b = TrainBackend(train_step, (x for _ in range(3)), spec, plan,
+                     build=lambda vecs: built.append(vecs) or params, init_opt=lambda p: opt.init({"dense": p["dense"]}))
+    zeros = [np.zeros(n, np.float32) for n in plan.sizes]
+    b.load(zeros)  # first load: the tree is built from the vectors (by the caller's builder)
+    assert built == [zeros] and b.opt_state is not None
+    state0 = b.opt_state
+    v0 = [b.get_fragment(p) for p in range(plan.num_fragments)]
+    assert b.compile() > 0  # jitted: compiled ahead, with the first batch kept for the first step
+    losses = [b.step() for _ in range(3)]
+    assert all(isinstance(loss, float) for loss in losses)
+    assert b.step() is NO_STEP  # three batches: three steps
+    tree = b.params.tree()
+    assert int(tree["count"]) == 3 and tree["dense"]["b"].dtype == jnp.bfloat16  # non-float leaf is the step's
+    moved = [b.get_fragment(p) for p in range(plan.num_fragments)]
+    assert any(np.abs(m - v).max() > 0 for m, v in zip(moved, v0))
+    b.load(v0)  # a resync: parameters replaced, the inner optimizer state kept (DiLoCo)
+    assert all(np.array_equal(b.get_fragment(p), v0[p]) for p in range(plan.num_fragments))
+    assert b.opt_state is not state0 and int(b.params.tree()["count"]) == 3
+
+
+def test_a_step_that_changes_the_tree_is_refused_in_one_line():
+    params, opt, _ = _model()
+    spec = tree_spec(params)
+
+    def bad_step(p, st, x):
+        return {"other": p["dense"]["w"]}, st, 0.0
+
+    b = TrainBackend(bad_step, iter([1]), spec, plan_for(spec, 1, 1.1), params=params, opt_state=())
+    assert b.compile() == 0.0  # not a jax.jit function: nothing to compile
+    with pytest.raises(ValueError, match="params changed structure"):
+        b.step()
+
+
+def test_train_backend_needs_params_or_a_builder():
+    params, _, step = _model()
+    spec = tree_spec(params)
+    with pytest.raises(ValueError, match="params or build"):
+        TrainBackend(step, iter(()), spec, plan_for(spec, 1, 1.1), opt_state=())
+    with pytest.raises(ValueError, match="opt_state or init_opt"):
+        TrainBackend(step, iter(()), spec, plan_for(spec, 1, 1.1), params=params)
