@@ -51,9 +51,12 @@ def encode_array(arr: np.ndarray, q: str = "fp32", block: int = quant.DEFAULT_BL
 
 
 def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str, *, keep_residual: bool,
-                         block: int = quant.DEFAULT_BLOCK, chunk: int = 1 << 16
-                         ) -> tuple[bytearray, np.ndarray, np.ndarray | None, float]:
+                         block: int = quant.DEFAULT_BLOCK, chunk: int = 1 << 16, want_sent: bool = True
+                         ) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
     """One error-feedback round, fused: (blob, sent, new residual, relative error).
+
+    ``want_sent=False`` returns None for ``sent`` and allocates no array of the fragment's size for
+    it (``decode_array(blob)`` gives it bitwise, should it be needed later).
 
     ``corrected = delta + residual`` (in ``delta``'s memory: the caller hands it over), the blob
     of ``corrected`` under ``q``, ``sent`` = what a receiver decodes from it, and with
@@ -81,7 +84,7 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     for d, c in specs:
         views.append(np.frombuffer(out, dtype=d, count=c, offset=off))
         off += d.itemsize * c
-    sent = np.empty(n, dtype=np.float32)
+    sent = np.empty(n, dtype=np.float32) if want_sent else None
     new_res = (residual if residual is not None else np.empty(n, dtype=np.float32)) if keep_residual else None
     step = max(block, chunk - chunk % block)
     num = den = 0.0
@@ -93,7 +96,8 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
         parts = quant.quantise(c, q, block)
         _place(views, parts, q, s, block)
         sc = quant.dequantise(parts, q, e - s, block)
-        sent[s:e] = sc
+        if sent is not None:
+            sent[s:e] = sc
         den += float(np.dot(c, c))
         if new_res is not None:
             r = new_res[s:e]

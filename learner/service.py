@@ -383,7 +383,7 @@ class Learner:
         # secret part of our message ids: the incarnation is public (membership records), so without it
         # another learner could publish chunks under our future ids and get ours dropped as duplicates
         self._nonce = uuid.uuid4().hex[:12]
-        self._sent: dict[tuple[int, int], np.ndarray] = {}  # (fragment, round) -> outer gradient in flight
+        self._sent: dict[tuple[int, int], bytearray] = {}  # (fragment, round) -> blob of the outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
         self.startup_error: str | None = None
         self._cancel = threading.Event()
@@ -609,8 +609,8 @@ class Learner:
         # error feedback, quantisation and the decoded copy in one chunked pass (bitwise the
         # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
         ef = self.cfg.error_feedback and q != "fp32"
-        blob, sent, residual, self.quant_error = codec.encode_with_feedback(
-            delta, self.residual[p] if ef else None, q, keep_residual=ef)
+        blob, _, residual, self.quant_error = codec.encode_with_feedback(
+            delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False)
         if ef:
             self.residual[p] = residual
         out = {"blob": blob}
@@ -618,7 +618,7 @@ class Learner:
                          incarnation=self.incarnation, fragment=p, round_=c.round,
                          base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
                          region=self.common.region)
-        self._sent[(p, c.round)] = sent
+        self._sent[(p, c.round)] = blob  # what was sent is decode(blob), rebuilt only if the publish fails
         return out["blob"], meta
 
     async def _publish(self, c: lp.Contribution, blob, meta: dict) -> bool:
@@ -636,9 +636,10 @@ class Learner:
         except Exception as e:
             self.log.warning("publish_failed", fragment=c.fragment, round=c.round, error=repr(e))
         finally:
-            sent = self._sent.pop((c.fragment, c.round), None)
-            if not ok and sent is not None:  # give the work back: it joins the next outer gradient
+            sent_blob = self._sent.pop((c.fragment, c.round), None)
+            if not ok and sent_blob is not None:  # give the work back: it joins the next outer gradient
                 p = c.fragment
+                sent = np.array(codec.decode_array(sent_blob), dtype=np.float32).reshape(-1)
                 self.unsent[p] = sent if self.unsent[p] is None else self.unsent[p] + sent
             self.book.end_sync(c, ok)
         return ok

@@ -41,6 +41,13 @@ def test_fused_equals_the_reference_bitwise(n, q, chunk, with_res, keep, seed):
     if keep:
         assert np.array_equal(fres, res)
     assert ferr == pytest.approx(err, rel=1e-4, abs=1e-12)
+    # without ``sent``: the same blob and residual, and decoding the blob gives ``sent`` bitwise
+    gblob, gsent, gres, _ = codec.encode_with_feedback(delta.copy(), None if residual is None else residual.copy(),
+                                                       q, keep_residual=keep, chunk=chunk, want_sent=False)
+    assert gsent is None and bytes(gblob) == bytes(blob)
+    assert np.array_equal(np.asarray(codec.decode_array(gblob)).reshape(-1), sent)
+    if keep:
+        assert np.array_equal(gres, res)
 
 
 def test_bad_input_is_refused():

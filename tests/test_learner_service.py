@@ -270,6 +270,41 @@ async def test_delta_is_base_minus_theta_exactly(nats_server, js):
     assert learner.book.counters()["skipped"] == 0
 
 
+async def test_the_work_of_a_failed_publish_joins_the_next_outer_gradient(nats_server, js, monkeypatch):
+    """A publish that fails for good gives its outer gradient back (decoded from its blob, which is
+    all the learner keeps of it in flight): the fragment's next contribution carries it, so the
+    contributions that did go out still add up to v0 - theta_final."""
+    from bus.transport import ChunkPublisher
+    from learner.service import Learner
+
+    await bootstrap(js)
+    real = ChunkPublisher.publish
+    failed = []
+
+    async def flaky(self, subject, obj_id, blob, meta):
+        if ".grad.0." in subject and not failed:
+            failed.append(obj_id)
+            raise ConnectionError("injected: the first outer gradient of fragment 0 does not go out")
+        return await real(self, subject, obj_id, blob, meta)
+
+    monkeypatch.setattr(ChunkPublisher, "publish", flaky)
+    common, model, cfg = configs(nats_server, sync_every=1, max_steps=5, step_time=0.1, quantiser="fp32",
+                                 error_feedback=False)
+    learner = Learner(common, model, cfg)
+    assert await learner.run() == 0
+    assert len(failed) == 1
+    grads = await consume_grads(js, 19)
+    assert len(grads) == 19  # 20 syncs, one of them lost on the way and given back
+    total = {p: np.zeros_like(V0[p], dtype=np.float64) for p in range(4)}
+    steps = {p: 0 for p in range(4)}
+    for g in grads:
+        total[g.meta["frag"]] += codec.decode_array(g.blob)
+        steps[g.meta["frag"]] += g.meta["steps"]
+    for p in range(4):
+        np.testing.assert_allclose(total[p], V0[p] - learner.backend.frags[p], rtol=1e-5, atol=1e-6)
+    assert learner.unsent == [None] * 4 and not learner._sent
+
+
 # -- (b) heartbeats keep flowing during long steps; SIGTERM stops a learner promptly ---------------
 
 
