@@ -51,12 +51,15 @@ def encode_array(arr: np.ndarray, q: str = "fp32", block: int = quant.DEFAULT_BL
 
 
 def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str, *, keep_residual: bool,
-                         block: int = quant.DEFAULT_BLOCK, chunk: int = 1 << 16, want_sent: bool = True
-                         ) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
+                         block: int = quant.DEFAULT_BLOCK, chunk: int = 1 << 16, want_sent: bool = True,
+                         in_place: bool = False) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
     """One error-feedback round, fused: (blob, sent, new residual, relative error).
 
     ``want_sent=False`` returns None for ``sent`` and allocates no array of the fragment's size for
-    it (``decode_array(blob)`` gives it bitwise, should it be needed later).
+    it (``decode_array(blob)`` gives it bitwise, should it be needed later). ``in_place`` (with
+    ``residual=None`` and ``keep_residual``): ``delta`` already holds the corrected vector, and the
+    new residual is written over it, chunk by chunk (a learner accumulates its outer gradient into
+    its residual's memory: no array of the fragment's size at all).
 
     ``corrected = delta + residual`` (in ``delta``'s memory: the caller hands it over), the blob
     of ``corrected`` under ``q``, ``sent`` = what a receiver decodes from it, and with
@@ -84,8 +87,13 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     for d, c in specs:
         views.append(np.frombuffer(out, dtype=d, count=c, offset=off))
         off += d.itemsize * c
+    if in_place and (residual is not None or not keep_residual):
+        raise CodecError("encode_with_feedback: in_place wants residual=None and keep_residual=True")
     sent = np.empty(n, dtype=np.float32) if want_sent else None
-    new_res = (residual if residual is not None else np.empty(n, dtype=np.float32)) if keep_residual else None
+    if in_place:
+        new_res = x
+    else:
+        new_res = (residual if residual is not None else np.empty(n, dtype=np.float32)) if keep_residual else None
     step = max(block, chunk - chunk % block)
     num = den = 0.0
     for s in range(0, n, step):

@@ -54,6 +54,10 @@ class _TreeBackend:
     def set_fragment(self, p: int, vector: np.ndarray) -> None:
         self.params.set_fragment(p, vector)
 
+    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray) -> None:
+        """``acc += base - theta_p``, ``base <- theta_p``, in chunks (``TreeParams.fold_progress``)."""
+        self.params.fold_progress(p, base, acc)
+
 
 class HookBackend(_TreeBackend):
     """The user's loop drives: ``step`` waits for the user's next parameters (``Island.step``);

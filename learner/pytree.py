@@ -116,6 +116,29 @@ class TreeParams:
             pos += s.size
         return out
 
+    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray, chunk: int = 1 << 16) -> None:
+        """``acc += base - theta_p`` and ``base <- theta_p`` (float32 vectors of fragment p), in
+        chunks read straight from the leaves: no array of the fragment's size (a learner's sync
+        with error feedback accumulates its outer gradient into its residual this way)."""
+        frag = self.plan.fragments[p]
+        if base.shape != (frag.size,) or acc.shape != (frag.size,):
+            raise ValueError(f"fragment {p} has {frag.size} values: base {base.shape}, acc {acc.shape}")
+        tmp = np.empty(min(chunk, frag.size), dtype=np.float32)
+        pos, cache = 0, {}
+        for s in frag.slices:
+            if s.path not in cache:
+                cache[s.path] = self.view(s.path)
+            leaf = cache[s.path]
+            for a in range(0, s.size, chunk):
+                b = min(s.size, a + chunk)
+                theta = leaf[s.start + a:s.start + b].astype(np.float32, copy=False)
+                old = base[pos + a:pos + b]
+                t = tmp[:b - a]
+                np.subtract(old, theta, out=t)
+                acc[pos + a:pos + b] += t
+                old[...] = theta
+            pos += s.size
+
     def set_fragment(self, p: int, vector: np.ndarray) -> None:
         import jax
 

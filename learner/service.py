@@ -323,6 +323,11 @@ class SyntheticBackend:
         self.frags[p][:] = vector
 
 
+def _owned(a) -> bool:
+    """A float32 numpy vector the learner may write into (not a read-only view of a blob)."""
+    return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1 and a.flags.writeable
+
+
 # -- the learner -----------------------------------------------------------------------------------
 
 
@@ -597,29 +602,44 @@ class Learner:
         delta would repeat this one and the aggregator would apply it again and again.
         """
         p, q = c.fragment, self.cfg.quantiser
+        ef = self.cfg.error_feedback and q != "fp32"
+        base, res = self.base[p], self.residual[p]
+        if ef and res is not None and hasattr(self.backend, "fold_progress") and _owned(base) and _owned(res):
+            # residual += base - theta and base <- theta, chunk by chunk from the parameters; the
+            # new residual is then written over the corrected vector: a sync allocates nothing of
+            # the fragment's size but its blob (bench.island; bitwise the path below without unsent
+            # work, since r + d == d + r)
+            self.backend.fold_progress(p, base, res)
+            if self.unsent[p] is not None:
+                res += self.unsent[p]
+                self.unsent[p] = None
+            blob, _, residual, self.quant_error = codec.encode_with_feedback(
+                res, None, q, keep_residual=True, want_sent=False, in_place=True)
+            return self._finish_prepare(c, blob)
         theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
-        old = self.base[p]  # ours alone (never an alias of the parameters or a keyframe), replaced below:
-        # the delta goes into its memory, one fragment-sized array less at the peak of a sync
-        reuse = isinstance(old, np.ndarray) and old.dtype == np.float32 and old.flags.writeable and old.shape == theta.shape
-        delta = outer_gradient(old, theta, out=old if reuse else None)
+        # the base is ours alone (never an alias of the parameters or a keyframe) and replaced
+        # below: the delta goes into its memory, one fragment-sized array less at the peak of a sync
+        delta = outer_gradient(base, theta, out=base if _owned(base) and base.shape == theta.shape else None)
         if self.unsent[p] is not None:  # a publish that failed for good: its work goes out now
             delta += self.unsent[p]
             self.unsent[p] = None
         self.base[p] = theta
         # error feedback, quantisation and the decoded copy in one chunked pass (bitwise the
         # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
-        ef = self.cfg.error_feedback and q != "fp32"
         blob, _, residual, self.quant_error = codec.encode_with_feedback(
             delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False)
         if ef:
             self.residual[p] = residual
-        out = {"blob": blob}
+        return self._finish_prepare(c, blob)
+
+    def _finish_prepare(self, c: lp.Contribution, blob: bytearray) -> tuple[bytearray, dict]:
+        p = c.fragment
         meta = grad_meta(run=self.common.run, model=self.model_hash, learner=self.id,
                          incarnation=self.incarnation, fragment=p, round_=c.round,
                          base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
                          region=self.common.region)
         self._sent[(p, c.round)] = blob  # what was sent is decode(blob), rebuilt only if the publish fails
-        return out["blob"], meta
+        return blob, meta
 
     async def _publish(self, c: lp.Contribution, blob, meta: dict) -> bool:
         ok = False

@@ -48,6 +48,14 @@ def test_fused_equals_the_reference_bitwise(n, q, chunk, with_res, keep, seed):
     assert np.array_equal(np.asarray(codec.decode_array(gblob)).reshape(-1), sent)
     if keep:
         assert np.array_equal(gres, res)
+        # in place: the corrected vector (delta + residual) in one array, the new residual over it
+        corrected = delta.copy()
+        if residual is not None:
+            corrected += residual
+        hblob, _, hres, herr = codec.encode_with_feedback(corrected, None, q, keep_residual=True, chunk=chunk,
+                                                          want_sent=False, in_place=True)
+        assert bytes(hblob) == bytes(blob) and hres is corrected and np.array_equal(hres, res)
+        assert herr == pytest.approx(err, rel=1e-4, abs=1e-12)
 
 
 def test_bad_input_is_refused():

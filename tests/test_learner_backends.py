@@ -76,3 +76,25 @@ def test_train_backend_needs_params_or_a_builder():
         TrainBackend(step, iter(()), spec, plan_for(spec, 1, 1.1), opt_state=())
     with pytest.raises(ValueError, match="opt_state or init_opt"):
         TrainBackend(step, iter(()), spec, plan_for(spec, 1, 1.1), params=params)
+
+
+def test_fold_progress_is_the_outer_gradient_added_to_the_accumulator_and_moves_the_base():
+    """What a learner's sync with error feedback does without a fragment-sized temporary: bitwise
+    acc + (base - theta), then base = theta (bfloat16 leaves cast, chunks smaller than a leaf)."""
+    from learner.pytree import TreeParams
+
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.standard_normal((50, 7)), jnp.float32),
+              "b": jnp.asarray(rng.standard_normal(300), jnp.bfloat16), "n": jnp.arange(3)}
+    spec = tree_spec(params)
+    plan = plan_for(spec, 2, 1.1)
+    tp = TreeParams(params, spec, plan)
+    for p in range(plan.num_fragments):
+        theta = tp.get_fragment(p)
+        base = (theta + rng.standard_normal(theta.size).astype(np.float32) * 0.1).astype(np.float32)
+        acc = rng.standard_normal(theta.size).astype(np.float32) * 1e-3
+        want = acc + (base - theta)
+        tp.fold_progress(p, base, acc, chunk=64)
+        assert np.array_equal(acc, want) and np.array_equal(base, theta)
+    with pytest.raises(ValueError, match="values"):
+        tp.fold_progress(0, np.zeros(3, np.float32), np.zeros(3, np.float32))
