@@ -15,8 +15,7 @@ when versions do arrive, measured separately as ``rebase_s``).
 * ``island_memory_over_params``: peak RSS of the user's loop with the island minus the peak RSS of
   the same loop alone over as many steps, over the parameter bytes (target <= 2: base copies and
   error-feedback residuals). Both peaks are taken after ``gc.collect()`` and a reset of the
-  kernel's peak counter (``/proc/self/clear_refs``), with the island's malloc setting applied
-  from the start (``learner.malloc``), so the loop's own garbage and allocator are the same in
+  kernel's peak counter (``/proc/self/clear_refs``), so the loop's own garbage is the same in
   both. (The first version subtracted the RSS at rest: the loop alone holds up to 3x the
   parameter bytes of garbage between collections, which that figure counted against the island.)
 
@@ -76,12 +75,6 @@ def main() -> None:
         u, st = opt.update(g, st, pr)
         return optax.apply_updates(pr, u), st, loss
 
-    from bus.config import from_env
-    from learner.config import LearnerConfig
-    from learner.malloc import fix_mmap_threshold
-
-    # as the island will (DILOCO_MALLOC_MMAP_THRESHOLD=0 to compare without): the same allocator for both
-    fix_mmap_threshold(from_env(LearnerConfig).malloc_mmap_threshold)
     x = jnp.ones((32, width))
     params, opt_state, loss = train_step(params, opt_state, x)  # compile
     jax.block_until_ready(params)

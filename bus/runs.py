@@ -118,6 +118,14 @@ async def create_run(js, common: CommonConfig, manifest: Manifest, plan: Fragmen
     (:class:`RunMismatch` naming what to do otherwise), and are left as they are."""
     if await read_manifest(js, common.run) is not None:
         return False
+    body = orjson.dumps(manifest.to_dict())
+    limit = getattr(getattr(js, "_nc", None), "max_payload", None)
+    if limit and len(body) > limit:
+        # refused before anything is written (the manifest is the run's last write)
+        leaves = len((manifest.tree or {}).get("leaves", ())) if isinstance(manifest.tree, dict) else 0
+        raise RunMismatch(f"run {common.run!r}: its manifest is {len(body)} bytes (a tree of {leaves} leaves), "
+                          f"above the server's max_payload of {limit}: raise max_payload in the server's config "
+                          "(up to 64 MiB) or group small leaves into fewer arrays")
     limits = Limits.for_run(common, plan.sizes, common.run)
     if provision:
         await ensure_run(js, common.run, limits, update=True)
@@ -155,7 +163,7 @@ async def create_run(js, common: CommonConfig, manifest: Manifest, plan: Fragmen
         except VersionConflict:
             pass  # written by the creator whose claim we took over: version 0 stays as it is
     try:
-        await kv.create(MANIFEST_KEY, orjson.dumps(manifest.to_dict()))
+        await kv.create(MANIFEST_KEY, body)
     except KeyWrongLastSequenceError:
         return False  # a creator we took over from finished after all: its manifest stands
     if log is not None:

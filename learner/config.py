@@ -98,10 +98,6 @@ class LearnerConfig:
                            "create the run if it has none (version 0 of the built-in model from DILOCO_SEED; an "
                            "island: its own parameters); false under auth, where only the aggregator may write version 0 "
                            "(`diloco auth init` writes false into learners' env files)")
-    malloc_mmap_threshold: int = var(1 << 20, integer(0, 1 << 30),
-                                     "glibc: host arrays at least this many bytes are mmapped and go back to the "
-                                     "system when freed (fragment-sized arrays otherwise fragment the heap: an "
-                                     "island's memory over its params 3.6x -> 2.1x, docs/learner.md); 0: leave malloc alone")
 
     def __post_init__(self) -> None:
         if not self.synthetic and self.warmup_steps >= self.total_steps:

@@ -268,7 +268,8 @@ class Island:
         and sent in the background: in async mode this never waits on the network."""
         if self._closed:
             raise IslandClosed(f"island {self.cfg.learner_id} is closed: no more steps")
-        return self._backend.exchange(params, float("nan") if loss is None else float(loss), self._thread.is_alive)
+        return self._backend.exchange(params, float("nan") if loss is None else float(loss), self._thread.is_alive,
+                                      lambda: self.learner.failure)
 
     def train(self, train_step: Callable, opt_state: Any, batches: Iterable, steps: int | None = None
               ) -> tuple[Any, Any]:

@@ -1,15 +1,17 @@
-"""Host memory of a learner process: fragment-sized arrays given back to the system when freed.
+"""Host memory of a learner process: freed pages given back to the system.
 
-A learner allocates and frees a fragment-sized float32 array several times per sync (the
-fragment read from the parameters, the outer gradient, the decoded copy, the blob). glibc serves
-allocations above its mmap threshold with mmap and unmaps them on free, but it *raises* that
-threshold to the size of every mmapped block freed (up to 32 MiB): after the first sync, arrays
-of a few MiB come from the heap arenas (one per thread), which fragment and are not returned.
-`bench.island` at 50M parameters: an island's peak over its own loop was 3.6x the parameter bytes
-with the dynamic threshold and 2.1x with it fixed at 1 MiB (base copies and residuals are 2x).
+glibc keeps freed memory in its heap arenas (one per thread) unless it sits at an arena's top,
+and it serves allocations below its mmap threshold from those arenas; the threshold itself rises
+to the size of every mmapped block freed (up to 32 MiB). An island in hook mode frees the
+previous step's parameters (XLA buffers of the size of the leaves) in its worker thread while the
+user's next step allocates new ones: the heap kept the freed pages, and an island's peak memory
+over its user's own loop was 2.8x the parameter bytes at 50M parameters against 2.1x with a
+:func:`trim` after each free (`bench.island`, docs/learner.md).
 
-Setting the threshold (``mallopt(M_MMAP_THRESHOLD, n)``) also fixes it: glibc no longer moves it.
-Process-wide, once; nothing happens off glibc (macOS, musl) or with ``n == 0``.
+Fixing the mmap threshold low instead (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``) gave 2.07x too, but
+every step's XLA buffers above it were then fresh mmaps, zeroed by the kernel: the built-in
+model's inner step was 9% slower (5 alternating runs of each) and so was the 50M loop; so it is
+not done.
 """
 
 from __future__ import annotations
@@ -17,21 +19,22 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-M_MMAP_THRESHOLD = -3
-_done: set[int] = set()
+_libc = None
 
 
-def fix_mmap_threshold(nbytes: int) -> bool:
-    """``mallopt(M_MMAP_THRESHOLD, nbytes)`` on glibc, once per value; True if it was applied."""
-    if nbytes <= 0 or nbytes in _done:
-        return nbytes in _done
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+def trim() -> bool:
+    """``malloc_trim(0)`` on glibc: give the free pages of every heap arena back to the system
+    (pages in the middle of an arena too); False (nothing done) off glibc."""
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            fn = lib.malloc_trim
+            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+            _libc = fn
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if mallopt(M_MMAP_THRESHOLD, int(nbytes)) != 1:
-        return False
-    _done.add(nbytes)
+    _libc(0)
     return True

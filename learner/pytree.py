@@ -52,6 +52,10 @@ def tree_spec(tree: Any) -> TreeSpec:
     return describe(dict(zip(paths, leaves)))
 
 
+class DonatedParams(ValueError):
+    """A leaf of the parameters an island holds was deleted (donated to the user's step)."""
+
+
 class TreeParams:
     """The current parameters of an island as a pytree, with fragment access by the run's plan."""
 
@@ -91,18 +95,26 @@ class TreeParams:
 
         return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
 
+    def _leaf(self, path: str) -> Any:
+        x = self.leaves[self.index[path]]
+        if getattr(x, "is_deleted", None) is not None and x.is_deleted():
+            raise DonatedParams(f"leaf {path} was deleted, most likely donated to your train step "
+                                "(donate_argnums): an island reads the parameters you hand it while your "
+                                "next step runs, so do not donate them")
+        return x
+
     def host(self, path: str) -> np.ndarray:
         """Leaf ``path`` as a float32 numpy array on the host (a copy)."""
         import jax
 
-        return np.array(jax.device_get(self.leaves[self.index[path]]), dtype=np.float32)
+        return np.array(jax.device_get(self._leaf(path)), dtype=np.float32)
 
     def view(self, path: str) -> np.ndarray:
         """Leaf ``path`` as a flat host array of its own dtype: no copy where JAX can avoid one
         (a CPU array), else one transfer of the leaf."""
         import jax
 
-        return np.asarray(jax.device_get(self.leaves[self.index[path]])).reshape(-1)
+        return np.asarray(jax.device_get(self._leaf(path))).reshape(-1)
 
     def get_fragment(self, p: int) -> np.ndarray:
         """Fragment p as a new float32 vector: only its slices are copied (and cast)."""

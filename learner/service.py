@@ -343,9 +343,6 @@ class Learner:
         """``run_model``: the model to train (``BuiltinModel`` of ``model`` by default; a user's
         tree through ``learner.island``): its hash, fragment plan, version 0 and compute backend."""
         self.common, self.model_cfg, self.cfg = common, model, cfg
-        from learner.malloc import fix_mmap_threshold
-
-        fix_mmap_threshold(cfg.malloc_mmap_threshold)  # fragment-sized arrays go back to the system
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.id = cfg.learner_id
         self.run_model = run_model if run_model is not None else BuiltinModel(model, cfg)
@@ -391,6 +388,7 @@ class Learner:
         self._sent: dict[tuple[int, int], bytearray] = {}  # (fragment, round) -> blob of the outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
         self.startup_error: str | None = None
+        self.failure: str | None = None  # why run() failed after start-up
         self._cancel = threading.Event()
         self._publishes: set[asyncio.Task] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"inner-{self.id}")
@@ -420,6 +418,7 @@ class Learner:
                           rss_mib=peak_rss_mib())
             return EXIT_OK
         except Exception as e:
+            self.failure = f"{type(e).__name__}: {e}"  # what an island raises to its user
             self.log.exception("learner_failed")
             print(f"diloco learner {self.id}: failed: {e!r}", file=sys.stderr, flush=True)
             return EXIT_ERROR

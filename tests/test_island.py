@@ -242,6 +242,31 @@ def test_user_errors_are_one_line(nats_server):
         a.step(p, loss=1.0)
 
 
+def test_donated_parameters_stop_the_island_with_one_line_saying_so(nats_server):
+    """Parameters the user deleted (donated to a train step, ``donate_argnums``) while the island
+    still reads them: the island's learner stops, and the user's next step says why."""
+    import jax.numpy as jnp
+
+    from learner.island import Island, IslandClosed
+    from learner.pytree import DonatedParams, TreeParams, tree_spec
+    from bus.runs import plan_for
+
+    tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    tp = TreeParams(tree, tree_spec(tree), plan_for(tree_spec(tree), 1, 1.1))
+    gone = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    gone["w"].delete()
+    tp.set_tree(gone)
+    with pytest.raises(DonatedParams, match="leaf w was deleted.*donate"):
+        tp.get_fragment(0)
+    a = Island(tree, run="don", nats_url=nats_server.url, learner_id="a", sync_every=1, num_fragments=1,
+               join_timeout=60, env={"DILOCO_LOG_LEVEL": "error"})
+    a.step(gone, loss=1.0)  # taken and handed back; its outer gradient is computed after
+    with pytest.raises(IslandClosed, match="learner stopped: DonatedParams: leaf w was deleted"):
+        for _ in range(50):
+            a.step({"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}, loss=1.0)
+    a.close()
+
+
 def test_export_without_a_run_or_a_version_is_one_line(nats_server, tmp_path):
     out = tmp_path / "m.npz"
     p = subprocess.run([PY, "-m", "bus.cli", "export", "--out", str(out), "--timeout", "1"], cwd=ROOT,
