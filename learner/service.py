@@ -612,7 +612,7 @@ class Learner:
             if self.unsent[p] is not None:
                 res += self.unsent[p]
                 self.unsent[p] = None
-            blob, _, residual, self.quant_error = codec.encode_with_feedback(
+            blob, _, _, self.quant_error = codec.encode_with_feedback(  # the new residual is in res
                 res, None, q, keep_residual=True, want_sent=False, in_place=True)
             return self._finish_prepare(c, blob)
         theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
