@@ -582,7 +582,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "process its user's credentials; the launcher reads as the metrics user")
     p.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="tiny | small | default (default: default, or tiny with --quick); DILOCO_* overrides win")
-    p.add_argument("--quick", action="store_true", help="tiny model and few steps: a demo in about a minute")
+    p.add_argument("--quick", action="store_true", help="tiny model and few steps: a demo in about 25 s (2 CPU cores)")
     p.add_argument("--run", default=None, help="run id (default: DILOCO_RUN, else 'up')")
     p.add_argument("--progress", choices=("auto", "table", "line", "none"), default="auto",
                    help="live view: a redrawn table (auto on a terminal), one line per interval, or nothing")
@@ -712,10 +712,13 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.on_signal, sig)
         store = os.path.join(self.out, "nats-store")
+        if previous := previous_run(self.out):
+            self.say(f"diloco up: replacing the previous run's output in {self.out} ({previous}); "
+                     "pass --out DIR to keep it")
         shutil.rmtree(store, ignore_errors=True)  # a fresh run every time: our own folders only
         shutil.rmtree(os.path.join(self.out, "logs"), ignore_errors=True)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
-        for stale in ("summary.json", "eval_loss.png"):
+        for stale in ("summary.json", "eval_loss.png", WATCH_ENV):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.out, stale))
         run = self.env["DILOCO_RUN"]
@@ -751,9 +754,8 @@ class Launcher:
                      f"{self.a.learners} learners over {','.join(self.a.regions)}; "
                      f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; {access}; "
                      f"out {self.out}")
-            watch = f"DILOCO_NATS_URL={self.topology.hub_url} DILOCO_RUN={run} diloco metrics"
-            if self.auth:
-                watch = f"(set -a; . {os.path.join(self.auth_dir, 'metrics.env')}; set +a; {watch})"
+            write_watch_env(self.out, self.topology.hub_url, run, me if self.auth else None)
+            watch = f"diloco metrics --dir {self.out}"
             self.say(f"diloco up: logs in {os.path.join(self.out, 'logs')}; watch from another terminal with {watch}")
             async def quiet(*_: object) -> None:  # the launcher's own connection logs nothing
                 return None
@@ -920,6 +922,31 @@ class Launcher:
         self.say(render_summary(summary))
         self.say(f"wrote {os.path.join(self.out, 'summary.json')}"
                  + (f" and {os.path.join(self.out, 'eval_loss.png')}" if plotted else ""))
+
+
+WATCH_ENV = "watch.env"
+
+
+def previous_run(out: str) -> str | None:
+    """What a previous `diloco up` left in ``out`` (None if nothing): it is about to be replaced."""
+    found = [name for name in ("summary.json", "logs", "nats-store") if os.path.exists(os.path.join(out, name))]
+    return ", ".join(found) or None
+
+
+def write_watch_env(out: str, url: str, run: str, me: CommonConfig | None) -> str:
+    """``<out>/watch.env`` (0600): what `diloco metrics --dir` and `diloco status --dir` need to
+    watch this run: the hub's URL, the run id and, with auth, the read-only metrics user."""
+    from bus.auth import _env_value
+
+    rows = [("DILOCO_NATS_URL", url), ("DILOCO_RUN", run)]
+    if me is not None and me.nats_user:
+        rows += [("DILOCO_NATS_USER", me.nats_user), ("DILOCO_NATS_PASSWORD", me.nats_password)]
+    path = os.path.join(out, WATCH_ENV)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("# written by `diloco up`: watch this run with `diloco metrics --dir DIR` (secret: 0600)\n")
+        f.write("".join(f"{k}={_env_value(v)}\n" for k, v in rows))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ An unreachable server or a refused login is one line on stderr and exit status 1
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import dataclasses
 import math
@@ -52,11 +53,29 @@ def redact_url(url: str) -> str:
 def _add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="NATS URL(s), comma-separated (default: $DILOCO_NATS_URL)")
     p.add_argument("--run", help="run id (default: $DILOCO_RUN)")
+    p.add_argument("--dir", help="a `diloco up` output folder: the URL, run and credentials of its run "
+                                 "(its watch.env; --url and --run still win)")
     p.add_argument("--json", action="store_true", help="machine-readable JSON output")
+
+
+def _watch_env(folder: str) -> dict[str, str]:
+    """The variables of ``<folder>/watch.env`` (ConfigError, one line, if there is none)."""
+    from bus.auth import parse_env_file
+
+    path = os.path.join(folder, "watch.env")
+    try:
+        with open(path) as f:
+            return parse_env_file(f.read())
+    except OSError as e:
+        raise ConfigError(f"--dir={folder!r}: no {path} ({e.strerror}): is it the --out folder of a running "
+                          "`diloco up`?") from None
 
 
 def _config(a: argparse.Namespace) -> CommonConfig:
     over: dict[str, Any] = {}
+    environ = None
+    if getattr(a, "dir", None):
+        environ = {**os.environ, **_watch_env(a.dir)}  # the run's own values win over the shell's
     for attr, field, parse in (("url", "nats_url", nats_urls()), ("run", "run", token())):
         value = getattr(a, attr)
         if value is not None:
@@ -64,7 +83,7 @@ def _config(a: argparse.Namespace) -> CommonConfig:
                 over[field] = parse(value)
             except ValueError as e:
                 raise ConfigError(f"--{attr}={value!r}: {e}") from None
-    return from_env(CommonConfig, **over)
+    return from_env(CommonConfig, environ, **over)
 
 
 def _describe(e: BaseException) -> str:

@@ -94,6 +94,15 @@ def test_bad_variable_stops_before_anything_starts(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_previous_runs_output_is_named_before_it_is_replaced(tmp_path):
+    from bus.launcher import previous_run
+
+    assert previous_run(str(tmp_path)) is None
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    assert previous_run(str(tmp_path)) == "summary.json, logs"
+
+
 def test_dp_equivalent_bytes():
     # 4 learners, 1000 params, 100 inner steps in total: 2 * 3/4 * 1000 * 2 bytes * 100
     assert L.dp_equivalent_bytes(1000, 4, 100) == 300_000
@@ -222,6 +231,12 @@ def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
                 ei.value
         creds = parse_env_file((out / "auth" / "metrics.env").read_text())
         asyncio.run(_try_connect(url, user=creds["DILOCO_NATS_USER"], password=creds["DILOCO_NATS_PASSWORD"]))
+        # the run's output folder is all a watcher needs (issue 16): its watch.env, 0600, with auth on
+        assert (out / "watch.env").stat().st_mode & 0o777 == 0o600
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+        w = subprocess.run([str(Path(sys.executable).parent / "diloco"), "metrics", "--dir", str(out), "--once",
+                            "--json", "--wait", "1"], env=clean, capture_output=True, text=True, timeout=60)
+        assert w.returncode == 0 and json.loads(w.stdout)["run"] == "up", w.stderr
         stdout, stderr = proc.communicate(timeout=280)
     finally:
         if proc.poll() is None:
@@ -230,6 +245,7 @@ def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
     p = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert json.loads((out / "processes.json").read_text())["auth"] == str(out / "auth")
+    assert f"watch from another terminal with diloco metrics --dir {out}" in p.stdout + p.stderr
     assert creds["DILOCO_NATS_PASSWORD"] not in p.stdout + p.stderr + (out / "summary.json").read_text()
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "completed"

@@ -209,6 +209,30 @@ def _dead_port() -> int:
         return s.getsockname()[1]  # closed again: nothing listens there
 
 
+async def test_dir_watches_the_run_of_a_diloco_up_output_folder(nats_server, nc, tmp_path):
+    """`--dir` takes the URL, run and credentials from the folder's watch.env (what `diloco up`
+    writes), over a shell whose DILOCO_* variables point elsewhere; a folder without one is one line."""
+    from bus.launcher import write_watch_env
+
+    run = "m3"
+    path = write_watch_env(str(tmp_path), nats_server.url, run, None)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    env = env_for(f"nats://127.0.0.1:{_dead_port()}", "elsewhere")
+    stop = asyncio.Event()
+    pub = asyncio.create_task(publish_metrics(nc, run, stop))
+    try:
+        rc, out, err = await diloco(env, "metrics", "--dir", str(tmp_path), "--once", "--json", "--wait", "1.5")
+    finally:
+        stop.set()
+        await pub
+    assert rc == 0, err
+    snap = orjson.loads(out)
+    assert snap["run"] == run and set(snap["learners"]) == {"l0", "l1"}
+    rc, out, err = await diloco(env, "status", "--dir", str(tmp_path / "nothing"))
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "watch.env" in err and "diloco up" in err
+
+
 async def test_unreachable_server_is_one_line_and_exit_1():
     url = f"nats://user:hunter2@127.0.0.1:{_dead_port()}"
     env = env_for(url, "r")
