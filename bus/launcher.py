@@ -301,7 +301,8 @@ class RunState:
                 self.aggregator = msg
         elif role == "monitor":
             self.monitor = msg
-        elif role == "evaluator" and isinstance(msg.get("eval_loss"), (int, float)):
+        elif (role == "evaluator" and isinstance(msg.get("eval_loss"), (int, float))
+              and "evaluated_at" not in msg):  # a repeat of the last evaluation is not a new point
             self.evals.append(msg)
 
     def on_event(self, msg: Any) -> None:

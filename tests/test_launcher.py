@@ -120,6 +120,8 @@ def test_run_state_folds_metrics_and_events():
     st.on_metrics(_metrics("learner", learner="us-0", region="us", step=5, loss=4.0, incarnation="a", ts=1.5))
     st.on_metrics(_metrics("aggregator", versions={"0": 2, "1": 3}, merges=5, contributions={"us-0": 4}, ts=2.0))
     st.on_metrics(_metrics("evaluator", eval_loss=3.5, version=5, ts=3.0))
+    st.on_metrics(_metrics("evaluator", eval_loss=3.5, version=5, ts=4.0, evaluated_at=3.0))  # a repeat
+    assert [e["ts"] for e in st.evals] == [1.0, 3.0]  # a repeat of the last evaluation is not a new point
     st.on_metrics({"role": "learner", "run": "other", "learner": "x", "ts": 1.0})
     ev = {"learner": "us-0", "old": "active", "new": "evicted", "at": 10.0}
     st.on_event(ev)
@@ -132,7 +134,8 @@ def test_run_state_folds_metrics_and_events():
     assert st.evictions_while_running({"us-0": 5.0}) == 0  # evicted after it finished: not a failure
     line = st.compact_line(now=12.0)
     assert "us-0 10 3.000" in line and "v2..3" in line and "eval 3.500 (from 5.500)" in line
-    assert st.snapshot.applied == 4 and st.snapshot.skipped == {"stale": 1, "other_run": 1}  # the live table
+    # the live table takes the repeat too (it shows the evaluator between evaluations): 5 applied
+    assert st.snapshot.applied == 5 and st.snapshot.skipped == {"stale": 1, "other_run": 1}
 
 
 def test_summary_has_the_promised_keys():

@@ -10,6 +10,7 @@ seq 32, P = 4.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -552,6 +553,32 @@ async def test_evaluator_publishes_when_versions_change(nats_server, js):
         await put_version(js, 3, 1, np.zeros(PLAN.sizes[3], np.float32))
         m = await metrics.wait_for(lambda m: m["versions"]["3"] == 1)
         assert m["versions"]["1"] == 0 and m["rejected_globals"] == {"bad_blob": 1}
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
+async def test_evaluator_repeats_its_last_record_between_evaluations(nats_server, js):
+    """Issue 16: `diloco metrics --once` (a 3 s window) showed no evaluator while one ran, because
+    it published only when it evaluated (at most every DILOCO_EVAL_INTERVAL). Between evaluations
+    the last record goes out again every DILOCO_METRICS_INTERVAL, with the time it was evaluated."""
+    from learner.evaluator import Evaluator
+
+    await bootstrap(js)
+    metrics = await Sniff().start(js._nc, S.metrics("evaluator", "ev2"))
+    common, model, lcfg = configs(nats_server, data_max_bytes=200000)
+    common = dataclasses.replace(common, metrics_interval=0.2)
+    ev = Evaluator(common, model, lcfg, EvalConfig(eval_id="ev2", eval_interval=60.0, eval_batches=1,
+                                                   eval_batch_size=4))
+    stop = asyncio.Event()
+    task = asyncio.create_task(ev.run(stop))
+    try:
+        first = await metrics.wait_for(lambda m: True, timeout=30)
+        await asyncio.sleep(1.5)
+        again = [m for _, m in metrics.msgs[1:]]
+        assert len(again) >= 4, len(again)  # about every 0.2 s, far more often than every 60 s
+        assert all(m["evaluated_at"] == first["ts"] and m["eval_loss"] == first["eval_loss"] for m in again)
+        assert again[-1]["ts"] > first["ts"] + 1.0 and ev.evaluations == 1
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 15) == 0

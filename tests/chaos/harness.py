@@ -136,7 +136,7 @@ class ChaosRun:
         async def on_metrics(m):
             try:
                 d = orjson.loads(m.data)
-                if d.get("role") == "evaluator" and d.get("eval_loss") is not None:
+                if d.get("role") == "evaluator" and d.get("eval_loss") is not None and "evaluated_at" not in d:
                     self.evals.append((time.time(), float(d["eval_loss"]), int(d["version"])))
             except Exception:
                 pass
