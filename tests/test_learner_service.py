@@ -528,16 +528,22 @@ async def test_eval_once_prints_heldout_loss_of_version_0(nats_server, js):
     assert abs(rec["eval_loss"] - np.log(256)) < 0.1  # a fresh init ignores its input
 
 
-async def test_evaluator_publishes_when_versions_change(nats_server, js):
+async def _start_evaluator(nats_server, js, eval_id: str, eval_interval: float, **common_over):
+    """An in-process evaluator of the bootstrapped run, and a sniffer of its metrics subject."""
     from learner.evaluator import Evaluator
 
     await bootstrap(js)
-    metrics = await Sniff().start(js._nc, S.metrics("evaluator", "ev"))
+    metrics = await Sniff().start(js._nc, S.metrics("evaluator", eval_id))
     common, model, lcfg = configs(nats_server, data_max_bytes=200000)
-    ev = Evaluator(common, model, lcfg, EvalConfig(eval_id="ev", eval_interval=0.2, eval_batches=1,
+    common = dataclasses.replace(common, **common_over)
+    ev = Evaluator(common, model, lcfg, EvalConfig(eval_id=eval_id, eval_interval=eval_interval, eval_batches=1,
                                                    eval_batch_size=4))
     stop = asyncio.Event()
-    task = asyncio.create_task(ev.run(stop))
+    return metrics, ev, stop, asyncio.create_task(ev.run(stop))
+
+
+async def test_evaluator_publishes_when_versions_change(nats_server, js):
+    metrics, ev, stop, task = await _start_evaluator(nats_server, js, "ev", 0.2)
     try:
         first = await metrics.wait_for(lambda m: True, timeout=30)
         assert first["version"] == 0 and first["eval_id"] == "ev" and np.isfinite(first["eval_loss"])
@@ -562,16 +568,7 @@ async def test_evaluator_repeats_its_last_record_between_evaluations(nats_server
     """Issue 16: `diloco metrics --once` (a 3 s window) showed no evaluator while one ran, because
     it published only when it evaluated (at most every DILOCO_EVAL_INTERVAL). Between evaluations
     the last record goes out again every DILOCO_METRICS_INTERVAL, with the time it was evaluated."""
-    from learner.evaluator import Evaluator
-
-    await bootstrap(js)
-    metrics = await Sniff().start(js._nc, S.metrics("evaluator", "ev2"))
-    common, model, lcfg = configs(nats_server, data_max_bytes=200000)
-    common = dataclasses.replace(common, metrics_interval=0.2)
-    ev = Evaluator(common, model, lcfg, EvalConfig(eval_id="ev2", eval_interval=60.0, eval_batches=1,
-                                                   eval_batch_size=4))
-    stop = asyncio.Event()
-    task = asyncio.create_task(ev.run(stop))
+    metrics, ev, stop, task = await _start_evaluator(nats_server, js, "ev2", 60.0, metrics_interval=0.2)
     try:
         first = await metrics.wait_for(lambda m: True, timeout=30)
         await asyncio.sleep(1.5)
