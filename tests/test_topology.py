@@ -177,10 +177,13 @@ async def test_leaf_mappings_work_inside_an_account(tmp_path):
                 except Exception:
                     await asyncio.sleep(0.1)
             await hc.jetstream().add_stream(name="T", subjects=["t.>"], allow_direct=True)
-            assert (await js.publish("t.1", b"x", headers={"Nats-Msg-Id": "1"})).seq == 1
+            # a new stream's subject interest reaches the leaf asynchronously too: until it has, a
+            # publish there gets "no responders" (1 clean-clone CI run in about 20); Msg-Id dedupes
+            assert (await _once_interest_arrived(
+                lambda: js.publish("t.1", b"x", headers={"Nats-Msg-Id": "1"}))).seq == 1
             kv = await hc.jetstream().create_key_value(bucket="k")
             lkv = await js.key_value("k")
-            await lkv.update("a", b"2", last=await lkv.create("a", b"1"))
+            await lkv.update("a", b"2", last=await _once_interest_arrived(lambda: lkv.create("a", b"1")))
             assert (await kv.get("a")).value == b"2"
             assert (await js.get_last_msg("T", "t.1", direct=True)).data == b"x"
         finally:
@@ -189,6 +192,21 @@ async def test_leaf_mappings_work_inside_an_account(tmp_path):
     finally:
         leaf.close()
         hub.close()
+
+
+async def _once_interest_arrived(call, timeout: float = 10.0):
+    """``await call()``, again while the server answers that nobody listens on the subject yet."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import NoStreamResponseError
+
+    t_end = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except (NoRespondersError, NoStreamResponseError):
+            if time.monotonic() > t_end:
+                raise
+            await asyncio.sleep(0.05)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -292,7 +310,7 @@ async def main():
     for _ in range(100):  # the stream's interest reaches the other cluster over the gateway shortly
         try:
             await jeu.publish("g.1", b"from-eu"); break
-        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+        except (NoRespondersError, NoStreamResponseError):
             await asyncio.sleep(0.1)
     else:
         raise AssertionError("the stream never became reachable from eu")
