@@ -310,12 +310,19 @@ async def main():
     for _ in range(100):  # the stream's interest reaches the other cluster over the gateway shortly
         try:
             await jeu.publish("g.1", b"from-eu"); break
-        except (NoRespondersError, NoStreamResponseError):
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
             await asyncio.sleep(0.1)
     else:
         raise AssertionError("the stream never became reachable from eu")
     kv = await jus.create_key_value(bucket="gkv")
-    await (await jeu.key_value("gkv")).put("k", b"v")
+    ekv = await jeu.key_value("gkv")
+    for _ in range(100):  # the same for the bucket's stream
+        try:
+            await ekv.put("k", b"v"); break
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+            await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the bucket never became reachable from eu")
     assert (await kv.get("k")).value == b"v"
     assert (await jeu.get_last_msg("G", "g.1", direct=True)).data == b"from-eu"
     print("ok")
