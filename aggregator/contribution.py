@@ -43,6 +43,16 @@ class Contribution:
     inner_steps: int
     tokens: int
     vector: np.ndarray
+    period: int = 0  # the learner's sync period when it sent this (0: not declared)
+
+    @property
+    def round_share(self) -> float:
+        """The share of one round of the learner's work this contribution holds: inner steps over
+        its sync period, at most 1 (1 when the period is not declared). A final sync at the step
+        budget, or a staggered fragment's first sync, holds less than a round."""
+        if self.period <= 0:
+            return 1.0
+        return min(1.0, max(0, self.inner_steps) / self.period)
 
     @property
     def key(self) -> ContributionKey:

@@ -36,7 +36,7 @@ from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.contribution import Contribution
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, GracePolicy, decide
-from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale
+from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale, round_work
 from aggregator.validate import Reason, ValidationContext, validate
 from bus import codec
 from bus.signals import install_stop
@@ -269,7 +269,8 @@ class AggregatorService:
             return
         c = Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
                          incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
-                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec)
+                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,
+                         period=meta.get("period", 0))
         if not self.cfg.require_membership and c.run == self.common.run:
             self.seen.add(c.learner)
         norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
@@ -351,7 +352,7 @@ class AggregatorService:
         t0 = time.monotonic()
         learners = {x.c.learner for x in items}
         participants = self.participants(now) | learners
-        scale = (participation_scale(len(items), len(participants))
+        scale = (participation_scale(round_work([x.c for x in items]), len(participants))
                  if self.cfg.scale_by_participation else 1.0)
         per_round = max(1, len(participants))
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from bus.subjects import check_token
 
 GRAD_FIELDS = ("run", "model", "learner", "inc", "frag", "round", "base", "steps", "tokens", "region")
+GRAD_OPTIONAL = ("period",)  # absent from a learner before it was added: the aggregator then counts a full round
 MANIFEST_KEY = "manifest"
 
 
@@ -29,10 +30,15 @@ def grad_obj_id(run: str, learner: str, incarnation: str, fragment: int, round_:
 
 
 def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment: int, round_: int,
-              base_version: int, inner_steps: int, tokens: int, region: str) -> dict:
-    return {"run": run, "model": model, "learner": learner, "inc": incarnation, "frag": int(fragment),
+              base_version: int, inner_steps: int, tokens: int, region: str, period: int | None = None) -> dict:
+    """``period``: the learner's sync period H (inner steps) when the fragment was due; the
+    contribution holds ``steps / period`` of a round of work (0 or None: not sent)."""
+    meta = {"run": run, "model": model, "learner": learner, "inc": incarnation, "frag": int(fragment),
             "round": int(round_), "base": int(base_version), "steps": int(inner_steps), "tokens": int(tokens),
             "region": region}
+    if period:
+        meta["period"] = int(period)
+    return meta
 
 
 def parse_grad_meta(meta: dict) -> dict:
@@ -40,11 +46,15 @@ def parse_grad_meta(meta: dict) -> dict:
 
     Semantic checks (right run, active learner, staleness...) belong to the aggregator's validator.
     """
-    if not isinstance(meta, dict) or set(meta) != set(GRAD_FIELDS):
-        raise ValueError(f"malformed: expected fields {', '.join(GRAD_FIELDS)}")
+    if not isinstance(meta, dict) or not set(GRAD_FIELDS) <= set(meta) <= set(GRAD_FIELDS + GRAD_OPTIONAL):
+        raise ValueError(f"malformed: expected fields {', '.join(GRAD_FIELDS)} (and optionally "
+                         f"{', '.join(GRAD_OPTIONAL)})")
     for k in ("run", "model", "learner", "inc", "region"):
         if not isinstance(meta[k], str) or not meta[k] or len(meta[k]) > 128:
             raise ValueError(f"malformed: field {k!r} must be a non-empty string")
+    if "period" in meta and (not isinstance(meta["period"], int) or isinstance(meta["period"], bool)
+                             or not 1 <= meta["period"] <= 2**31):
+        raise ValueError("malformed: field 'period' must be an integer in 1..2**31")
     for k in ("frag", "round", "base", "steps", "tokens"):
         v = meta[k]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 2**62:

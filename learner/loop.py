@@ -97,6 +97,8 @@ class Contribution:
     base_version: int
     steps: int
     tokens: int
+    period: int = 0  # the learner's sync period H when it was due (0: unknown): steps / period is
+    # the share of a round of work the contribution holds (the outer optimizer ``rounds``)
 
 
 class Bookkeeper:
@@ -167,7 +169,7 @@ class Bookkeeper:
         if f.inflight:
             f.skipped += 1
             return None
-        c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens)
+        c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens, self.period)
         f.next_round += 1
         f.steps = f.tokens = 0
         f.inflight = True

@@ -636,7 +636,7 @@ class Learner:
         meta = grad_meta(run=self.common.run, model=self.model_hash, learner=self.id,
                          incarnation=self.incarnation, fragment=p, round_=c.round,
                          base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
-                         region=self.common.region)
+                         region=self.common.region, period=c.period)
         self._sent[(p, c.round)] = blob  # what was sent is decode(blob), rebuilt only if the publish fails
         return blob, meta
 

@@ -38,7 +38,7 @@ def test_schedule_counters_and_rounds():
     assert due == [[1], [2], [3], [0], [1], [2], [3], [0]]
     assert b.step == 8 and b.tokens == 80 and b.step_seconds_total == pytest.approx(4.0)
     c = b.begin_sync(0)
-    assert c == lp.Contribution(fragment=0, round=0, base_version=0, steps=8, tokens=80)
+    assert c == lp.Contribution(fragment=0, round=0, base_version=0, steps=8, tokens=80, period=4)
     assert b.frags[0].steps == 0 and b.frags[0].inflight
     b.end_sync(c, ok=True)
     assert b.contributions == 1 and b.steps_sent == 8 and b.frags[0].next_round == 1 and not b.frags[0].inflight
