@@ -1,0 +1,180 @@
+"""Quality of the algorithm at a compute-optimal budget: data-parallel, synchronous DiLoCo, Streaming and
+Decoupled DiLoCo in one process (``bench.reference``), both sides tuned.
+
+For each M (2 and 4; ``--M``): every run trains the built-in ``small`` model (119k parameters) on the
+same data shards for ``tokens_per_param`` x parameters tokens in total (20 by default: compute
+optimal); data-parallel as one AdamW on batches of M x b.
+
+1. data-parallel: sweep the peak learning rate and the warm-up; the best held-out loss is the
+   baseline (``dp_best``).
+2. synchronous DiLoCo (P=1, int8 outer gradients with error feedback): sweep the outer learning rate
+   and momentum at H=24 (inner lr: the data-parallel best and the learners' default), then H at the
+   best pair.
+3. at the tuned values: Streaming DiLoCo (P=8 staggered fragments, K=M), and Decoupled DiLoCo with
+   learners out of step (step times 1.0, 1.06, 1.12, ... and 0.5 step of upload and of download delay)
+   with the quorum K=M (``diloco up``'s setting) and with K=1 (per-arrival merges).
+
+Keys: ``loss_gap_m2`` / ``loss_gap_m4`` = (best DiLoCo-family run - dp_best) / dp_best (targets <= 1% and
+<= 2%); ``decoupled_vs_sync_m2`` / ``_m4`` = (decoupled K=M - sync at the same H) / sync (target <= 0.5%);
+``reference_speed_vs_dp``: tokens per second of the reference's synchronous run over data-parallel's,
+measured side by side (target >= 0.9). ``--plot FILE.png``: held-out loss against tokens.
+
+    python -m bench.algorithm --quick --out algorithm.json           (~1 min, a tiny budget)
+    python -m bench.algorithm --out algorithm.json --plot docs/quality.png     (~40 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bench.common import finish, parser, progress
+from bench.reference import RefConfig, Setup, run_reference, same_setup
+
+QUICK_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32}
+
+
+class Runner:
+    """Runs configurations, sharing the compiled step between runs of one setup; keeps every result."""
+
+    def __init__(self):
+        self.setups: list[tuple[RefConfig, Setup]] = []
+        self.rows: list[dict] = []
+
+    def __call__(self, cfg: RefConfig, label: str, **tags) -> dict:
+        setup = next((s for c, s in self.setups if same_setup(c, cfg)), None)
+        if setup is None:
+            setup = Setup(cfg)
+            self.setups = [(cfg, setup)]  # one at a time: keep memory flat
+        r = run_reference(cfg, setup)
+        row = {"label": label, "mode": cfg.mode, "M": cfg.M, "loss": round(r["eval_loss"], 5), **tags,
+               "wall_s": r["wall_s"], "tokens_per_s": r["tokens_per_s"], "curve": r["curve"],
+               "merges": r.get("merges"), "staleness_hist": r.get("staleness_hist"), "rejected": r.get("rejected")}
+        self.rows.append(row)
+        progress(f"M={cfg.M} {label}: held-out {r['eval_loss']:.4f} ({r['wall_s']} s)")
+        return row
+
+
+def budget_steps(params: int, tokens_per_param: float, M: int, batch: int, seq_len: int) -> int:
+    """Inner steps per learner for ``tokens_per_param`` x params tokens over M learners."""
+    return max(1, round(tokens_per_param * params / (M * batch * seq_len)))
+
+
+def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner) -> dict:
+    model = QUICK_MODEL if quick else RefConfig().model
+    probe = Setup(RefConfig(M=M, steps=2, model=model, P=1))
+    steps = budget_steps(probe.params, tokens_per_param, M, batch, probe.spec.seq_len)
+    del probe
+    base = RefConfig(M=M, steps=steps, batch=batch, model=model, P=1, eval_points=10 if not quick else 3,
+                     warmup=max(5, steps // 20), quantiser="int8")
+    progress(f"M={M}: {steps} inner steps per learner, batch {batch}")
+    # 1. data-parallel sweep (lr x warm-up)
+    dp_lrs = (1e-3, 3e-3) if quick else (5e-4, 1e-3, 2e-3, 4e-3)
+    warmups = (base.warmup,) if quick else (base.warmup, max(5, steps // 10))
+    dps = [run(replace(base, mode="dp", lr=lr, warmup=w), f"dp lr={lr} warmup={w}", lr=lr, warmup=w)
+           for lr in dp_lrs for w in warmups]
+    dp_best = min(dps, key=lambda r: r["loss"])
+    # 2. synchronous DiLoCo: outer lr x momentum at H=24, for two inner learning rates
+    inner_lrs = sorted({1e-3, dp_best["lr"]})
+    pairs = ((0.7, 0.0), (1.0, 0.5)) if quick else ((0.5, 0.0), (0.7, 0.0), (1.0, 0.0), (0.7, 0.5), (0.7, 0.9),
+                                                     (1.0, 0.5))
+    H0 = 24
+    syncs = [run(replace(base, mode="sync", lr=ilr, warmup=dp_best["warmup"], H=H0, outer_lr=olr,
+                         outer_momentum=mom),
+                 f"sync H={H0} inner={ilr} outer={olr}/{mom}", H=H0, lr=ilr, outer_lr=olr, momentum=mom)
+             for ilr in inner_lrs for olr, mom in pairs]
+    best = min(syncs, key=lambda r: r["loss"])
+    for H in (() if quick else (12, 48)):
+        syncs.append(run(replace(base, mode="sync", lr=best["lr"], warmup=dp_best["warmup"], H=H,
+                                 outer_lr=best["outer_lr"], outer_momentum=best["momentum"]),
+                         f"sync H={H} inner={best['lr']} outer={best['outer_lr']}/{best['momentum']}", H=H,
+                         lr=best["lr"], outer_lr=best["outer_lr"], momentum=best["momentum"]))
+    best = min(syncs, key=lambda r: r["loss"])
+    tuned = replace(base, lr=best["lr"], warmup=dp_best["warmup"], H=best["H"], outer_lr=best["outer_lr"],
+                    outer_momentum=best["momentum"])
+    tags = {"H": best["H"], "lr": best["lr"], "outer_lr": best["outer_lr"], "momentum": best["momentum"]}
+    # 3. streaming and decoupled at the tuned values
+    P = 4 if quick else 8
+    stream = run(replace(tuned, mode="streaming", P=P), f"streaming P={P}", P=P, **tags)
+    out_of_step = tuple(round(1.0 + 0.06 * m, 2) for m in range(M))
+    dec = dict(mode="decoupled", P=P, step_times=out_of_step, up_delay=0.5, down_delay=0.5)
+    dec_q = run(replace(tuned, **dec), f"decoupled K={M} P={P}", K=M, P=P, **tags)
+    dec_1 = run(replace(tuned, **dec, K=1), f"decoupled K=1 P={P}", K=1, P=P, **tags)
+    family = [best, stream, dec_q, dec_1]
+    top = min(family, key=lambda r: r["loss"])
+    return {"M": M, "steps": steps, "batch": batch, "dp_best": dp_best, "sync_best": best, "streaming": stream,
+            "decoupled_k_m": dec_q, "decoupled_k1": dec_1,
+            "loss_gap": (top["loss"] - dp_best["loss"]) / dp_best["loss"], "loss_gap_of": top["label"],
+            "loss_gap_sync": (best["loss"] - dp_best["loss"]) / dp_best["loss"],
+            "decoupled_vs_sync": (dec_q["loss"] - best["loss"]) / best["loss"],
+            "decoupled_k1_vs_sync": (dec_1["loss"] - best["loss"]) / best["loss"],
+            "streaming_vs_sync": (stream["loss"] - best["loss"]) / best["loss"]}
+
+
+def speed(quick: bool, M: int, batch: int) -> dict:
+    """Tokens per second of the reference (synchronous DiLoCo, M learners) and of data-parallel on
+    the same total batch, side by side, alternating (A B A B), after a warm-up run of each."""
+    model = QUICK_MODEL if quick else RefConfig().model
+    steps = 60 if quick else 240
+    cfg = RefConfig(M=M, steps=steps, batch=batch, model=model, P=1, eval_points=1, warmup=10)
+    s_ref, s_dp = Setup(cfg), Setup(replace(cfg, mode="dp"))
+    rates: dict[str, list[float]] = {"reference": [], "dp": []}
+    for rep in range(3):
+        for mode, s in (("reference", s_ref), ("dp", s_dp)):
+            r = run_reference(replace(cfg, mode="sync" if mode == "reference" else "dp"), s)
+            if rep:
+                rates[mode].append(r["tokens_per_s"])
+    ratio = [a / b for a, b in zip(rates["reference"], rates["dp"])]
+    return {"reference_tokens_per_s": rates["reference"], "dp_tokens_per_s": rates["dp"], "ratios": ratio,
+            "reference_speed_vs_dp": min(ratio)}
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        for key, style in (("dp_best", "k-"), ("sync_best", "b-"), ("streaming", "g--"), ("decoupled_k_m", "r-"),
+                           ("decoupled_k1", "r:")):
+            row = r[key]
+            xs = [c[0] / 1e6 for c in row["curve"]]
+            ax.plot(xs, [c[1] for c in row["curve"]], style, label=f"{row['label']} ({row['loss']:.3f})")
+        ax.set_title(f"M={r['M']}, {r['steps']} steps per learner")
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("held-out loss")
+        lo = min(min(c[1] for c in r[k]["curve"]) for k in ("dp_best", "sync_best"))
+        ax.set_ylim(lo - 0.05, lo + 0.8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 2 4; quick: 2)")
+    p.add_argument("--tokens-per-param", type=float, default=None, help="budget (default 20; quick 2)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per learner step")
+    p.add_argument("--plot", default=None, help="write the loss-vs-tokens plot here")
+    p.add_argument("--no-speed", action="store_true", help="skip reference_speed_vs_dp")
+    a = p.parse_args()
+    Ms = a.M or ([2] if a.quick else [2, 4])
+    tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
+    run = Runner()
+    results = [study(M, a.quick, tpp, a.batch, run) for M in Ms]
+    out: dict = {"tokens_per_param": tpp, "studies": results,
+                 "sweep": [{k: v for k, v in r.items() if k != "curve"} for r in run.rows]}
+    for r in results:
+        out[f"loss_gap_m{r['M']}"] = round(r["loss_gap"], 5)
+        out[f"decoupled_vs_sync_m{r['M']}"] = round(r["decoupled_vs_sync"], 5)
+        out[f"decoupled_k1_vs_sync_m{r['M']}"] = round(r["decoupled_k1_vs_sync"], 5)
+    if not a.no_speed:
+        out.update(speed(a.quick, Ms[0], a.batch))
+    if a.plot:
+        plot(results, a.plot)
+    finish(out, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,636 @@
+"""The algorithm in one process: M learners and one aggregator on a virtual clock (issue 14).
+
+A reference for the system: the same run (model, data shards, version 0, inner optimizer, fragment
+plan, sync schedule, quantisers, merge, outer optimizer) without NATS, processes or wall-clock
+timing, so a loss measured here is the algorithm's and the same loss measured through the real
+roles shows what the system adds. It makes no copy of the math. Every decision is the services'
+own pure function:
+
+- a learner's compute is the island API's run-it-for-me backend (``learner.backends.TrainBackend``
+  over ``learner.builtin``'s jitted AdamW step, or any model's ``train_step``, ``batches``, tree);
+- its schedule, rounds, base versions and fetch policy: ``learner.loop.Bookkeeper``;
+- its outer gradient, error feedback and quantiser: ``learner.outer.outer_gradient`` and
+  ``bus.codec.encode_with_feedback`` (what ``learner.service`` sends), decoded by
+  ``bus.codec.decode_array`` (what the aggregator reads); arrival: ``learner.outer.rebase``/``mix``;
+- the aggregator's validation (``aggregator.validate``), quorum and grace
+  (``aggregator.quorum.decide``), participation scale and merge step (``aggregator.step``: token
+  and staleness weights, norm caps, mean/RDA, outer optimizer), downlink quantiser and keyframes
+  (``bus.downlink``);
+- the held-out loss: the evaluator's batches (``Corpus.heldout_batches``) and loss function.
+
+Modes (``RefConfig.mode``):
+
+- ``dp``: data-parallel, one AdamW on batches of M x b (b from each learner's shard), as
+  ``bench.dp``;
+- ``sync``: synchronous DiLoCo: every fragment every H steps (not staggered; P=1 is the paper's
+  DiLoCo), K = M, each learner waits for the merge of its outer gradient (``DILOCO_MODE=sync``);
+- ``streaming``: Streaming DiLoCo: P staggered fragments, K = M, learners never wait; a merged
+  fragment is downloaded ``fetch_delay`` steps after the learner's sync and rebased in;
+- ``decoupled``: like ``streaming`` with any quorum K, grace window, per-learner step times,
+  upload/download delays and failures (learner down from t0 to t1, then it rejoins from the newest
+  global versions, as a resync).
+
+Time is virtual (seconds of ``step_times``, 1.0 per step by default); the inner steps run for real
+in the order the clock gives. Events at the same virtual time are taken in a fixed order
+(arrivals at the aggregator, its timers, deliveries to learners, learners' step boundaries; then
+by learner index), so one configuration gives the same losses bit for bit
+(``tests/test_reference.py``).
+
+Choices the system does not force and the reference states: the active set is the learners that
+are up (a monitor's view, without its detection delay); the participants of a merge are the active
+learners and the merge's contributors (``DILOCO_PARTICIPATION_WINDOW`` is not modelled); a global
+version reaches every learner ``down_delay`` after its merge (download included).
+
+    python -m bench.reference --mode decoupled --M 2 --steps 200     (one run, one JSON line)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+MODES = ("dp", "sync", "streaming", "decoupled")
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """One reference run. Inner settings are ``learner.config``'s, outer settings the aggregator's."""
+
+    mode: str = "decoupled"
+    M: int = 2
+    steps: int = 200  # inner steps per learner (dp: steps of batch M x batch)
+    batch: int = 8  # sequences per learner step
+    # model: the built-in transformer (learner.config.ModelConfig fields), or ``island`` (below)
+    model: dict = field(default_factory=lambda: {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256,
+                                                 "seq_len": 64})
+    seed: int = 0  # version 0
+    data_seed: int = 0
+    # inner (AdamW, learner.inner)
+    lr: float = 1e-3
+    warmup: int = 50
+    total_steps: int | None = None  # cosine schedule length (None: steps)
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    # outer schedule (learner)
+    H: int = 24
+    P: int = 8
+    quantiser: str = "int8"
+    error_feedback: bool = True
+    on_arrival: str = "rebase"
+    mix_alpha: float = 0.0
+    fetch: str = "round"
+    fetch_delay: int = -1  # -1: H/4 (as DILOCO_FETCH_DELAY)
+    final_sync: bool = True
+    # aggregator
+    K: int | None = None  # quorum (None: M)
+    grace: float = 0.0  # fixed grace window after quorum, virtual seconds
+    merge: str = "mean"
+    outer_optimizer: str = "rounds"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.0
+    delay_n: int = 1
+    staleness: str = "polynomial"
+    staleness_a: float = 0.5
+    staleness_b: int = 4
+    max_staleness: int = 16
+    norm_outlier_factor: float = 10.0
+    norm_min_history: int = 20
+    scale_by_participation: bool = True
+    clip_factor: float = 3.0
+    downlink: str = "fp32"
+    keyframe_every: int = 64
+    # timing (virtual seconds) and faults
+    step_times: tuple[float, ...] | None = None  # per learner; None: 1.0 each
+    up_delay: float = 0.0  # a contribution's send -> arrival at the aggregator
+    down_delay: float = 0.0  # a merge -> the version at every learner (download included)
+    failures: tuple[tuple[int, float, float], ...] = ()  # (learner, down at, back at)
+    # evaluation
+    eval_points: int = 8  # held-out loss of the global model at this many points (and the end)
+    eval_batches: int = 8
+    eval_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.M < 1 or self.steps < 1 or self.batch < 1 or self.H < 1 or self.P < 1:
+            raise ValueError("M, steps, batch, H and P must be >= 1")
+        if self.step_times is not None and len(self.step_times) != self.M:
+            raise ValueError(f"step_times needs {self.M} values, got {len(self.step_times)}")
+
+
+def quorum(cfg: RefConfig) -> int:
+    if cfg.mode in ("sync", "streaming"):
+        return cfg.M
+    return cfg.M if cfg.K is None else cfg.K
+
+
+def failure_trace(seed: int, M: int, horizon: float, rate: float, mean_down: float) -> tuple[tuple[int, float, float], ...]:
+    """A seeded fault trace: per learner, failures as a Poisson process of ``rate`` per virtual second
+    over ``horizon``, each down for an exponential time of mean ``mean_down``."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    out = []
+    for m in range(M):
+        t = 0.0
+        while True:
+            t += float(rng.exponential(1.0 / rate)) if rate > 0 else horizon
+            if t >= horizon:
+                break
+            d = float(rng.exponential(mean_down))
+            out.append((m, round(t, 3), round(t + d, 3)))
+            t += d
+    return tuple(sorted(out, key=lambda x: (x[1], x[0])))
+
+
+# -- the parts --------------------------------------------------------------------------------------
+
+
+class Setup:
+    """What every mode shares: model, plan, version 0, data shards, held-out batches, optimizer."""
+
+    def __init__(self, cfg: RefConfig):
+        from learner.config import ModelConfig
+        from learner.data import load_corpus
+        from learner.inner import make_eval_fn, make_optimizer, make_train_step
+        from learner.spec import count_params, init_params, make_plan
+
+        self.cfg = cfg
+        self.model = ModelConfig(**{**cfg.model, "num_fragments": cfg.P, "seed": cfg.seed})
+        self.spec = self.model.spec()
+        self.plan = make_plan(self.spec, cfg.P, self.model.max_imbalance)
+        self.params = count_params(self.spec)
+        self.v0 = init_params(self.spec, cfg.seed)
+        self.corpus = load_corpus(None)
+        total = cfg.total_steps or cfg.steps
+        self.optimizer = make_optimizer(cfg.lr, min(cfg.warmup, total - 1), total,
+                                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
+        self.train_step = make_train_step(self.spec, self.optimizer, donate=True)
+        self.heldout = self.corpus.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+        self._eval = make_eval_fn(self.spec)
+        self.tokens_per_step = cfg.batch * self.spec.seq_len
+
+    def shard(self, m: int):
+        """Learner m's sampler: bench.dp's shards, so dp and the learners see the same data."""
+        return self.corpus.shard(m, self.cfg.M, self.spec.seq_len, self.cfg.data_seed * 1_000_003 + m)
+
+    def evaluate(self, tree: Any) -> float:
+        return float(np.mean([float(self._eval(tree, hb)) for hb in self.heldout]))
+
+    def evaluate_fragments(self, vectors: list[np.ndarray]) -> float:
+        from learner.loop import params_from_fragments
+        from learner.model import to_jax
+
+        return self.evaluate(to_jax(params_from_fragments(self.plan, vectors)))
+
+    def backend(self, batches):
+        from learner.builtin import builtin_tree
+        from learner.backends import TrainBackend
+        from learner.loop import params_from_fragments
+        from learner.model import to_jax
+
+        return TrainBackend(self.train_step, batches, builtin_tree(self.spec), self.plan,
+                            build=lambda vectors: to_jax(params_from_fragments(self.plan, vectors)),
+                            init_opt=self.optimizer.init)
+
+    def v0_fragments(self) -> list[np.ndarray]:
+        out = []
+        for frag in self.plan.fragments:
+            out.append(np.concatenate([self.v0[s.path].reshape(-1)[s.start:s.stop] for s in frag.slices])
+                       .astype(np.float32))
+        return out
+
+
+def _forever(shard, b: int):
+    while True:
+        yield shard.batch(b)
+
+
+def _dp_batches(shards, b: int):
+    while True:
+        yield np.concatenate([s.batch(b) for s in shards])
+
+
+@dataclass
+class _Learner:
+    i: int
+    name: str
+    backend: Any
+    book: Any
+    base: list
+    residual: list
+    step_time: float
+    pending: dict = field(default_factory=dict)  # p -> (version, vector): downloaded, not mixed in
+    candidate: dict = field(default_factory=dict)  # p -> (version, vector): heard of, not downloaded
+    awaiting: set = field(default_factory=set)  # sync mode: (p, round) not yet in a merge we hold
+    applied_in: dict = field(default_factory=dict)
+    blocked: bool = False
+    up: bool = True
+    done: bool = False
+    epoch: int = 0  # a failure ends the current life: its pending step event is stale
+    incarnation: str = "r0"
+    losses: list = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    c: Any
+    norm: float
+    arrived: float
+
+
+class Reference:
+    """One run (see the module docstring). ``run()`` returns the result dict."""
+
+    def __init__(self, cfg: RefConfig, setup: Setup | None = None, progress: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.setup = setup or Setup(cfg)
+        self.progress = progress
+        self._seq = itertools.count()
+        self._events: list = []
+        self.now = 0.0
+
+    # -- the event queue ----------------------------------------------------------------------------
+    # priority at equal times: arrivals at the aggregator (0), its timers (1), deliveries to learners
+    # (2), failures and returns (3), learners' step boundaries (4); then the order they were queued
+
+    def _at(self, t: float, prio: int, fn, *args) -> None:
+        heapq.heappush(self._events, (t, prio, next(self._seq), fn, args))
+
+    # -- run ----------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        cfg, s = self.cfg, self.setup
+        t0 = time.perf_counter()
+        result = self._run_dp() if cfg.mode == "dp" else self._run_diloco()
+        wall = time.perf_counter() - t0
+        tokens = cfg.steps * cfg.M * s.tokens_per_step
+        result.update({"mode": cfg.mode, "M": cfg.M, "params": s.params, "tokens": tokens,
+                       "tokens_per_param": round(tokens / s.params, 2), "wall_s": round(wall, 2),
+                       "tokens_per_s": round(tokens / wall, 1)})
+        return result
+
+    def _eval_marks(self) -> list[int]:
+        """Total inner steps (over all learners) after which to evaluate the global model."""
+        cfg = self.cfg
+        total = cfg.steps * (1 if cfg.mode == "dp" else cfg.M)
+        n = max(1, cfg.eval_points)
+        return sorted({max(1, round(total * k / n)) for k in range(1, n + 1)})
+
+    def _run_dp(self) -> dict:
+        cfg, s = self.cfg, self.setup
+        be = s.backend(_dp_batches([s.shard(m) for m in range(cfg.M)], cfg.batch))
+        be.load(s.v0_fragments())
+        marks = self._eval_marks()
+        curve, losses = [], []
+        for t in range(1, cfg.steps + 1):
+            losses.append(be.step())
+            if t in marks:
+                ev = s.evaluate(be.params.tree())
+                curve.append([t * cfg.M * s.tokens_per_step, ev])
+                if self.progress:
+                    self.progress(f"dp step {t}/{cfg.steps} held-out {ev:.4f}")
+        return {"eval_loss": curve[-1][1], "curve": curve, "train_losses": losses}
+
+    # -- DiLoCo modes -------------------------------------------------------------------------------
+
+    def _run_diloco(self) -> dict:
+        from aggregator.step import FragmentState, MergeSettings
+        from aggregator.weights import StalenessPolicy
+        from aggregator.quorum import GracePolicy
+        from learner.loop import Bookkeeper
+
+        cfg, s = self.cfg, self.setup
+        self.K = quorum(cfg)
+        self.grace = GracePolicy(mode="fixed", grace=cfg.grace, max_grace=max(cfg.grace, 10.0))
+        self.settings = MergeSettings(method=cfg.merge, staleness=StalenessPolicy(cfg.staleness, cfg.staleness_a,
+                                                                                  cfg.staleness_b),
+                                      optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                      delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
+                                      clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr)
+        v0 = s.v0_fragments()
+        self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(cfg.P)]
+        self.buffers: list[list[_Pending]] = [[] for _ in range(cfg.P)]
+        self.keys: list = [None] * cfg.P
+        self.published: list[tuple[int, np.ndarray]] = [(0, v.copy()) for v in v0]  # newest (version, params)
+        self.timers: dict[int, float] = {}
+        self.rejected: dict[str, int] = {}
+        self.merges = 0
+        self.staleness_hist: dict[int, int] = {}
+        staggered = cfg.mode != "sync"
+        times = cfg.step_times or (1.0,) * cfg.M
+        self.learners = []
+        for m in range(cfg.M):
+            be = s.backend(_forever(s.shard(m), cfg.batch))
+            be.load(v0)
+            book = Bookkeeper(cfg.P, cfg.H, s.tokens_per_step, staggered=staggered)
+            for p in range(cfg.P):
+                book.on_merged(p, 0)
+            self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * cfg.P,
+                                          float(times[m])))
+        for m, down, back in cfg.failures:
+            self._at(down, 3, self._fail, m)
+            self._at(back, 3, self._return, m)
+        for ln in self.learners:
+            self._start_step(ln)
+        self.marks = self._eval_marks()
+        self.curve: list = []
+        self.total_steps = 0
+        while self._events:
+            t, _, _, fn, args = heapq.heappop(self._events)
+            self.now = t
+            fn(*args)
+        for p in range(cfg.P):  # anything still buffered (K not reached at the very end): merge it
+            if self.buffers[p]:
+                self._merge(p, "end of run")
+        final = s.evaluate_fragments([st.params for st in self.states])
+        if not self.curve or self.curve[-1][0] != cfg.steps * cfg.M * s.tokens_per_step:
+            self.curve.append([cfg.steps * cfg.M * s.tokens_per_step, final])
+        else:
+            self.curve[-1][1] = final
+        return {"eval_loss": final, "curve": self.curve, "merges": self.merges, "rejected": self.rejected,
+                "versions": [st.version for st in self.states], "virtual_s": round(self.now, 3),
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                "learner_steps": [ln.book.step for ln in self.learners],
+                "train_losses": [ln.losses for ln in self.learners]}
+
+    # -- a learner ----------------------------------------------------------------------------------
+
+    def _alive(self) -> set[str]:
+        return {ln.name for ln in self.learners if ln.up}
+
+    def _start_step(self, ln: _Learner) -> None:
+        """At a step boundary: mix in what was downloaded, then run the inner step (for real);
+        it ends ``step_time`` later on the clock."""
+        if ln.pending:
+            self._apply_pending(ln)
+        ln.losses.append(ln.backend.step())
+        self._at(self.now + ln.step_time, 4, self._step_done, ln, ln.epoch)
+
+    def _step_done(self, ln: _Learner, epoch: int) -> None:
+        if epoch != ln.epoch or not ln.up:
+            return  # the learner failed during this step: its work is lost with the process
+        cfg = self.cfg
+        due = ln.book.on_step(ln.step_time)
+        self.total_steps += 1
+        for p in due:
+            self._contribute(ln, p)
+        if ln.book.step >= cfg.steps:
+            ln.done = True
+            if cfg.final_sync:
+                for p in ln.book.unsent_fragments():
+                    self._contribute(ln, p)
+        self._mark()
+        if ln.done:
+            return
+        if cfg.fetch == "round" and cfg.mode != "sync":
+            for p, (v, vec) in list(ln.candidate.items()):
+                if ln.book.fetch_due(p, v, self._fetch_delay(ln)):
+                    self._download(ln, p, v, vec)
+        if cfg.mode == "sync" and ln.awaiting:
+            ln.blocked = True
+            return
+        self._start_step(ln)
+
+    def _fetch_delay(self, ln: _Learner) -> int:
+        return self.cfg.fetch_delay if self.cfg.fetch_delay >= 0 else max(1, ln.book.period // 4)
+
+    def _contribute(self, ln: _Learner, p: int) -> None:
+        """learner.service._prepare: Delta = base - theta (+ residual), quantised; base <- theta."""
+        from aggregator.contribution import Contribution
+        from bus import codec
+        from learner.outer import outer_gradient
+
+        cfg = self.cfg
+        c = ln.book.begin_sync(p)
+        if c is None:  # cannot happen here (a publish completes at once), kept as the service has it
+            return
+        theta = ln.backend.get_fragment(p)
+        delta = outer_gradient(ln.base[p], theta)
+        ln.base[p] = theta
+        ef = cfg.error_feedback and cfg.quantiser != "fp32"
+        blob, _, residual, _ = codec.encode_with_feedback(delta, ln.residual[p] if ef else None, cfg.quantiser,
+                                                          keep_residual=ef, want_sent=False)
+        if ef:
+            ln.residual[p] = residual
+        ln.book.end_sync(c, True)
+        vec = np.array(codec.decode_array(blob), dtype=np.float32).reshape(-1)
+        contrib = Contribution(run="reference", model_hash="reference", learner=ln.name, incarnation=ln.incarnation,
+                               fragment=p, round=c.round, base_version=c.base_version, inner_steps=c.steps,
+                               tokens=c.tokens, vector=vec, period=c.period)
+        if cfg.mode == "sync":
+            ln.awaiting.add((p, c.round))
+        self._at(self.now + cfg.up_delay, 0, self._arrive, contrib)
+
+    def _download(self, ln: _Learner, p: int, v: int, vec: np.ndarray) -> None:
+        ln.pending[p] = (v, vec)
+        ln.book.on_downloaded(p, v)
+        if ln.candidate.get(p, (None,))[0] == v:
+            del ln.candidate[p]
+
+    def _apply_pending(self, ln: _Learner) -> None:
+        """learner.service._apply: rebase (or mix) each downloaded version in; it becomes the base."""
+        from learner.outer import mix, rebase
+
+        items, ln.pending = ln.pending, {}
+        for p, (v, vec) in sorted(items.items()):
+            if v <= ln.book.frags[p].base_version:
+                continue
+            if self.cfg.on_arrival == "rebase":
+                ln.backend.set_fragment(p, rebase(ln.backend.get_fragment(p), ln.base[p], vec))
+            elif self.cfg.mix_alpha == 0.0:
+                ln.backend.set_fragment(p, vec)
+            else:
+                ln.backend.set_fragment(p, mix(ln.backend.get_fragment(p), vec, self.cfg.mix_alpha))
+            ln.base[p] = vec
+            ln.book.on_merged(p, v)
+
+    def _deliver(self, ln: _Learner, p: int, v: int, vec: np.ndarray, applied: list) -> None:
+        """A global version reaches a learner (learner.service._on_head)."""
+        from learner import loop as lp
+
+        if not ln.up or ln.done:
+            return
+        fetch_all = self.cfg.fetch == "every" or self.cfg.mode == "sync"
+        if fetch_all:
+            if ln.book.wants(p, v):
+                self._download(ln, p, v, vec)
+        else:
+            if v > ln.book.frags[p].base_version:
+                ln.candidate[p] = (v, vec)
+            if ln.book.fetch_due(p, v, self._fetch_delay(ln)):
+                self._download(ln, p, v, vec)
+        ln.book.on_head(p, v)
+        for r in lp.applied_rounds({"applied": applied}, ln.name, ln.incarnation, p):
+            if (p, r) in ln.awaiting:
+                ln.applied_in[(p, r)] = min(ln.applied_in.get((p, r), v), v)
+        if ln.blocked:
+            for key in list(ln.awaiting):
+                f = ln.book.frags[key[0]]
+                if lp.sync_satisfied(ln.applied_in.get(key), max(f.base_version, f.pending_version)):
+                    ln.awaiting.discard(key)
+                    ln.applied_in.pop(key, None)
+            if not ln.awaiting:
+                ln.blocked = False
+                self._start_step(ln)
+
+    def _fail(self, m: int) -> None:
+        ln = self.learners[m]
+        if not ln.up or ln.done:
+            return
+        ln.up, ln.blocked = False, False
+        ln.epoch += 1
+        for p in range(self.cfg.P):  # an active set shrank: fragments waiting for this learner may merge
+            self._consider_merge(p)
+
+    def _return(self, m: int) -> None:
+        """Back from a failure: a new process that starts from the newest global versions (its inner
+        optimizer state is kept, as a restarted island that kept it would; the service's resync)."""
+        ln = self.learners[m]
+        if ln.up or ln.done:
+            return
+        ln.up = True
+        ln.incarnation = f"r{ln.epoch}"
+        vectors = [vec.copy() for _, vec in self.published]
+        ln.backend.load(vectors)
+        ln.base = [v.copy() for v in vectors]
+        ln.residual = [None] * self.cfg.P
+        ln.pending, ln.candidate, ln.awaiting, ln.applied_in = {}, {}, set(), {}
+        ln.book.on_resync({p: v for p, (v, _) in enumerate(self.published)})
+        self._start_step(ln)
+
+    def _mark(self) -> None:
+        """Evaluate the global model when the learners' total steps pass the next mark."""
+        s = self.setup
+        while self.marks and self.total_steps >= self.marks[0]:
+            self.marks.pop(0)
+            ev = s.evaluate_fragments([st.params for st in self.states])
+            self.curve.append([self.total_steps * s.tokens_per_step, ev])
+            if self.progress:
+                self.progress(f"{self.cfg.mode} steps {self.total_steps}/{self.cfg.steps * self.cfg.M} "
+                              f"held-out {ev:.4f} (global, t={self.now:.1f})")
+
+    # -- the aggregator -----------------------------------------------------------------------------
+
+    def _arrive(self, c) -> None:
+        """aggregator.service._consider: validate, then buffer (or reject by reason)."""
+        from aggregator.merge import l2_norm
+        from aggregator.validate import ValidationContext, validate
+
+        s, p = self.setup, c.fragment
+        st = self.states[p]
+        alive = self._alive()
+        participants = alive | {x.c.learner for x in self.buffers[p]}
+        ctx = ValidationContext(
+            run="reference", model_hash="reference", fragment_sizes={q: s.plan.sizes[q] for q in range(self.cfg.P)},
+            current_version={q: self.states[q].version for q in range(self.cfg.P)},
+            active=alive | {c.learner}, known={ln.name for ln in self.learners}, applied=st.applied,
+            pending={x.c.key for x in self.buffers[p]}, norms=st.norms, max_staleness=self.cfg.max_staleness,
+            per_round=max(1, len(participants)), norm_outlier_factor=self.cfg.norm_outlier_factor,
+            norm_min_history=self.cfg.norm_min_history, max_tokens_per_step=s.model.max_tokens_per_step,
+            max_inner_lr=s.model.max_inner_lr)
+        norm = l2_norm(c.vector)
+        reason = validate(c, ctx, norm=norm)
+        if reason is not None:
+            r = str(getattr(reason, "value", reason))
+            self.rejected[r] = self.rejected.get(r, 0) + 1
+            return
+        self.buffers[p].append(_Pending(c, norm, self.now))
+        self._consider_merge(p)
+
+    def _consider_merge(self, p: int) -> None:
+        """aggregator.service._maybe_merge: the quorum rule decides, a timer for the grace window."""
+        from aggregator.quorum import decide
+
+        buf = self.buffers[p]
+        if not buf:
+            return
+        contributors: dict[str, float] = {}
+        for x in buf:
+            contributors[x.c.learner] = min(contributors.get(x.c.learner, x.arrived), x.arrived)
+        first = min(x.arrived for x in buf)
+        active = self._alive() - {ln.name for ln in self.learners if ln.done and ln.name not in contributors}
+        d = decide(self.now, first, contributors, active, self.K, self.grace)
+        if d.merge or not active:
+            self._merge(p, d.reason)
+        elif d.wait_until is not None and self.timers.get(p) != d.wait_until:
+            self.timers[p] = d.wait_until
+            self._at(d.wait_until, 1, self._timer, p, d.wait_until)
+
+    def _timer(self, p: int, when: float) -> None:
+        if self.timers.get(p) == when:
+            del self.timers[p]
+            self._consider_merge(p)
+
+    def _merge(self, p: int, reason: str) -> None:
+        """aggregator.service._merge and _publish_global: merge_step, encode the version, deliver it."""
+        from aggregator.step import merge_step, participation_scale, round_work
+        from bus.downlink import decode_version, encode_version
+
+        cfg = self.cfg
+        items, self.buffers[p] = self.buffers[p], []
+        self.timers.pop(p, None)
+        st = self.states[p]
+        learners = {x.c.learner for x in items}
+        participants = self._alive() | learners
+        scale = (participation_scale(round_work([x.c for x in items]), len(participants))
+                 if cfg.scale_by_participation else 1.0)
+        new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale,
+                         max(1, len(participants)))
+        self.states[p] = new
+        self.merges += 1
+        for x in items:
+            d = st.version - x.c.base_version
+            self.staleness_hist[d] = self.staleness_hist.get(d, 0) + 1
+        key_before = self.keys[p]
+        blob, extra, key = encode_version(new.params, new.version, key_before, cfg.downlink, cfg.keyframe_every)
+        if key is not None:
+            self.keys[p] = key
+        vec = np.array(decode_version(blob, extra, self.keys[p] if key is not None else key_before),
+                       dtype=np.float32).reshape(-1)
+        self.published[p] = (new.version, vec)
+        applied = [list(k) for k in new.last_merge]
+        for ln in self.learners:
+            self._at(self.now + cfg.down_delay, 2, self._deliver, ln, p, new.version, vec, applied)
+
+
+def run_reference(cfg: RefConfig, setup: Setup | None = None, progress=None) -> dict:
+    return Reference(cfg, setup, progress).run()
+
+
+def same_setup(a: RefConfig, b: RefConfig) -> bool:
+    """True when two configurations can share one :class:`Setup` (model, data and inner optimizer)."""
+    keys = ("M", "steps", "batch", "model", "seed", "data_seed", "lr", "warmup", "total_steps", "weight_decay",
+            "clip_norm", "P", "eval_batches", "eval_batch_size")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def main() -> None:
+    import argparse
+
+    import orjson
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in RefConfig.__dataclass_fields__.values():
+        if f.name in ("model", "step_times", "failures"):
+            continue
+        default = getattr(RefConfig(), f.name)
+        typ = type(default) if default is not None else int
+        if typ is bool:
+            p.add_argument(f"--{f.name}", type=lambda x: x.lower() in ("1", "true", "yes"), default=default)
+        else:
+            p.add_argument(f"--{f.name}", type=typ, default=default)
+    p.add_argument("--step_times", type=str, default="", help="comma-separated virtual seconds per step")
+    a = vars(p.parse_args())
+    st = a.pop("step_times")
+    cfg = RefConfig(**a, step_times=tuple(float(x) for x in st.split(",")) if st else None)
+    r = run_reference(cfg, progress=lambda m: print(m, flush=True))
+    r.pop("train_losses", None)
+    print(orjson.dumps({**r, "config": {k: v for k, v in asdict(cfg).items()}}).decode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""bench.reference, the algorithm in one process: it composes the services' functions correctly (one
+learner with an identity outer step is data-parallel), it is deterministic, and K=M merges do not
+depend on timing."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from bench.reference import RefConfig, Setup, failure_trace, run_reference
+
+TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "seq_len": 16}
+BASE = RefConfig(M=1, steps=24, batch=4, model=TINY, warmup=4, eval_points=2, eval_batches=2, eval_batch_size=4,
+                 H=4, P=4)
+
+
+def test_one_learner_with_an_identity_outer_step_is_data_parallel():
+    """M=1, outer SGD with lr 1 and no momentum, fp32 both ways: every merge publishes the learner's
+    own parameters, so each DiLoCo mode must train exactly as one AdamW on the same batches.
+
+    Whole rounds only (synchronous P=4 syncs every fragment every H steps; the asynchronous modes with
+    P=1): a staggered fragment's first sync holds a part of a round and counts for that part
+    (``aggregator.step.round_work``), so with P > 1 staggered the identity is not exact by design."""
+    setups = {1: Setup(replace(BASE, P=1)), 4: Setup(BASE)}
+    dp = run_reference(replace(BASE, mode="dp"), setups[4])
+    identity = dict(quantiser="fp32", outer_lr=1.0, outer_momentum=0.0, clip_factor=0.0, fetch="every",
+                    staleness="constant")
+    for mode, P in (("sync", 4), ("streaming", 1), ("decoupled", 1)):
+        r = run_reference(replace(BASE, mode=mode, P=P, **identity), setups[P])
+        assert r["merges"] >= BASE.steps // BASE.H * P and r["rejected"] == {}
+        np.testing.assert_allclose(r["train_losses"][0], dp["train_losses"], rtol=1e-5, err_msg=mode)
+        assert r["eval_loss"] == pytest.approx(dp["eval_loss"], rel=1e-5), mode
+    # and the comparison can tell: half the outer step is not data-parallel
+    r = run_reference(replace(BASE, mode="sync", **{**identity, "outer_lr": 0.5}), setups[4])
+    assert abs(r["eval_loss"] - dp["eval_loss"]) > 1e-3
+
+
+HOSTILE_TIMING = replace(BASE, mode="decoupled", M=3, steps=20, K=1, grace=0.5, step_times=(1.0, 1.3, 2.1),
+                         up_delay=0.4, down_delay=0.7, failures=((1, 5.0, 9.0),), quantiser="int8",
+                         downlink="int8", keyframe_every=4, fetch_delay=1)
+
+
+def test_one_configuration_gives_the_same_losses_bit_for_bit():
+    a = run_reference(HOSTILE_TIMING)  # each with its own setup: compiled anew
+    b = run_reference(HOSTILE_TIMING)
+    assert a["train_losses"] == b["train_losses"]
+    assert a["eval_loss"] == b["eval_loss"] and a["curve"] == b["curve"]
+    assert a["versions"] == b["versions"] and a["staleness_hist"] == b["staleness_hist"]
+    # the run did what the configuration says: out of step (stale merges), a learner lost a step
+    # to its failure and rejoined, nothing refused
+    assert set(a["staleness_hist"]) - {"0"} and a["rejected"] == {}
+    assert a["learner_steps"] == [20, 20, 20] and len(a["train_losses"][1]) == 21
+    c = run_reference(replace(HOSTILE_TIMING, data_seed=1))
+    assert c["train_losses"] != a["train_losses"]
+
+
+def test_with_a_full_quorum_learners_out_of_step_train_as_streaming():
+    """K=M, and the slowest learner's lag plus the latencies stay under the fetch delay (2 steps):
+    which version each learner takes, and at which of its steps, depends on its own step count only,
+    so step times and latencies change nothing. (A lag beyond the fetch delay does: the version comes
+    later than the step the learner would have taken it at.)"""
+    base = replace(BASE, M=2, steps=32, H=8, P=4)
+    setup = Setup(base)
+    streaming = run_reference(replace(base, mode="streaming"), setup)
+    out_of_step = run_reference(replace(base, mode="decoupled", step_times=(1.0, 1.02), up_delay=0.3,
+                                        down_delay=0.4), setup)
+    assert out_of_step["train_losses"] == streaming["train_losses"]
+    assert out_of_step["eval_loss"] == streaming["eval_loss"]
+    assert out_of_step["virtual_s"] > streaming["virtual_s"]
+    lagging = run_reference(replace(base, mode="decoupled", step_times=(1.0, 1.37)), setup)
+    assert lagging["train_losses"] != streaming["train_losses"]
+
+
+def test_failure_trace_is_seeded():
+    a = failure_trace(3, M=4, horizon=100.0, rate=0.02, mean_down=5.0)
+    assert a == failure_trace(3, M=4, horizon=100.0, rate=0.02, mean_down=5.0) != failure_trace(4, 4, 100.0, 0.02, 5.0)
+    assert a and all(0 <= m < 4 and 0 < down < 100.0 and back > down for m, down, back in a)
+
+
+def test_bad_configurations_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        RefConfig(mode="async")
+    with pytest.raises(ValueError, match="step_times needs 2 values"):
+        RefConfig(M=2, step_times=(1.0,))
