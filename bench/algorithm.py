@@ -5,11 +5,13 @@ For each M (2 and 4; ``--M``): every run trains the built-in ``small`` model (11
 same data shards for ``tokens_per_param`` x parameters tokens in total (20 by default: compute
 optimal); data-parallel as one AdamW on batches of M x b.
 
-1. data-parallel: sweep the peak learning rate and the warm-up; the best held-out loss is the
-   baseline (``dp_best``).
-2. synchronous DiLoCo (P=1, int8 outer gradients with error feedback): sweep the outer learning rate
-   and momentum at H=24 (inner lr: the data-parallel best and the learners' default), then H at the
-   best pair.
+1. data-parallel: sweep the peak learning rate (1e-3, 2e-3, 4e-3, doubling on while the largest
+   is the best), then the warm-up (5% or 10% of the steps) at the best; the best held-out loss is
+   the baseline (``dp_best``).
+2. synchronous DiLoCo (P=1, int8 outer gradients with error feedback) at H=24 and data-parallel's
+   best learning rate and warm-up: sweep the outer learning rate and momentum (0.7/0, 1.0/0,
+   0.7/0.5, 0.7/0.9, 1.0/0.5), then half the inner learning rate, then H (12, 48), each at the best
+   so far.
 3. at the tuned values: Streaming DiLoCo (P=8 staggered fragments, K=M), and Decoupled DiLoCo with
    learners out of step (step times 1.0, 1.06, 1.12, ... and 0.5 step of upload and of download delay)
    with the quorum K=M (``diloco up``'s setting) and with K=1 (per-arrival merges).
@@ -20,7 +22,7 @@ Keys: ``loss_gap_m2`` / ``loss_gap_m4`` = (best DiLoCo-family run - dp_best) / d
 measured side by side (target >= 0.9). ``--plot FILE.png``: held-out loss against tokens.
 
     python -m bench.algorithm --quick --out algorithm.json           (~1 min, a tiny budget)
-    python -m bench.algorithm --out algorithm.json --plot docs/quality.png     (~40 min on 2 cores)
+    python -m bench.algorithm --out algorithm.json --plot docs/quality.png     (~30 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -67,27 +69,36 @@ def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner)
     base = RefConfig(M=M, steps=steps, batch=batch, model=model, P=1, eval_points=10 if not quick else 3,
                      warmup=max(5, steps // 20), quantiser="int8")
     progress(f"M={M}: {steps} inner steps per learner, batch {batch}")
-    # 1. data-parallel sweep (lr x warm-up)
-    dp_lrs = (1e-3, 3e-3) if quick else (5e-4, 1e-3, 2e-3, 4e-3)
-    warmups = (base.warmup,) if quick else (base.warmup, max(5, steps // 10))
-    dps = [run(replace(base, mode="dp", lr=lr, warmup=w), f"dp lr={lr} warmup={w}", lr=lr, warmup=w)
-           for lr in dp_lrs for w in warmups]
+    # 1. data-parallel: the peak learning rate, then the warm-up at the best one
+    dp_lrs = [1e-3, 3e-3] if quick else [1e-3, 2e-3, 4e-3]
+
+    def dp(lr: float) -> dict:
+        return run(replace(base, mode="dp", lr=lr), f"dp lr={lr} warmup={base.warmup}", lr=lr, warmup=base.warmup)
+
+    dps = [dp(lr) for lr in dp_lrs]
+    while not quick and min(dps, key=lambda r: r["loss"])["lr"] == max(r["lr"] for r in dps) and len(dps) < 6:
+        dps.append(dp(2 * max(r["lr"] for r in dps)))  # the best is the largest tried: go on up
+    best_lr = min(dps, key=lambda r: r["loss"])["lr"]
+    if not quick:
+        w = max(5, steps // 10)
+        dps.append(run(replace(base, mode="dp", lr=best_lr, warmup=w), f"dp lr={best_lr} warmup={w}", lr=best_lr,
+                       warmup=w))
     dp_best = min(dps, key=lambda r: r["loss"])
-    # 2. synchronous DiLoCo: outer lr x momentum at H=24, for two inner learning rates
-    inner_lrs = sorted({1e-3, dp_best["lr"]})
-    pairs = ((0.7, 0.0), (1.0, 0.5)) if quick else ((0.5, 0.0), (0.7, 0.0), (1.0, 0.0), (0.7, 0.5), (0.7, 0.9),
-                                                     (1.0, 0.5))
-    H0 = 24
-    syncs = [run(replace(base, mode="sync", lr=ilr, warmup=dp_best["warmup"], H=H0, outer_lr=olr,
-                         outer_momentum=mom),
-                 f"sync H={H0} inner={ilr} outer={olr}/{mom}", H=H0, lr=ilr, outer_lr=olr, momentum=mom)
-             for ilr in inner_lrs for olr, mom in pairs]
+
+    def sync(H: int, ilr: float, olr: float, mom: float) -> dict:
+        return run(replace(base, mode="sync", lr=ilr, warmup=dp_best["warmup"], H=H, outer_lr=olr,
+                           outer_momentum=mom),
+                   f"sync H={H} inner={ilr} outer={olr}/{mom}", H=H, lr=ilr, outer_lr=olr, momentum=mom)
+
+    # 2. synchronous DiLoCo at H=24 and data-parallel's learning rate: the outer learning rate and
+    # momentum; then half the inner learning rate, then H, each at the best so far
+    pairs = ((0.7, 0.0), (1.0, 0.5)) if quick else ((0.7, 0.0), (1.0, 0.0), (0.7, 0.5), (0.7, 0.9), (1.0, 0.5))
+    syncs = [sync(24, dp_best["lr"], olr, mom) for olr, mom in pairs]
     best = min(syncs, key=lambda r: r["loss"])
-    for H in (() if quick else (12, 48)):
-        syncs.append(run(replace(base, mode="sync", lr=best["lr"], warmup=dp_best["warmup"], H=H,
-                                 outer_lr=best["outer_lr"], outer_momentum=best["momentum"]),
-                         f"sync H={H} inner={best['lr']} outer={best['outer_lr']}/{best['momentum']}", H=H,
-                         lr=best["lr"], outer_lr=best["outer_lr"], momentum=best["momentum"]))
+    if not quick:
+        syncs.append(sync(24, dp_best["lr"] / 2, best["outer_lr"], best["momentum"]))
+        best = min(syncs, key=lambda r: r["loss"])
+        syncs += [sync(H, best["lr"], best["outer_lr"], best["momentum"]) for H in (12, 48)]
     best = min(syncs, key=lambda r: r["loss"])
     tuned = replace(base, lr=best["lr"], warmup=dp_best["warmup"], H=best["H"], outer_lr=best["outer_lr"],
                     outer_momentum=best["momentum"])

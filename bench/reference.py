@@ -70,6 +70,10 @@ class RefConfig:
                                                  "seq_len": 64})
     seed: int = 0  # version 0
     data_seed: int = 0
+    # the learners' incarnations: given, each samples its batches as a ``diloco learner`` process of
+    # that incarnation does (``learner.loop.batch_seed``), so a system run can be replayed
+    # (bench.fidelity); None: bench.dp's samplers, the same as data-parallel's
+    incarnations: tuple[str, ...] | None = None
     # inner (AdamW, learner.inner)
     lr: float = 1e-3
     warmup: int = 50
@@ -121,6 +125,8 @@ class RefConfig:
             raise ValueError("M, steps, batch, H and P must be >= 1")
         if self.step_times is not None and len(self.step_times) != self.M:
             raise ValueError(f"step_times needs {self.M} values, got {len(self.step_times)}")
+        if self.incarnations is not None and len(self.incarnations) != self.M:
+            raise ValueError(f"incarnations needs {self.M} values, got {len(self.incarnations)}")
 
 
 def quorum(cfg: RefConfig) -> int:
@@ -159,7 +165,10 @@ class Setup:
         from learner.spec import count_params, init_params, make_plan
 
         self.cfg = cfg
-        self.model = ModelConfig(**{**cfg.model, "num_fragments": cfg.P, "seed": cfg.seed})
+        # the run declares its peak inner learning rate (the norm bound of early contributions), as
+        # DILOCO_MAX_INNER_LR asks a user to
+        self.model = ModelConfig(**{"max_inner_lr": max(0.01, cfg.lr), **cfg.model, "num_fragments": cfg.P,
+                                    "seed": cfg.seed})
         self.spec = self.model.spec()
         self.plan = make_plan(self.spec, cfg.P, self.model.max_imbalance)
         self.params = count_params(self.spec)
@@ -173,9 +182,14 @@ class Setup:
         self._eval = make_eval_fn(self.spec)
         self.tokens_per_step = cfg.batch * self.spec.seq_len
 
-    def shard(self, m: int):
-        """Learner m's sampler: bench.dp's shards, so dp and the learners see the same data."""
-        return self.corpus.shard(m, self.cfg.M, self.spec.seq_len, self.cfg.data_seed * 1_000_003 + m)
+    def shard(self, m: int, incarnation: str | None = None):
+        """Learner m's sampler: bench.dp's (so dp and the learners see the same data), or with an
+        ``incarnation`` the one ``diloco learner`` process ``learner-<m>`` of it uses."""
+        from learner.loop import batch_seed
+
+        seed = (self.cfg.data_seed * 1_000_003 + m if incarnation is None
+                else batch_seed(self.cfg.data_seed, f"learner-{m}", incarnation))
+        return self.corpus.shard(m, self.cfg.M, self.spec.seq_len, seed)
 
     def evaluate(self, tree: Any) -> float:
         return float(np.mean([float(self._eval(tree, hb)) for hb in self.heldout]))
@@ -224,6 +238,7 @@ class _Learner:
     residual: list
     step_time: float
     pending: dict = field(default_factory=dict)  # p -> (version, vector): downloaded, not mixed in
+    downloading: dict = field(default_factory=dict)  # p -> (version, vector): started at a step boundary
     candidate: dict = field(default_factory=dict)  # p -> (version, vector): heard of, not downloaded
     awaiting: set = field(default_factory=set)  # sync mode: (p, round) not yet in a merge we hold
     applied_in: dict = field(default_factory=dict)
@@ -324,13 +339,14 @@ class Reference:
         times = cfg.step_times or (1.0,) * cfg.M
         self.learners = []
         for m in range(cfg.M):
-            be = s.backend(_forever(s.shard(m), cfg.batch))
+            inc = cfg.incarnations[m] if cfg.incarnations else None
+            be = s.backend(_forever(s.shard(m, inc), cfg.batch))
             be.load(v0)
             book = Bookkeeper(cfg.P, cfg.H, s.tokens_per_step, staggered=staggered)
             for p in range(cfg.P):
                 book.on_merged(p, 0)
             self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * cfg.P,
-                                          float(times[m])))
+                                          float(times[m]), incarnation=inc or "r0"))
         for m, down, back in cfg.failures:
             self._at(down, 3, self._fail, m)
             self._at(back, 3, self._return, m)
@@ -374,6 +390,10 @@ class Reference:
         if epoch != ln.epoch or not ln.up:
             return  # the learner failed during this step: its work is lost with the process
         cfg = self.cfg
+        for p, (v, vec) in ln.downloading.items():  # downloads started at the previous boundary are in
+            if v > ln.pending.get(p, (-1,))[0]:
+                ln.pending[p] = (v, vec)
+        ln.downloading = {}
         due = ln.book.on_step(ln.step_time)
         self.total_steps += 1
         for p in due:
@@ -387,9 +407,12 @@ class Reference:
         if ln.done:
             return
         if cfg.fetch == "round" and cfg.mode != "sync":
+            # learner.service._fetch_candidates: a download started here runs while the next step
+            # does, so the version is mixed in at the boundary after it (one step later than a
+            # version whose head arrived during a step)
             for p, (v, vec) in list(ln.candidate.items()):
                 if ln.book.fetch_due(p, v, self._fetch_delay(ln)):
-                    self._download(ln, p, v, vec)
+                    self._download(ln, p, v, vec, into=ln.downloading)
         if cfg.mode == "sync" and ln.awaiting:
             ln.blocked = True
             return
@@ -425,8 +448,8 @@ class Reference:
             ln.awaiting.add((p, c.round))
         self._at(self.now + cfg.up_delay, 0, self._arrive, contrib)
 
-    def _download(self, ln: _Learner, p: int, v: int, vec: np.ndarray) -> None:
-        ln.pending[p] = (v, vec)
+    def _download(self, ln: _Learner, p: int, v: int, vec: np.ndarray, into: dict | None = None) -> None:
+        (ln.pending if into is None else into)[p] = (v, vec)
         ln.book.on_downloaded(p, v)
         if ln.candidate.get(p, (None,))[0] == v:
             del ln.candidate[p]
@@ -498,7 +521,7 @@ class Reference:
         ln.backend.load(vectors)
         ln.base = [v.copy() for v in vectors]
         ln.residual = [None] * self.cfg.P
-        ln.pending, ln.candidate, ln.awaiting, ln.applied_in = {}, {}, set(), {}
+        ln.pending, ln.downloading, ln.candidate, ln.awaiting, ln.applied_in = {}, {}, {}, set(), {}
         ln.book.on_resync({p: v for p, (v, _) in enumerate(self.published)})
         self._start_step(ln)
 

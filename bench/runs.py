@@ -338,7 +338,7 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
                 "period": m.get("period"),
                 "blocked_s": m.get("blocked_s"), "connz_in": i_b, "connz_out": o_b,
                 "peak_Bps": round(c.peak_rate(f"learner-{n}"), 1) if sample_connz else None,
-                "exit": c.procs[n].returncode, "first_step_t": first.get(n),
+                "exit": c.procs[n].returncode, "first_step_t": first.get(n), "incarnation": m.get("incarnation"),
                 "connz_at_first_step": c.bytes_at(f"learner-{n}", first.get(n))}
         if evaluate:
             out["eval"] = await c.eval_once()

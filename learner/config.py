@@ -93,6 +93,10 @@ class LearnerConfig:
     step_time: float = var(0.05, number(0.0, 3600), "synthetic mode: seconds per inner step")
     slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer")
     sync_timeout: float = var(120.0, number(0.1), "sync mode: seconds to wait for the merged version")
+    start_with: int = var(0, integer(0, 100_000),
+                          "before the first inner step, wait until this many learners (this one included) are active "
+                          "in the run, so they start in step (0: start at once; needs a monitor)")
+    start_wait: float = var(300.0, number(0.0, 86400), "DILOCO_START_WITH: seconds to wait before starting anyway")
     manifest_timeout: float = var(300.0, number(0.1), "seconds to wait at start for the run's manifest (its creator)")
     create_run: bool = var(True, boolean(),
                            "create the run if it has none (version 0 of the built-in model from DILOCO_SEED; an "

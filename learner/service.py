@@ -409,6 +409,7 @@ class Learner:
                 self._metrics_loop(), self._follow_globals(), self._follow_membership())]
             if self.cfg.dynamic_h:
                 tasks.append(asyncio.create_task(self._follow_rates()))
+            await self._wait_for_peers()
             await self._train()
             await self._drain()
             await self._leave(beats)
@@ -862,6 +863,53 @@ class Learner:
                         await watcher.stop()
                     except Exception:
                         pass
+
+    async def _wait_for_peers(self) -> None:
+        """DILOCO_START_WITH=N: hold the first inner step until N learners (this one included) are
+        active in the members bucket, or DILOCO_START_WAIT seconds passed (then start anyway, with a
+        warning). Learners started together then train in step: a quorum of K = M is met from the
+        first round, instead of whoever the monitor admitted first merging alone."""
+        n = self.cfg.start_with
+        if n <= 1:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.start_wait
+        states: dict[str, str] = {}
+        watcher = None
+        try:
+            kv = await self.js.key_value(self.s.bucket("members"))
+            watcher = await kv.watchall()
+            while not self._halt.is_set():
+                active = sorted(k for k, st in states.items() if st == "active")
+                if len(active) >= n:
+                    self.log.info("peers_ready", active=active, waited=round(time.monotonic() - t0, 3))
+                    return
+                rest = deadline - time.monotonic()
+                if rest <= 0:
+                    self.log.warning("start_wait_expired", wanted=n, active=active, waited=round(self.cfg.start_wait, 3))
+                    return
+                try:
+                    e = await watcher.updates(timeout=min(rest, 1.0))
+                except asyncio.TimeoutError:
+                    continue
+                if e is None:  # the end of the bucket's current values
+                    continue
+                try:
+                    rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
+                    states[e.key] = rec.get("state") if isinstance(rec, dict) else None
+                except ValueError:
+                    states.pop(e.key, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.warning("start_wait_failed", error=repr(e))
+        finally:
+            self.blocked_s += time.monotonic() - t0
+            if watcher is not None:
+                try:
+                    await watcher.stop()
+                except Exception:
+                    pass
 
     async def _follow_membership(self) -> None:
         last_rev = 0
