@@ -628,3 +628,49 @@ async def test_fetch_round_downloads_once_per_sync_after_the_delay(nats_server, 
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 15) == 0
+
+
+# -- DILOCO_START_WITH: start in step with the other learners ------------------------------------
+
+
+async def test_start_with_waits_for_active_peers_then_gives_up_after_the_wait(nats_server, js):
+    from learner.service import Learner
+
+    await bootstrap(js)
+    kv = await js.key_value(S.bucket("members"))
+
+    def active(lid: str) -> bytes:
+        now = time.time()
+        return orjson.dumps(member_to_dict(Member(lid, "local", State.ACTIVE, now, now, "test", "inc")))
+
+    # the test plays the monitor: nothing happens until two learners are active
+    common, model, cfg = configs(nats_server, learner_id="learner-6", step_time=0.01, start_with=2, start_wait=30.0)
+    learner = Learner(common, model, cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(learner.run(stop))
+    try:
+        await kv.put("learner-6", active("learner-6"))
+        await kv.put("learner-7", orjson.dumps({**orjson.loads(active("learner-7")), "state": "joining"}))
+        await asyncio.sleep(1.5)
+        assert learner.book.step == 0
+        await kv.put("learner-7", active("learner-7"))
+        t_end = time.monotonic() + 10
+        while learner.book.step == 0 and time.monotonic() < t_end:
+            await asyncio.sleep(0.02)
+        assert learner.book.step > 0 and learner.blocked_s >= 1.0  # it waited (its start-up ate a little of the 1.5 s)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+    # nobody else comes: it starts anyway once DILOCO_START_WAIT has passed
+    common, model, cfg = configs(nats_server, learner_id="learner-8", step_time=0.01, start_with=5, start_wait=0.5)
+    learner = Learner(common, model, cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(learner.run(stop))
+    try:
+        t_end = time.monotonic() + 10
+        while learner.book.step == 0 and time.monotonic() < t_end:
+            await asyncio.sleep(0.02)
+        assert learner.book.step > 0 and 0.5 <= learner.blocked_s < 5
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
