@@ -42,9 +42,10 @@ QUICK_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len"
 class Runner:
     """Runs configurations, sharing the compiled step between runs of one setup; keeps every result."""
 
-    def __init__(self, reuse: list[dict] | None = None):
+    def __init__(self, reuse: list[dict] | None = None, journal: str | None = None):
         self.setups: list[tuple[RefConfig, Setup]] = []
         self.rows: list[dict] = []
+        self.journal = journal  # every new row is appended here (JSON lines): --reuse it after a crash
         # rows of an earlier run of this benchmark (--reuse): the reference is deterministic, so a
         # configuration run before gives the same figures bit for bit
         self.reuse = {(r["M"], r["label"]): r for r in (reuse or []) if isinstance(r, dict) and "label" in r}
@@ -60,12 +61,34 @@ class Runner:
             setup = Setup(cfg)
             self.setups = [(cfg, setup)]  # one at a time: keep memory flat
         r = run_reference(cfg, setup)
-        row = {"label": label, "mode": cfg.mode, "M": cfg.M, "loss": round(r["eval_loss"], 5), **tags,
+        row = {"label": label, "mode": cfg.mode, "M": cfg.M, "loss": round(r["eval_loss"], 5),
+               "uplink": cfg.quantiser, "downlink": cfg.downlink, **tags,
                "wall_s": r["wall_s"], "tokens_per_s": r["tokens_per_s"], "curve": r["curve"],
                "merges": r.get("merges"), "staleness_hist": r.get("staleness_hist"), "rejected": r.get("rejected")}
         self.rows.append(row)
+        if self.journal:
+            import orjson
+
+            with open(self.journal, "ab") as f:
+                f.write(orjson.dumps(row) + b"\n")
         progress(f"M={cfg.M} {label}: held-out {r['eval_loss']:.4f} ({r['wall_s']} s)")
         return row
+
+
+def reduction_vs_dp(row: dict) -> float | None:
+    """Bytes a data-parallel worker moves (ring all-reduce of bf16 gradients, 2 (M-1)/M x N x 2 bytes
+    per step) over the bytes a learner of ``row`` moves (each parameter up once per H steps at the
+    uplink's bits, and down once per round: one version per fragment per round with K = M or the
+    one-download-per-round fetch; M versions with K = 1 and fetch=every), scales included; headers
+    and keyframes of a quantised downlink are left out (they add under 2% at the figures here)."""
+    from bus.quant import bits_per_value
+
+    if row.get("mode") == "dp" or not row.get("H"):
+        return None
+    M = row["M"]
+    downloads = M if (row.get("K") == 1 and row.get("fetch") == "every") else 1
+    learner = (bits_per_value(row.get("uplink", "int8")) + downloads * bits_per_value(row.get("downlink", "fp32"))) / 8
+    return row["H"] * 2 * (M - 1) / M * 2 / learner
 
 
 def budget_steps(params: int, tokens_per_param: float, M: int, batch: int, seq_len: int) -> int:
@@ -128,7 +151,7 @@ def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner)
         fam["k_m", fetch] = run(replace(tuned, **dec, **f), f"decoupled K={M} P={P}{sfx}", K=M, **t)
         fam["k1", fetch] = run(replace(tuned, **dec, **f, K=1), f"decoupled K=1 P={P}{sfx}", K=1, **t)
     dec_q = min((fam["k_m", f] for f in ("round", "every")), key=lambda r: r["loss"])
-    dec_fetch = dec_q["fetch"]
+    dec_fetch = dec_q.get("fetch", "round")
     # 4. the headline runs again on other data seeds (the sampling of batches): the spread of one
     # configuration over seeds is the noise any gap above is measured against
     seeds = (0,) if quick else (0, 1, 2)
@@ -206,7 +229,8 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="write the loss-vs-tokens plot here")
     p.add_argument("--no-speed", action="store_true", help="skip reference_speed_vs_dp")
     p.add_argument("--speed-only", action="store_true", help="only reference_speed_vs_dp")
-    p.add_argument("--reuse", default=None, help="an earlier --out JSON: its runs are not run again")
+    p.add_argument("--reuse", nargs="+", default=None,
+                   help="earlier --out JSON files or their .rows.jsonl journals: their runs are not run again")
     a = p.parse_args()
     Ms = a.M or ([2] if a.quick else [2, 4])
     if a.speed_only:
@@ -217,16 +241,34 @@ def main() -> None:
     if a.reuse:
         import orjson
 
-        with open(a.reuse, "rb") as f:
-            old = orjson.loads(f.read())
-        # the rows of every run, then the studies' rows (which carry their curves) over them
-        reuse = old.get("sweep_rows") or old.get("sweep", [])
-        reuse = reuse + [r for st in old.get("studies", []) for r in st.values() if isinstance(r, dict) and "curve" in r]
-    run = Runner(reuse)
+        reuse = []
+        for path in a.reuse:
+            with open(path, "rb") as f:
+                data = f.read()
+            if path.endswith(".jsonl"):
+                reuse += [orjson.loads(line) for line in data.splitlines() if line.strip()]
+                continue
+            old = orjson.loads(data)
+            # the rows of every run, then the studies' rows (which carry their curves) over them
+            reuse += old.get("sweep_rows") or old.get("sweep", [])
+            reuse += [r for st in old.get("studies", []) for r in st.values() if isinstance(r, dict) and "curve" in r]
+    run = Runner(reuse, journal=f"{a.out}.rows.jsonl" if a.out else None)
     results = [study(M, a.quick, tpp, a.batch, run) for M in Ms]
+    for row in run.rows:
+        red = reduction_vs_dp(row)
+        if red is not None:
+            row["reduction_vs_dp"] = round(red, 2)
     out: dict = {"tokens_per_param": tpp, "studies": results,
                  "sweep": [{k: v for k, v in r.items() if k != "curve"} for r in run.rows], "sweep_rows": run.rows}
     for r in results:
+        # bandwidth at parity: the largest reduction among DiLoCo-family runs (seed 0) whose held-out
+        # loss is within 1% of tuned data-parallel's
+        dp = r["dp_best"]["loss"]
+        ok = [x for x in run.rows if x["M"] == r["M"] and x.get("reduction_vs_dp") and "seed" not in x
+              and x["loss"] <= 1.01 * dp]
+        best = max(ok, key=lambda x: x["reduction_vs_dp"]) if ok else None
+        r["parity"] = {"reduction_vs_dp": best["reduction_vs_dp"], "of": best["label"]} if best else None
+        out[f"reduction_at_parity_m{r['M']}"] = best["reduction_vs_dp"] if best else None
         out[f"loss_gap_m{r['M']}"] = round(r["loss_gap"], 5)
         out[f"decoupled_vs_sync_m{r['M']}"] = round(r["decoupled_vs_sync"], 5)
         out[f"decoupled_k1_vs_sync_m{r['M']}"] = round(r["decoupled_k1_vs_sync"], 5)
