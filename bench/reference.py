@@ -191,6 +191,12 @@ class Setup:
                 else batch_seed(self.cfg.data_seed, f"learner-{m}", incarnation))
         return self.corpus.shard(m, self.cfg.M, self.spec.seq_len, seed)
 
+    def learner_batches(self, m: int, incarnation: str | None = None):
+        return _forever(self.shard(m, incarnation), self.cfg.batch)
+
+    def dp_batches(self):
+        return _dp_batches([self.shard(m) for m in range(self.cfg.M)], self.cfg.batch)
+
     def evaluate(self, tree: Any) -> float:
         return float(np.mean([float(self._eval(tree, hb)) for hb in self.heldout]))
 
@@ -216,6 +222,73 @@ class Setup:
             out.append(np.concatenate([self.v0[s.path].reshape(-1)[s.start:s.stop] for s in frag.slices])
                        .astype(np.float32))
         return out
+
+
+class TreeSetup:
+    """A user's JAX model, as islands train it (``learner.island``): the reference then runs any
+    model, not only the built-in one (``run_reference(cfg, TreeSetup(...))``; the inner settings of
+    ``cfg`` are the user's business then, its outer settings and timing apply).
+
+    ``params``: version 0 (any pytree; its floating-point leaves are synchronised, the others stay
+    each learner's); ``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` (it may
+    donate its inputs); ``init_opt(params)``; ``batches(m)``: learner m's batch iterator (data
+    parallel concatenates one batch of each learner, leaf by leaf); ``eval_fn(params) -> float``:
+    the held-out loss; ``tokens_per_step``: what one learner step counts for the token weights."""
+
+    def __init__(self, cfg: RefConfig, params: Any, train_step: Callable, init_opt: Callable,
+                 batches: Callable[[int], Any], eval_fn: Callable[[Any], float], tokens_per_step: int,
+                 max_inner_lr: float | None = None, max_imbalance: float = 1.1):
+        from types import SimpleNamespace
+
+        from bus.fragments import gather_all
+        from bus.runs import plan_for
+        from learner.pytree import named_float_arrays, tree_spec
+
+        self.cfg = cfg
+        self.tree = tree_spec(params)
+        self.plan = plan_for(self.tree, cfg.P, max_imbalance)
+        self._v0 = gather_all(self.plan, named_float_arrays(params))
+        self._params0 = params
+        self.params = self.tree.num_params
+        self.train_step, self.init_opt, self._batches, self.eval_fn = train_step, init_opt, batches, eval_fn
+        self.tokens_per_step = int(tokens_per_step)
+        self.model = SimpleNamespace(max_inner_lr=max_inner_lr, max_tokens_per_step=None)
+
+    def _copy(self) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), self._params0)
+
+    def learner_batches(self, m: int, incarnation: str | None = None):
+        return iter(self._batches(m))
+
+    def dp_batches(self):
+        import jax
+
+        its = [iter(self._batches(m)) for m in range(self.cfg.M)]
+        while True:
+            yield jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *[next(it) for it in its])
+
+    def v0_fragments(self) -> list[np.ndarray]:
+        return [v.copy() for v in self._v0]
+
+    def backend(self, batches):
+        from learner.backends import TrainBackend
+
+        return TrainBackend(self.train_step, batches, self.tree, self.plan, params=self._copy(),
+                            init_opt=self.init_opt)
+
+    def evaluate(self, tree: Any) -> float:
+        return float(self.eval_fn(tree))
+
+    def evaluate_fragments(self, vectors: list[np.ndarray]) -> float:
+        from learner.pytree import TreeParams
+
+        tp = TreeParams(self._copy(), self.tree, self.plan)
+        for p, v in enumerate(vectors):
+            tp.set_fragment(p, v)
+        return self.evaluate(tp.tree())
 
 
 def _forever(shard, b: int):
@@ -297,7 +370,7 @@ class Reference:
 
     def _run_dp(self) -> dict:
         cfg, s = self.cfg, self.setup
-        be = s.backend(_dp_batches([s.shard(m) for m in range(cfg.M)], cfg.batch))
+        be = s.backend(s.dp_batches())
         be.load(s.v0_fragments())
         marks = self._eval_marks()
         curve, losses = [], []
@@ -319,6 +392,7 @@ class Reference:
         from learner.loop import Bookkeeper
 
         cfg, s = self.cfg, self.setup
+        self.P = s.plan.num_fragments  # P, or fewer for a tree with fewer parameters
         self.K = quorum(cfg)
         self.grace = GracePolicy(mode="fixed", grace=cfg.grace, max_grace=max(cfg.grace, 10.0))
         self.settings = MergeSettings(method=cfg.merge, staleness=StalenessPolicy(cfg.staleness, cfg.staleness_a,
@@ -327,9 +401,9 @@ class Reference:
                                       delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
                                       clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr)
         v0 = s.v0_fragments()
-        self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(cfg.P)]
-        self.buffers: list[list[_Pending]] = [[] for _ in range(cfg.P)]
-        self.keys: list = [None] * cfg.P
+        self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(self.P)]
+        self.buffers: list[list[_Pending]] = [[] for _ in range(self.P)]
+        self.keys: list = [None] * self.P
         self.published: list[tuple[int, np.ndarray]] = [(0, v.copy()) for v in v0]  # newest (version, params)
         self.timers: dict[int, float] = {}
         self.rejected: dict[str, int] = {}
@@ -340,12 +414,12 @@ class Reference:
         self.learners = []
         for m in range(cfg.M):
             inc = cfg.incarnations[m] if cfg.incarnations else None
-            be = s.backend(_forever(s.shard(m, inc), cfg.batch))
+            be = s.backend(s.learner_batches(m, inc))
             be.load(v0)
-            book = Bookkeeper(cfg.P, cfg.H, s.tokens_per_step, staggered=staggered)
-            for p in range(cfg.P):
+            book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered)
+            for p in range(self.P):
                 book.on_merged(p, 0)
-            self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * cfg.P,
+            self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * self.P,
                                           float(times[m]), incarnation=inc or "r0"))
         for m, down, back in cfg.failures:
             self._at(down, 3, self._fail, m)
@@ -359,7 +433,7 @@ class Reference:
             t, _, _, fn, args = heapq.heappop(self._events)
             self.now = t
             fn(*args)
-        for p in range(cfg.P):  # anything still buffered (K not reached at the very end): merge it
+        for p in range(self.P):  # anything still buffered (K not reached at the very end): merge it
             if self.buffers[p]:
                 self._merge(p, "end of run")
         final = s.evaluate_fragments([st.params for st in self.states])
@@ -506,7 +580,7 @@ class Reference:
             return
         ln.up, ln.blocked = False, False
         ln.epoch += 1
-        for p in range(self.cfg.P):  # an active set shrank: fragments waiting for this learner may merge
+        for p in range(self.P):  # an active set shrank: fragments waiting for this learner may merge
             self._consider_merge(p)
 
     def _return(self, m: int) -> None:
@@ -520,7 +594,7 @@ class Reference:
         vectors = [vec.copy() for _, vec in self.published]
         ln.backend.load(vectors)
         ln.base = [v.copy() for v in vectors]
-        ln.residual = [None] * self.cfg.P
+        ln.residual = [None] * self.P
         ln.pending, ln.downloading, ln.candidate, ln.awaiting, ln.applied_in = {}, {}, {}, set(), {}
         ln.book.on_resync({p: v for p, (v, _) in enumerate(self.published)})
         self._start_step(ln)
@@ -548,8 +622,8 @@ class Reference:
         alive = self._alive()
         participants = alive | {x.c.learner for x in self.buffers[p]}
         ctx = ValidationContext(
-            run="reference", model_hash="reference", fragment_sizes={q: s.plan.sizes[q] for q in range(self.cfg.P)},
-            current_version={q: self.states[q].version for q in range(self.cfg.P)},
+            run="reference", model_hash="reference", fragment_sizes={q: s.plan.sizes[q] for q in range(self.P)},
+            current_version={q: self.states[q].version for q in range(self.P)},
             active=alive | {c.learner}, known={ln.name for ln in self.learners}, applied=st.applied,
             pending={x.c.key for x in self.buffers[p]}, norms=st.norms, max_staleness=self.cfg.max_staleness,
             per_round=max(1, len(participants)), norm_outlier_factor=self.cfg.norm_outlier_factor,

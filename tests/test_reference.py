@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.reference import RefConfig, Setup, failure_trace, run_reference
+from bench.reference import RefConfig, Setup, TreeSetup, failure_trace, run_reference
 
 TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "seq_len": 16}
 BASE = RefConfig(M=1, steps=24, batch=4, model=TINY, warmup=4, eval_points=2, eval_batches=2, eval_batch_size=4,
@@ -84,3 +84,39 @@ def test_bad_configurations_are_refused_in_one_line():
         RefConfig(mode="async")
     with pytest.raises(ValueError, match="step_times needs 2 values"):
         RefConfig(M=2, step_times=(1.0,))
+
+
+def _regression_setup(cfg: RefConfig) -> TreeSetup:
+    """examples/regression.py's MLP (a bfloat16 layer, an int32 counter that is never synced)."""
+    import os
+    import sys
+
+    import optax
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    try:
+        import regression as reg
+    finally:
+        sys.path.pop(0)
+    opt = optax.adamw(3e-3, weight_decay=0.0)
+    hx, hy = reg.make_data(12345, 512)
+    return TreeSetup(cfg, reg.init_params(), reg.make_train_step(opt), lambda p: opt.init(reg.trainable(p)),
+                     lambda m: reg.batches(100 + m, 32), lambda p: reg.loss_fn(p, hx, hy), tokens_per_step=32,
+                     max_inner_lr=3e-3)
+
+
+def test_any_model_through_the_island_api():
+    """A user's pytree model (TreeSetup): identity with data-parallel at M=1, learning and
+    determinism at M=2, its non-float leaf left to each learner."""
+    base = RefConfig(M=1, steps=40, batch=32, H=5, P=4, eval_points=2)
+    one = _regression_setup(base)
+    dp = run_reference(replace(base, mode="dp"), one)
+    r = run_reference(replace(base, mode="sync", quantiser="fp32", outer_lr=1.0, outer_momentum=0.0, clip_factor=0.0,
+                              staleness="constant"), one)
+    np.testing.assert_allclose(r["train_losses"][0], dp["train_losses"], rtol=1e-5)
+    assert r["eval_loss"] == pytest.approx(dp["eval_loss"], rel=1e-5)
+    two = replace(base, M=2, mode="decoupled", step_times=(1.0, 1.3), K=1, steps=60)
+    a, b = run_reference(two, _regression_setup(two)), run_reference(two, _regression_setup(two))
+    assert a["train_losses"] == b["train_losses"] and a["eval_loss"] == b["eval_loss"]
+    v0 = _regression_setup(two).evaluate(_regression_setup(two)._params0)
+    assert a["eval_loss"] < 0.5 * v0 and a["rejected"] == {}
