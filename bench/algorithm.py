@@ -34,9 +34,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from bench.common import finish, parser, progress
+from bench.reference import TINY_MODEL as QUICK_MODEL
 from bench.reference import RefConfig, Setup, run_reference, same_setup
-
-QUICK_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32}
 
 
 class Runner:

@@ -24,9 +24,8 @@ from __future__ import annotations
 import asyncio
 
 from bench.common import finish, parser, progress
-
-TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32}
-SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256, "seq_len": 64}
+from bench.reference import SMALL_MODEL as SMALL
+from bench.reference import TINY_MODEL as TINY
 
 
 def settings(quick: bool, mode: str = "sync") -> dict:

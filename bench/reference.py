@@ -49,12 +49,39 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 MODES = ("dp", "sync", "streaming", "decoupled")
+#: the built-in model's ``small`` preset (bench.runs.SMALL_MODEL, diloco up --model-preset small; 119,104
+#: parameters) and a tinier one for quick runs and tests (17,504 parameters)
+SMALL_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256, "seq_len": 64}
+TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32}
+
+
+def _default(cls, name: str):
+    """The default of a role's setting: the reference follows the roles' defaults, never a copy."""
+    return cls.__dataclass_fields__[name].default
+
+
+def _L(name: str):
+    from learner.config import LearnerConfig
+
+    return _default(LearnerConfig, name)
+
+
+def _MODEL(name: str):
+    from learner.config import ModelConfig
+
+    return _default(ModelConfig, name)
+
+
+def _A(name: str):
+    from aggregator.config import AggregatorConfig
+
+    return _default(AggregatorConfig, name)
 
 
 @dataclass(frozen=True)
@@ -66,48 +93,48 @@ class RefConfig:
     steps: int = 200  # inner steps per learner (dp: steps of batch M x batch)
     batch: int = 8  # sequences per learner step
     # model: the built-in transformer (learner.config.ModelConfig fields), or ``island`` (below)
-    model: dict = field(default_factory=lambda: {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256,
-                                                 "seq_len": 64})
+    model: dict = field(default_factory=lambda: dict(SMALL_MODEL))
     seed: int = 0  # version 0
     data_seed: int = 0
     # the learners' incarnations: given, each samples its batches as a ``diloco learner`` process of
     # that incarnation does (``learner.loop.batch_seed``), so a system run can be replayed
     # (bench.fidelity); None: bench.dp's samplers, the same as data-parallel's
     incarnations: tuple[str, ...] | None = None
-    # inner (AdamW, learner.inner)
-    lr: float = 1e-3
-    warmup: int = 50
+    # inner (AdamW, learner.inner): the learner's defaults
+    lr: float = _L("inner_lr")
+    warmup: int = _L("warmup_steps")
     total_steps: int | None = None  # cosine schedule length (None: steps)
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    # outer schedule (learner)
-    H: int = 24
-    P: int = 8
-    quantiser: str = "int8"
-    error_feedback: bool = True
-    on_arrival: str = "rebase"
-    mix_alpha: float = 0.0
-    fetch: str = "round"
-    fetch_delay: int = -1  # -1: H/4 (as DILOCO_FETCH_DELAY)
-    final_sync: bool = True
-    # aggregator
-    K: int | None = None  # quorum (None: M)
-    grace: float = 0.0  # fixed grace window after quorum, virtual seconds
-    merge: str = "mean"
-    outer_optimizer: str = "rounds"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.0
-    delay_n: int = 1
-    staleness: str = "polynomial"
-    staleness_a: float = 0.5
-    staleness_b: int = 4
-    max_staleness: int = 16
-    norm_outlier_factor: float = 10.0
-    norm_min_history: int = 20
-    scale_by_participation: bool = True
-    clip_factor: float = 3.0
-    downlink: str = "fp32"
-    keyframe_every: int = 64
+    weight_decay: float = _L("weight_decay")
+    clip_norm: float = _L("clip_norm")
+    # outer schedule: the learner's and the model's defaults
+    H: int = _L("sync_every")
+    P: int = _MODEL("num_fragments")
+    quantiser: str = _L("quantiser")
+    error_feedback: bool = _L("error_feedback")
+    on_arrival: str = _L("on_arrival")
+    mix_alpha: float = _L("mix_alpha")
+    fetch: str = _L("fetch")
+    fetch_delay: int = _L("fetch_delay")  # -1: H/4
+    final_sync: bool = _L("final_sync")
+    # aggregator: its defaults, except the quorum (None: K = M, as diloco up runs it) and the grace
+    # window (fixed, in virtual seconds)
+    K: int | None = None
+    grace: float = 0.0
+    merge: str = _A("merge")
+    outer_optimizer: str = _A("outer_optimizer")
+    outer_lr: float = _A("outer_lr")
+    outer_momentum: float = _A("outer_momentum")
+    delay_n: int = _A("delay_n")
+    staleness: str = _A("staleness")
+    staleness_a: float = _A("staleness_a")
+    staleness_b: int = _A("staleness_b")
+    max_staleness: int = _A("max_staleness")
+    norm_outlier_factor: float = _A("norm_outlier_factor")
+    norm_min_history: int = _A("norm_min_history")
+    scale_by_participation: bool = _A("scale_by_participation")
+    clip_factor: float = _A("clip_factor")
+    downlink: str = _A("downlink_quantiser")
+    keyframe_every: int = _A("keyframe_every")
     # timing (virtual seconds) and faults
     step_times: tuple[float, ...] | None = None  # per learner; None: 1.0 each
     up_delay: float = 0.0  # a contribution's send -> arrival at the aggregator
