@@ -26,7 +26,7 @@ synchronous at the same H) / synchronous, means over the seeds (target <= 0.5%);
 measured side by side (target >= 0.9). ``--plot FILE.png``: held-out loss against tokens.
 
     python -m bench.algorithm --quick --out algorithm.json           (~1 min, a tiny budget)
-    python -m bench.algorithm --out algorithm.json --plot docs/quality.png     (~30 min on 2 cores)
+    python -m bench.algorithm --out algorithm.json --plot docs/quality.png     (~55 min on 2 cores; --reuse)
 """
 
 from __future__ import annotations
