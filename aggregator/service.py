@@ -37,7 +37,7 @@ from aggregator.contribution import Contribution
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, GracePolicy, decide
 from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale, round_work
-from aggregator.validate import Reason, ValidationContext, validate
+from aggregator.validate import OutlierWatch, Reason, ValidationContext, validate
 from bus import codec
 from bus.signals import install_stop
 from bus.chunks import Assembled, Dropped
@@ -72,6 +72,7 @@ class Stats:
     quorum_wait: float = 0.0
     contributions: Counter = field(default_factory=Counter)  # per learner, applied
     clipped: int = 0  # applied contributions scaled down to their norm cap (bounded influence)
+    reference_restarts: int = 0  # norm-outlier references restarted: most learners were refused (OutlierWatch)
 
     def to_metrics(self) -> dict:
         lat = sorted(self.merge_latency[-200:])
@@ -81,7 +82,7 @@ class Stats:
             "merge_latency_p50": lat[len(lat) // 2] if lat else None,
             "merge_latency_max": lat[-1] if lat else None,
             "quorum_wait_s": round(self.quorum_wait, 3), "contributions": dict(self.contributions),
-            "clipped": self.clipped,
+            "clipped": self.clipped, "reference_restarts": self.reference_restarts,
         }
 
 
@@ -94,6 +95,7 @@ class AggregatorService:
         self.buffers: dict[int, list[Pending]] = {}
         # contributions whose learner the monitor has not admitted yet (aggregator/admission.py)
         self.hold = AdmissionHold(cfg.admission_wait, int(cfg.admission_hold_mb * 2**20))
+        self.outliers = OutlierWatch()
         self.settings = MergeSettings.from_config(cfg)
         self.grace = GracePolicy(mode=cfg.grace, grace=cfg.grace_seconds, max_grace=cfg.grace_seconds,
                                  gamma=cfg.grace_gamma, tau=cfg.tau)
@@ -302,6 +304,8 @@ class AggregatorService:
                 self.log.info("contribution_held", learner=c.learner, state=self.members.get(c.learner),
                               fragment=p, round=c.round, held=len(self.hold))
             return
+        if reason == Reason.norm_outlier and st is not None:
+            self._watch_outliers(st, c, x.norm)
         if reason is not None:
             self._reject(str(getattr(reason, "value", reason)), x.tokens, learner=c.learner, incarnation=c.incarnation,
                          fragment=p, round=c.round, base=c.base_version, version=st.version if st else None,
@@ -314,6 +318,15 @@ class AggregatorService:
         self.recent[c.learner] = now
         self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps)
         self.stats.accepted += 1
+
+    def _watch_outliers(self, st: FragmentState, c: Contribution, norm: float) -> None:
+        """Most learners refused as outliers on a fragment: its norm reference is stale (OutlierWatch)."""
+        restart = self.outliers.refused(st.fragment, c.learner, norm / max(1, c.inner_steps), self.active())
+        if restart is not None:
+            st.norms.restart(st.fragment, restart)  # persisted with the fragment's next merge
+            self.stats.reference_restarts += 1
+            self.log.warning("norm_reference_restarted", fragment=st.fragment, refused_learners=len(restart),
+                             norms=[round(x, 6) for x in restart])
 
     def _release_held(self, now: float) -> None:
         """Decide the held contributions whose learner was admitted, evicted, or waited too long."""

@@ -39,7 +39,7 @@ import bisect
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import AbstractSet, Any
@@ -68,6 +68,39 @@ class Reason(str, Enum):
     non_finite = "non_finite"
     norm_bound = "norm_bound"
     norm_outlier = "norm_outlier"
+
+
+class OutlierWatch:
+    """Learners refused as norm outliers, per fragment: when they are most of the run, the
+    fragment's norm reference is stale, not they.
+
+    The outlier reference is the median of *accepted* norms. If every honest norm outgrows it (the
+    reference was learned during the learning-rate warm-up, when steps are small), every honest
+    contribution is refused, nothing new is accepted, and the reference never moves again: the
+    fragment is locked (docs/deploy.md; ``bench.reference`` measured 80-96 honest contributions of
+    about 1,500 refused at M=4). So once at least 2 distinct learners, and at least half of the
+    active ones, have been refused on a fragment, :meth:`refused` returns their per-step norms and
+    the caller restarts the fragment's reference from them (:meth:`NormHistory.restart`); the
+    check then waits for ``norm_min_history`` accepted norms again, and the norm caps still bound
+    every vector meanwhile. A single learner, or a minority of the active ones, never restarts it.
+    """
+
+    def __init__(self) -> None:
+        self._refused: dict[int, dict[str, float]] = {}
+
+    def refused(self, fragment: int, learner: str, per_step_norm: float,
+                active: AbstractSet[str]) -> list[float] | None:
+        """Record a refusal; the norms to restart ``fragment``'s reference from, or None."""
+        seen = self._refused.setdefault(fragment, {})
+        seen[learner] = float(per_step_norm)
+        n = len(set(seen) & set(active))
+        if n >= 2 and 2 * n >= len(active):
+            del self._refused[fragment]
+            return sorted(seen.values())
+        return None
+
+    def count(self, fragment: int) -> int:
+        return len(self._refused.get(fragment, ()))
 
 
 def _is_int(x: Any) -> bool:
@@ -102,6 +135,10 @@ class NormHistory:
         """Median of the recorded norms of ``fragment``, or None if none yet."""
         d = self._norms.get(fragment)
         return float(statistics.median(d)) if d else None
+
+    def restart(self, fragment: int, norms: Iterable[float]) -> None:
+        """Forget ``fragment``'s norms and start again from ``norms`` (see :class:`OutlierWatch`)."""
+        self._norms[fragment] = deque((float(x) for x in norms), maxlen=self.window)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, msgpack-friendly: {"window": int, "norms": [[fragment, [norm, ...]], ...]}."""

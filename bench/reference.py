@@ -414,6 +414,7 @@ class Reference:
 
     def _run_diloco(self) -> dict:
         from aggregator.step import FragmentState, MergeSettings
+        from aggregator.validate import OutlierWatch
         from aggregator.weights import StalenessPolicy
         from aggregator.quorum import GracePolicy
         from learner.loop import Bookkeeper
@@ -434,6 +435,8 @@ class Reference:
         self.published: list[tuple[int, np.ndarray]] = [(0, v.copy()) for v in v0]  # newest (version, params)
         self.timers: dict[int, float] = {}
         self.rejected: dict[str, int] = {}
+        self.outliers = OutlierWatch()
+        self.reference_restarts = 0
         self.merges = 0
         self.staleness_hist: dict[int, int] = {}
         staggered = cfg.mode != "sync"
@@ -469,6 +472,7 @@ class Reference:
         else:
             self.curve[-1][1] = final
         return {"eval_loss": final, "curve": self.curve, "merges": self.merges, "rejected": self.rejected,
+                "reference_restarts": self.reference_restarts,
                 "versions": [st.version for st in self.states], "virtual_s": round(self.now, 3),
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                 "learner_steps": [ln.book.step for ln in self.learners],
@@ -642,7 +646,7 @@ class Reference:
     def _arrive(self, c) -> None:
         """aggregator.service._consider: validate, then buffer (or reject by reason)."""
         from aggregator.merge import l2_norm
-        from aggregator.validate import ValidationContext, validate
+        from aggregator.validate import Reason, ValidationContext, validate
 
         s, p = self.setup, c.fragment
         st = self.states[p]
@@ -658,6 +662,11 @@ class Reference:
             max_inner_lr=s.model.max_inner_lr)
         norm = l2_norm(c.vector)
         reason = validate(c, ctx, norm=norm)
+        if reason == Reason.norm_outlier:  # aggregator.service._watch_outliers
+            restart = self.outliers.refused(p, c.learner, norm / max(1, c.inner_steps), alive | {c.learner})
+            if restart is not None:
+                st.norms.restart(p, restart)
+                self.reference_restarts += 1
         if reason is not None:
             r = str(getattr(reason, "value", reason))
             self.rejected[r] = self.rejected.get(r, 0) + 1

@@ -310,3 +310,32 @@ async def test_a_contribution_that_beats_its_learners_admission_is_held_then_mer
     assert len(svc.hold) == 0
     stop.set()
     await task
+
+
+async def test_a_stale_outlier_reference_restarts_when_most_learners_are_refused(nats_server, js):
+    """Every honest norm outgrew the reference (a warm-up ending): the first refusals are counted,
+    then, once both active learners were refused, the reference restarts and their next outer
+    gradients are merged. One learner alone (below) never restarts it."""
+    svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.05,
+                                   norm_outlier_factor=5.0, norm_min_history=5)
+    n = PLAN.sizes[0]
+    await set_members(js, RUN, {"a": "active", "b": "active"})
+    await _until(lambda: len(svc.active()) == 2)
+    a, b = FakeLearner(js, RUN, "a"), FakeLearner(js, RUN, "b")
+    for v in range(5):  # the reference: small honest norms
+        await a.send(0, base=v)
+        assert await _until(lambda: svc.states[0].version == v + 1)
+    big = np.full(n, 1e-2, np.float32)  # 10x the reference
+    await a.send(0, base=5, vector=big)
+    assert await _until(lambda: svc.stats.rejected.get("norm_outlier") == 1)
+    await a.send(0, base=5, vector=big)  # the same learner again: still refused, no restart
+    assert await _until(lambda: svc.stats.rejected.get("norm_outlier") == 2)
+    assert svc.stats.reference_restarts == 0 and svc.states[0].version == 5
+    await b.send(0, base=5, vector=big)  # a second learner: half of the active ones -> restart
+    assert await _until(lambda: svc.stats.reference_restarts == 1)
+    assert svc.stats.rejected["norm_outlier"] == 3 and svc.states[0].version == 5
+    await a.send(0, base=5, vector=big)  # merged now
+    assert await _until(lambda: svc.states[0].version == 6)
+    assert svc.stats.rejected["norm_outlier"] == 3
+    stop.set()
+    await task

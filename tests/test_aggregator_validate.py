@@ -355,3 +355,35 @@ def test_too_stale_counts_rounds_of_active_learners():
     assert validate(make(base_version=2), context()) is Reason.too_stale
     assert validate(make(base_version=2), context(per_round=2)) is None
     assert validate(make(base_version=5), context(current_version={0: 14, 1: 0}, per_round=2)) is Reason.too_stale
+
+
+def test_outlier_watch_restarts_a_stale_reference_only_for_most_learners():
+    from aggregator.validate import OutlierWatch
+
+    w = OutlierWatch()
+    active = {"a", "b", "c", "d"}
+    # one learner refused again and again (an attacker, or one odd learner): never a restart
+    for _ in range(10):
+        assert w.refused(0, "a", 5.0, active) is None
+    assert w.refused(1, "b", 5.0, active) is None  # another fragment is another matter
+    # a second learner on the same fragment: 2 of 4 active, half of them -> restart from their norms
+    assert w.refused(0, "b", 7.0, active) == [5.0, 7.0]
+    assert w.count(0) == 0  # and it starts counting again
+    # learners that are not active do not count (evicted ones, or an attacker's many ids)
+    assert w.refused(2, "x", 1.0, active) is None and w.refused(2, "y", 1.0, active) is None
+    assert w.refused(2, "a", 1.0, active) is None  # 1 of 4 active
+    # with 6 active learners, 2 refused is a minority: 3 are needed
+    six = {"a", "b", "c", "d", "e", "f"}
+    assert w.refused(3, "a", 1.0, six) is None and w.refused(3, "b", 1.0, six) is None
+    assert w.refused(3, "c", 2.0, six) == [1.0, 1.0, 2.0]
+
+
+def test_norm_history_restart_forgets_the_old_reference():
+    h = NormHistory(window=4)
+    for x in (1.0, 1.0, 1.0, 1.0):
+        h.add(0, x)
+    h.add(1, 3.0)
+    h.restart(0, [10.0, 12.0])
+    assert h.count(0) == 2 and h.median(0) == 11.0 and h.median(1) == 3.0
+    h.restart(0, [1.0] * 9)  # bounded by the window
+    assert h.count(0) == 4
