@@ -305,24 +305,20 @@ async def main():
             await jus.account_info(); await jeu.account_info(); break
         except Exception:
             await asyncio.sleep(0.2)
+    async def from_eu(call, what):
+        # a new stream's interest reaches the other cluster over the gateway shortly after
+        for _ in range(100):
+            try:
+                return await call()
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                await asyncio.sleep(0.1)
+        raise AssertionError(what + " never became reachable from eu")
     si = await jus.add_stream(name="G", subjects=["g.>"], allow_direct=True)
     assert si.cluster.name == "us", si.cluster
-    for _ in range(100):  # the stream's interest reaches the other cluster over the gateway shortly
-        try:
-            await jeu.publish("g.1", b"from-eu"); break
-        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-            await asyncio.sleep(0.1)
-    else:
-        raise AssertionError("the stream never became reachable from eu")
+    await from_eu(lambda: jeu.publish("g.1", b"from-eu"), "the stream")
     kv = await jus.create_key_value(bucket="gkv")
     ekv = await jeu.key_value("gkv")
-    for _ in range(100):  # the same for the bucket's stream
-        try:
-            await ekv.put("k", b"v"); break
-        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-            await asyncio.sleep(0.1)
-    else:
-        raise AssertionError("the bucket never became reachable from eu")
+    await from_eu(lambda: ekv.put("k", b"v"), "the bucket")
     assert (await kv.get("k")).value == b"v"
     assert (await jeu.get_last_msg("G", "g.1", direct=True)).data == b"from-eu"
     print("ok")
