@@ -215,6 +215,26 @@ async def _metrics(cfg: CommonConfig, a: argparse.Namespace) -> int:
             state["snap"] = fold(state["snap"], msg)
 
     sub = await nc.subscribe(Subjects(cfg.run).metrics_all, cb=on_msg)
+    if a.serve:
+        from monitor.prometheus import serve
+
+        try:
+            server, _, (host, port) = serve(a.serve, lambda: state["snap"])
+        except OSError as e:
+            print(f"diloco metrics: cannot serve on {a.serve}: {e}", file=sys.stderr)
+            await nc.close()
+            return 2
+        print(f"serving Prometheus metrics of run {cfg.run} on http://{host}:{port}/metrics (Ctrl-C quits)",
+              flush=True)
+        try:
+            await stop.wait()
+            return 0
+        finally:
+            server.shutdown()
+            try:
+                await nc.close()
+            except Exception:
+                pass
     try:
         if a.once:
             try:
@@ -261,9 +281,21 @@ def cmd_metrics(argv: list[str]) -> int:
     p.add_argument("--role", choices=ROLES, help="only messages of this role")
     p.add_argument("--learner", help="only messages of this learner")
     p.add_argument("--region", help="only messages of this region")
+    p.add_argument("--serve", metavar="HOST:PORT",
+                   help="serve the run's metrics for Prometheus at http://HOST:PORT/metrics instead of the table "
+                        "(:9464 listens on every interface)")
     a = p.parse_args(argv)
     if not (a.wait >= 0 and math.isfinite(a.wait)) or not (a.interval > 0 and math.isfinite(a.interval)):
         p.error("--wait must be >= 0 and --interval > 0")
+    if a.serve:
+        from monitor.prometheus import parse_listen
+
+        if a.once or a.json:
+            p.error("--serve runs until stopped: it takes neither --once nor --json")
+        try:
+            parse_listen(a.serve)
+        except ValueError as e:
+            p.error(str(e))
     return _run_cli("diloco metrics", _metrics, a)
 
 
@@ -278,8 +310,39 @@ def _version(nc) -> str:
         return "unknown"
 
 
-async def gather_status(nc, run: str) -> dict[str, Any]:
-    """One snapshot of ``run`` from JetStream and KV (pure reads; every section fails alone)."""
+def heard_from_monitor(msg: Any) -> dict[str, float]:
+    """{learner: newest heartbeat time} from a monitor's metrics message (its ``seen`` map); {} when
+    the message has none or is malformed (bad entries are skipped, at most 4096 are read)."""
+    seen = msg.get("seen") if isinstance(msg, dict) and msg.get("role") == "monitor" else None
+    if not isinstance(seen, dict):
+        return {}
+    out: dict[str, float] = {}
+    for k, v in list(seen.items())[:4096]:
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                and v > 0:
+            out[k] = float(v)
+    return out
+
+
+def freshen_seen(members: list[dict[str, Any]], heard: dict[str, float]) -> list[dict[str, Any]]:
+    """Members with ``last_seen`` moved to a monitor's fresher heartbeat time (``seen_from``: "monitor"),
+    or left as the bucket has it ("record"). The bucket is rewritten only every DILOCO_KV_REFRESH (5 s),
+    so its ``last_seen`` alone made SEEN read 4-5 s for learners beating every second."""
+    out = []
+    for m in members:
+        t = heard.get(m.get("learner"))
+        if t is not None and t > (m.get("last_seen") or 0.0):
+            out.append({**m, "last_seen": t, "seen_from": "monitor"})
+        else:
+            out.append({**m, "seen_from": "record"})
+    return out
+
+
+async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
+    """One snapshot of ``run`` from JetStream and KV (pure reads; every section fails alone).
+
+    ``seen_wait > 0``: also listen to the monitors' metrics messages for up to that many seconds
+    (until the leader's arrives) and take their fresher heartbeat times (:func:`freshen_seen`)."""
     from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
     from bus.protocol import MANIFEST_KEY, Manifest
@@ -291,6 +354,24 @@ async def gather_status(nc, run: str) -> dict[str, Any]:
 
     js = nc.jetstream(timeout=5.0)
     s = Subjects(run)
+    heard: dict[str, float] = {}
+    leader_heard = asyncio.Event()
+    sub = None
+    if seen_wait > 0:
+        async def on_monitor(m) -> None:
+            try:
+                msg = loads_json(m.data)
+            except CodecError:
+                return
+            for k, v in heard_from_monitor(msg).items():
+                heard[k] = max(heard.get(k, 0.0), v)
+            if isinstance(msg, dict) and msg.get("leader") is True:
+                leader_heard.set()
+
+        try:
+            sub = await nc.subscribe(f"{s.prefix}.metrics.monitor.*", cb=on_monitor)
+        except Exception:  # noqa: BLE001 - not allowed or not connected: the records alone
+            sub = None
     now = time.time()
     info = getattr(nc, "_server_info", {}) or {}
     url = nc.connected_url
@@ -335,6 +416,18 @@ async def gather_status(nc, run: str) -> dict[str, Any]:
         out["membership"] = None
     except Exception as e:  # noqa: BLE001
         out["membership"] = {"error": _describe(e)}
+    if sub is not None:
+        if isinstance(out["membership"], dict) and out["membership"].get("members"):
+            try:
+                await asyncio.wait_for(leader_heard.wait(), timeout=seen_wait)
+            except asyncio.TimeoutError:
+                pass
+            out["membership"]["members"] = freshen_seen(out["membership"]["members"], heard)
+            out["ts"] = now = time.time()
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
 
     try:
         lkv = await js.key_value(s.bucket("lease"))
@@ -469,7 +562,7 @@ def render_status(st: dict[str, Any], width: int = 120) -> str:
 async def _status(cfg: CommonConfig, a: argparse.Namespace) -> int:
     nc = await open_connection(cfg, name="cli-status")
     try:
-        st = await gather_status(nc, cfg.run)
+        st = await gather_status(nc, cfg.run, seen_wait=a.wait)
     finally:
         try:
             await nc.close()
@@ -489,5 +582,11 @@ def cmd_status(argv: list[str]) -> int:
         description="One snapshot of a run: membership, leader, version per fragment, streams, server health.",
     )
     _add_common_args(p)
+    p.add_argument("--wait", type=float, default=2.5,
+                   help="seconds to wait for the leading monitor's metrics message, whose heartbeat times are "
+                        "fresher than the members bucket's (rewritten every DILOCO_KV_REFRESH); 0: the bucket "
+                        "only (default 2.5)")
     a = p.parse_args(argv)
+    if not (a.wait >= 0 and math.isfinite(a.wait)):
+        p.error("--wait must be >= 0")
     return _run_cli("diloco status", _status, a)

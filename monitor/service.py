@@ -152,6 +152,9 @@ def monitor_metrics(run: str, monitor_id: str, ts: float, members: Mapping[str, 
         "leader": bool(leader),
         "counts": count_states(members),
         "members": len(members),
+        # the newest heartbeat of each learner as this monitor heard it: the members bucket is
+        # rewritten only every DILOCO_KV_REFRESH, so `diloco status` takes the fresher of the two
+        "seen": {name: m.last_seen for name, m in members.items()},
         "rejected_heartbeats": dict(rejected),
         **dict(stats),
     }
