@@ -275,6 +275,7 @@ class RunState:
     evals: list[dict] = field(default_factory=list)  # evaluator records, in arrival order
     membership: list[dict] = field(default_factory=list)
     loss_history: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)  # id -> (t, step, loss)
+    merge_history: list[tuple[float, int]] = field(default_factory=list)  # (t, merges so far), when it moves
     snapshot: Any = None
     t0: float = field(default_factory=time.time)
 
@@ -304,6 +305,10 @@ class RunState:
         elif role == "aggregator":
             if self.aggregator is None or float(msg.get("ts", 0)) >= float(self.aggregator.get("ts", 0)):
                 self.aggregator = msg
+                merges = msg.get("merges")
+                if isinstance(merges, int) and not isinstance(merges, bool) and \
+                        (not self.merge_history or self.merge_history[-1][1] != merges):
+                    self.merge_history.append((float(msg.get("ts", time.time())), merges))
         elif role == "monitor":
             self.monitor = msg
         elif (role == "evaluator" and isinstance(msg.get("eval_loss"), (int, float))
@@ -410,6 +415,10 @@ def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[st
         "eval_loss_ratio": (final["eval_loss"] / initial["eval_loss"]) if initial and final else None,
         "eval_history": [{"t": round(float(e.get("ts", 0)) - state.t0, 3), "eval_loss": e["eval_loss"],
                           "version": e.get("version")} for e in evals],
+        "merge_history": [{"t": round(t - state.t0, 3), "merges": n} for t, n in state.merge_history],
+        "eviction_times": [{"t": round(float(e.get("at", 0)) - state.t0, 3), "learner": e.get("learner")}
+                           for e in state.membership if e.get("new") == "evicted"
+                           and isinstance(e.get("at"), (int, float))],
         "learners": learners,
         "total_inner_steps": total_steps,
         "versions": agg.get("versions") or {},
@@ -458,34 +467,60 @@ def render_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_eval(summary: dict, state: RunState, path: str) -> bool:
-    """Held-out loss over time (bold) and each learner's training loss (thin) as a PNG."""
+def plot_eval(summary: dict, state: RunState, path: str) -> dict | None:
+    """Held-out loss over time (bold, each point's version next to it), each learner's training loss
+    (thin), the aggregator's merges so far (grey steps, right axis) and evictions (red dotted lines),
+    with the final held-out loss written on the plot, as a PNG. Returns what it drew (None: no
+    matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:
-        return False
+        return None
+    drawn: dict = {"learners": 0, "eval_points": 0, "merge_steps": 0, "evictions": 0, "final": None}
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     for lid, hist in sorted(state.loss_history.items()):
         if hist:
             ax.plot([t - state.t0 for t, _, _ in hist], [l for _, _, l in hist], lw=0.8, alpha=0.5,
                     label=f"train {lid}")
+            drawn["learners"] += 1
     ev = summary["eval_history"]
     if ev:
         ax.plot([e["t"] for e in ev], [e["eval_loss"] for e in ev], "o-", color="black", lw=2, ms=3,
                 label="held-out (global model)")
+        drawn["eval_points"] = len(ev)
+        for e in ev:
+            if e.get("version") is not None:
+                ax.annotate(f"v{e['version']}", (e["t"], e["eval_loss"]), textcoords="offset points",
+                            xytext=(0, 5), fontsize=6, ha="center", color="black")
+        last = ev[-1]
+        drawn["final"] = f"final held-out {last['eval_loss']:.4f}" + (
+            f" (v{last['version']})" if last.get("version") is not None else "")
+        ax.annotate(drawn["final"], (last["t"], last["eval_loss"]), textcoords="offset points", xytext=(-10, 18),
+                    ha="right", fontsize=9, fontweight="bold", arrowprops={"arrowstyle": "->", "lw": 0.8})
+    for i, e in enumerate(summary.get("eviction_times") or []):
+        ax.axvline(e["t"], color="red", ls=":", lw=1, label="eviction" if i == 0 else None)
+        drawn["evictions"] += 1
+    merges = summary.get("merge_history") or []
+    if merges:
+        ax2 = ax.twinx()
+        ax2.step([m["t"] for m in merges], [m["merges"] for m in merges], where="post", color="grey", lw=1,
+                 alpha=0.7)
+        ax2.set_ylabel("merges so far (aggregator)", color="grey")
+        ax2.tick_params(axis="y", colors="grey")
+        drawn["merge_steps"] = len(merges)
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"diloco up: run {summary['run']}, {summary['num_learners']} learners")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return True
+    return drawn
 
 
 # -- child processes ----------------------------------------------------------------------------------

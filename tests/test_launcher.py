@@ -165,6 +165,27 @@ def test_summary_has_the_promised_keys():
     assert "held-out loss  5.0000 -> 3.0000" in L.render_summary(s)
 
 
+def test_the_plot_marks_merges_evictions_and_the_final_held_out_loss(tmp_path):
+    st = L.RunState(run="r", t0=100.0)
+    st.on_metrics(_metrics("evaluator", eval_loss=5.0, version=0, ts=101.0))
+    for ts, merges in ((102.0, 0), (104.0, 3), (105.0, 3), (106.0, 7)):  # 3 changes of the count
+        st.on_metrics(_metrics("aggregator", versions={"0": merges}, merges=merges, ts=ts))
+    st.on_metrics(_metrics("learner", learner="us-0", step=10, loss=3.0, incarnation="i", ts=103.0))
+    st.on_metrics(_metrics("learner", learner="us-0", step=20, loss=2.5, incarnation="i", ts=106.0))
+    st.on_event({"learner": "us-0", "old": "active", "new": "evicted", "at": 105.5})
+    st.on_metrics(_metrics("evaluator", eval_loss=2.75, version=7, ts=107.0))
+    specs = L.plan_processes(L.base_env({}, "tiny", 50, quick=False), 1, ["us"])
+    s = L.build_summary(state=st, specs=specs, exit_codes={}, traffic={}, params=1000, wall_time_s=8.0,
+                        train_time_s=6.0, status="completed", settings={})
+    assert s["merge_history"] == [{"t": 2.0, "merges": 0}, {"t": 4.0, "merges": 3}, {"t": 6.0, "merges": 7}]
+    assert s["eviction_times"] == [{"t": 5.5, "learner": "us-0"}]
+    path = tmp_path / "eval.png"
+    drawn = L.plot_eval(s, st, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == {"learners": 1, "eval_points": 2, "merge_steps": 3, "evictions": 1,
+                     "final": "final held-out 2.7500 (v7)"}
+
+
 # -- real runs --------------------------------------------------------------------------------------
 
 
@@ -265,6 +286,8 @@ def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
     assert s["evictions"] == 0
     assert s["broker_bytes"] > 0 and s["dp_equivalent_bytes"] > 0 and s["broker_over_dp"] > 0
     assert (out / "eval_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    merges = [m["merges"] for m in s["merge_history"]]
+    assert merges and merges == sorted(merges) and merges[-1] == s["merges"], s["merge_history"]
     logs = {p.name for p in (out / "logs").iterdir()}
     assert {"aggregator.log", "monitor.log", "evaluator.log", "learner-us-0.log", "nats-server.log"} <= logs
     assert "held-out loss" in p.stdout and "eu-1" in p.stdout  # progress lines and the summary
