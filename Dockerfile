@@ -20,7 +20,10 @@ COPY learner ./learner
 COPY aggregator ./aggregator
 COPY monitor ./monitor
 RUN pip install . \
-    && useradd --create-home --uid 10001 diloco
+    && useradd --create-home --uid 10001 diloco \
+    && mkdir -m 0700 /auth && chown diloco:diloco /auth
+# /auth: where compose mounts the run's credentials volume; a new named volume takes this folder's
+# owner, so the auth service (running as diloco) can write into it
 
 USER diloco
 WORKDIR /home/diloco

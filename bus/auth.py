@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.config import parse_env_file  # noqa: F401 - re-exported (tests and tools import it from here)
 from bus.protocol import MANIFEST_KEY
 from bus.server import DEFAULT_MAX_PAYLOAD, render_config
 from bus.subjects import GLOBAL, STATE, Subjects, check_token
@@ -487,17 +488,7 @@ def _command(role: str) -> str:
     return {"admin": "run create", "metrics": "status", "evaluator": "eval"}.get(role, role)
 
 
-def parse_env_file(text: str) -> dict[str, str]:
-    """The variables of an env file written by :func:`render_env` (comments and blanks skipped)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        k, v = line.split("=", 1)
-        vals = shlex.split(v) if v else [""]
-        out[k.strip()] = vals[0] if vals else ""
-    return out
+# parse_env_file: bus.config (every role reads DILOCO_ENV_FILE with it); kept importable from here
 
 
 def _short_stream(s: Subjects, name: str) -> str:
@@ -794,7 +785,16 @@ def _cmd_init(argv: list[str]) -> int:
     p.add_argument("--listen", default="0.0.0.0:4222", help="client address of the standalone nats-server.conf")
     p.add_argument("--store-dir", default="/data", help="JetStream store of the standalone nats-server.conf")
     p.add_argument("--force", action="store_true", help="replace an existing output (new passwords for everyone)")
+    p.add_argument("--keep", action="store_true", help="an existing output is kept as it is (exit 0): a one-shot "
+                   "set-up step that may run on every start (compose's auth service)")
     a = p.parse_args(argv)
+    if a.keep and a.force:
+        p.error("--keep and --force contradict each other")
+    if a.keep:
+        if (Path(a.out) / "auth.json").exists():  # written last: the output is complete
+            print(f"kept the existing credentials in {Path(a.out).resolve()} (--keep)")
+            return 0
+        a.force = True  # nothing there, or what an interrupted init left: written anew
     try:
         learners = parse_learners(a.learners, a.regions)
         if a.days < 1:

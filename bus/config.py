@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +137,8 @@ def var(default: Any, parse: Callable[[str], Any], help: str, secret: bool = Fal
 class CommonConfig:
     """Settings every role reads."""
 
+    env_file: str = var("", text(), "a file of DILOCO_*=value lines (as `diloco auth init` writes) for the variables "
+                        "the environment does not set (compose reads each service's credentials this way)")
     nats_url: str = var("nats://127.0.0.1:4222", nats_urls(), "NATS server URL(s), comma-separated")
     run: str = var("default", token(), "run id: every subject, stream and bucket of a run carries it")
     region: str = var("local", token(), "region / island name of this process")
@@ -182,9 +185,42 @@ def _fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "parse" in f.metadata]
 
 
+def parse_env_file(text: str) -> dict[str, str]:
+    """The variables of an env file (``KEY=value`` lines, values shell-quoted as ``diloco auth init``
+    writes them; comments and blank lines skipped)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        k, v = line.split("=", 1)
+        vals = shlex.split(v) if v else [""]
+        out[k.strip()] = vals[0] if vals else ""
+    return out
+
+
+def with_env_file(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """``environ`` over the ``DILOCO_*`` variables of the file ``DILOCO_ENV_FILE`` names (if it does):
+    the environment wins, as with compose's ``env_file``. ConfigError (one line) if it cannot be read."""
+    path = environ.get(env_name("env_file"))
+    if not path:
+        return environ
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"{env_name('env_file')}={path!r}: cannot read it ({e.strerror})") from None
+    try:
+        found = parse_env_file(text)
+    except ValueError as e:
+        raise ConfigError(f"{env_name('env_file')}={path!r}: not KEY=value lines ({e})") from None
+    return {**{k: v for k, v in found.items() if k.startswith(PREFIX)}, **environ}
+
+
 def from_env(cls: type, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
-    """Build ``cls`` from ``DILOCO_*`` variables; unset ones take the default. Raises :class:`ConfigError`."""
-    env = os.environ if environ is None else environ
+    """Build ``cls`` from ``DILOCO_*`` variables (and ``DILOCO_ENV_FILE``'s, which the environment
+    overrides); unset ones take the default. Raises :class:`ConfigError`."""
+    env = with_env_file(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     for f in _fields(cls):
         name = env_name(f.name)
@@ -209,13 +245,14 @@ def sources(cls: type, environ: Mapping[str, str] | None = None) -> list[tuple[s
     """(variable, effective value, 'env' | 'default') for ``diloco config ROLE``."""
     env = os.environ if environ is None else environ
     cfg = from_env(cls, env)
+    filed = with_env_file(env)
     out = []
     for f in _fields(cls):
         name = env_name(f.name)
         value = getattr(cfg, f.name)
         if f.metadata.get("secret") and value:
             value = "***"
-        out.append((name, value, "env" if name in env else "default"))
+        out.append((name, value, "env" if name in env else "file" if name in filed else "default"))
     return out
 
 

@@ -61,3 +61,21 @@ def test_cli_config_reports_sources_and_bad_values():
     bad = subprocess.run(exe + ["config"], env={"DILOCO_MAX_CHUNK_BYTES": "1", "PATH": ""}, capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "diloco config: DILOCO_MAX_CHUNK_BYTES='1': expected an integer >= 4096 <= 67108864"
+
+
+def test_env_file_fills_what_the_environment_does_not_set(tmp_path):
+    from bus.config import CommonConfig, ConfigError, from_env, sources
+
+    f = tmp_path / "learner-us-0.env"
+    f.write_text("# written by diloco auth init\nDILOCO_NATS_USER=learner-us-0\nDILOCO_NATS_PASSWORD='p w'\n"
+                 "DILOCO_RUN=exp1\nPATH=/nowhere\n")
+    cfg = from_env(CommonConfig, {"DILOCO_ENV_FILE": str(f), "DILOCO_RUN": "mine"})
+    assert (cfg.nats_user, cfg.nats_password, cfg.run) == ("learner-us-0", "p w", "mine")  # the environment wins
+    src = {name: origin for name, _, origin in sources(CommonConfig, {"DILOCO_ENV_FILE": str(f)})}
+    assert src["DILOCO_NATS_USER"] == "file" and src["DILOCO_ENV_FILE"] == "env" and src["DILOCO_REGION"] == "default"
+    with pytest.raises(ConfigError, match=r"^DILOCO_ENV_FILE='/nonexistent/x.env': cannot read it"):
+        from_env(CommonConfig, {"DILOCO_ENV_FILE": "/nonexistent/x.env"})
+    f.write_text("DILOCO_INNER_LR=fast\n")  # a bad value in the file names its variable like any other
+    from learner.config import LearnerConfig
+    with pytest.raises(ConfigError, match=r"^DILOCO_INNER_LR='fast'"):
+        from_env(LearnerConfig, {"DILOCO_ENV_FILE": str(f)})

@@ -1,14 +1,15 @@
 """compose.yaml and the Dockerfile, without a Docker engine.
 
-First the documented ``diloco auth init`` command (``INIT_ARGS``, the one to run before ``docker
-compose up``) generates ``./diloco-auth`` in a temp dir. The structure is checked from the parsed
-YAML; then every service is run the way compose would run it: the ``nats`` service's command (the
-real nats-server binary with the generated ``/auth/nats-server.conf``, the ``/auth`` mount mapped to
-a copy of the generated folder, ``/data`` and the ports to temp/free loopback ones) and every other
-service's ``command`` with its ``env_file`` and ``environment`` (which wins, as in compose) as local
-processes, the ``nats`` hostname in ``DILOCO_NATS_URL`` mapped to that server. Only where the
-compose values would be too slow for a test (the default model, 1000 steps, 10 s evaluations) are
-they overridden: ``TEST_OVERRIDES``.
+First the one-shot ``auth`` service's command (``diloco auth init --keep``, which writes the run's
+credentials into the ``diloco-auth`` volume on the first start) runs with its ``--out`` in a temp
+dir. The structure is checked from the parsed YAML; then every service is run the way compose
+would run it: the ``nats`` service's command (the real nats-server binary with the generated
+``/auth/nats-server.conf``, the ``/auth`` volume mapped to a copy of the generated folder, ``/data``
+and the ports to temp/free loopback ones) and every other service's ``command`` with its
+``environment`` as local processes (``DILOCO_ENV_FILE`` mapped to the generated folder: each process
+reads its own credentials from it), the ``nats`` hostname in ``DILOCO_NATS_URL`` mapped to that
+server. Only where the compose values would be too slow for a test (the default model, 1000 steps,
+10 s evaluations) are they overridden: ``TEST_OVERRIDES``.
 """
 
 from __future__ import annotations
@@ -50,10 +51,25 @@ MODEL_VARS = ("DILOCO_D_MODEL", "DILOCO_N_LAYERS", "DILOCO_N_HEADS", "DILOCO_D_F
               "DILOCO_MAX_INNER_LR", "DILOCO_MAX_BATCH_SIZE")
 
 
-#: What to run before `docker compose up` (docs/deploy.md and compose.yaml say so), from the project root.
-INIT_ARGS = ["auth", "init", "--run", "compose", "--learners", "4", "--regions", "us,eu", "--out", "./diloco-auth",
-             "--path-prefix", "/auth", "--url", "nats://nats:4222"]
 AUTH_MOUNT = "/auth"
+AUTH_VOLUME = "diloco-auth"
+SETUP_SERVICES = ("nats", "auth")  # the server and the one-shot credentials; the rest run diloco roles
+
+
+def auth_argv(compose: dict, out: Path) -> list[str]:
+    """The auth service's command as a local process, its ``--out`` (the volume) at ``out``."""
+    cmd = list(compose["services"]["auth"]["command"])
+    i = cmd.index("--out")
+    assert cmd[i + 1] == AUTH_MOUNT, cmd
+    cmd[i + 1] = str(out)
+    return local_argv(cmd)
+
+
+def run_auth_service(compose: dict, out: Path) -> subprocess.CompletedProcess:
+    p = subprocess.run(auth_argv(compose, out), capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +78,11 @@ def compose() -> dict:
 
 
 @pytest.fixture(scope="module")
-def auth_dir(tmp_path_factory) -> Path:
-    """``./diloco-auth`` as the documented init command writes it (run in a temp project dir)."""
-    cwd = tmp_path_factory.mktemp("project")
-    p = subprocess.run(local_argv(["diloco", *INIT_ARGS]), cwd=cwd, capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")})
-    assert p.returncode == 0, p.stdout + p.stderr
-    return cwd / "diloco-auth"
+def auth_dir(compose, tmp_path_factory) -> Path:
+    """The ``diloco-auth`` volume as the auth service's first start writes it (in a temp dir)."""
+    out = tmp_path_factory.mktemp("volume") / "auth"
+    run_auth_service(compose, out)
+    return out
 
 
 def user_of(svc: dict) -> str:
@@ -80,10 +94,10 @@ def user_of(svc: dict) -> str:
 
 
 def env_file_of(svc: dict, auth: Path) -> Path:
-    """The service's env_file (``./diloco-auth/<user>.env``) in the generated folder ``auth``."""
-    rel = Path(svc["env_file"])
-    assert rel.parts[0] == "diloco-auth", svc["env_file"]
-    return auth.joinpath(*rel.parts[1:])
+    """The service's DILOCO_ENV_FILE (``/auth/<user>.env`` in the volume) in the generated folder ``auth``."""
+    path = svc["environment"]["DILOCO_ENV_FILE"]
+    assert path.startswith(AUTH_MOUNT + "/"), path
+    return auth / path[len(AUTH_MOUNT) + 1:]
 
 
 def nats_mounts(nats: dict) -> dict[str, str]:
@@ -93,7 +107,7 @@ def nats_mounts(nats: dict) -> dict[str, str]:
 
 def diloco_services(compose: dict, include_profiles: bool = False) -> dict[str, dict]:
     return {n: s for n, s in compose["services"].items()
-            if n != "nats" and (include_profiles or not s.get("profiles"))}
+            if n not in SETUP_SERVICES and (include_profiles or not s.get("profiles"))}
 
 
 def role_of(svc: dict) -> str:
@@ -103,10 +117,33 @@ def role_of(svc: dict) -> str:
 # -- structure ------------------------------------------------------------------------------------
 
 
-def test_init_command_is_documented():
-    cmd = "diloco " + " ".join(INIT_ARGS)
-    assert cmd in (ROOT / "docs" / "deploy.md").read_text()
-    assert cmd in COMPOSE.read_text()
+def test_auth_service_is_documented_and_writes_into_the_volume(compose):
+    auth = compose["services"]["auth"]
+    cmd = auth["command"]
+    assert cmd[:4] == ["diloco", "auth", "init", "--keep"]
+    assert " ".join(cmd) in (ROOT / "docs" / "deploy.md").read_text()
+    assert cmd[cmd.index("--path-prefix") + 1] == AUTH_MOUNT  # the paths the other containers see
+    assert f"{AUTH_VOLUME}:{AUTH_MOUNT}" in auth["volumes"] and AUTH_VOLUME in compose["volumes"]
+    assert auth.get("restart") == "no" and auth["build"]["context"] == "."
+    # the run the credentials are for is the run of every service
+    runs = {s["environment"]["DILOCO_RUN"] for s in diloco_services(compose, include_profiles=True).values()}
+    assert runs == {cmd[cmd.index("--run") + 1]}
+    learners = sorted(s["environment"]["DILOCO_LEARNER_ID"] for s in diloco_services(compose).values()
+                      if role_of(s) == "learner")
+    assert learners == ["eu-0", "eu-1", "us-0", "us-1"] and cmd[cmd.index("--learners") + 1] == "4"
+
+
+def test_auth_service_keeps_the_credentials_of_its_first_start(compose, tmp_path):
+    out = tmp_path / "auth"
+    first = run_auth_service(compose, out)
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert "metrics.env" in files and "auth.json" in files, first.stdout
+    second = run_auth_service(compose, out)  # a later `docker compose up`
+    assert "kept" in second.stdout
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == files
+    (out / "auth.json").unlink()  # what an interrupted first start leaves: written anew
+    run_auth_service(compose, out)
+    assert (out / "auth.json").exists() and (out / "metrics.env").read_bytes() != files["metrics.env"]
 
 
 def test_nats_service(compose, auth_dir):
@@ -117,10 +154,12 @@ def test_nats_service(compose, auth_dir):
     assert conf_in_container == f"{AUTH_MOUNT}/nats-server.conf"  # the generated config, accounts included
     mounts = nats_mounts(nats)
     assert mounts["/data"] in compose["volumes"]  # a named volume holds the JetStream store
-    assert mounts[AUTH_MOUNT] == "./diloco-auth" and f"./diloco-auth:{AUTH_MOUNT}:ro" in nats["volumes"]
+    assert mounts[AUTH_MOUNT] == AUTH_VOLUME and f"{AUTH_VOLUME}:{AUTH_MOUNT}:ro" in nats["volumes"]
+    assert nats["depends_on"]["auth"]["condition"] == "service_completed_successfully"
     assert (auth_dir / Path(conf_in_container).relative_to(AUTH_MOUNT)).is_file()
     assert "healthcheck" in nats
-    assert all(p.startswith("127.0.0.1:") for p in nats.get("ports", []))  # client port on loopback only
+    for svc in compose["services"].values():  # published ports on the host's loopback only
+        assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", []))
 
 
 def test_nats_config_is_valid_and_allows_8mib_messages(auth_dir):
@@ -149,7 +188,7 @@ def test_env_files_match_the_services(compose, auth_dir):
                 assert creds[k] == svc["environment"][k], (name, k)
 
 
-def test_diloco_services(compose):
+def test_diloco_services(compose, auth_dir):
     from bus.cli import COMMANDS, load_role_configs
     from bus.config import CommonConfig, from_env
 
@@ -162,14 +201,18 @@ def test_diloco_services(compose):
         assert svc["command"][0] == "diloco" and svc["command"][1] in COMMANDS, name
         env = svc["environment"]
         assert isinstance(env, dict) and all(isinstance(v, str) for v in env.values()), name  # quoted values
-        assert svc["env_file"] == f"./diloco-auth/{user_of(svc)}.env", name  # its own least-privilege user
+        assert "env_file" not in svc, name  # the compose CLI would need the file on the host
+        assert env["DILOCO_ENV_FILE"] == f"{AUTH_MOUNT}/{user_of(svc)}.env", name  # its own least-privilege user
+        assert f"{AUTH_VOLUME}:{AUTH_MOUNT}:ro" in svc["volumes"], name
         assert not {"DILOCO_NATS_USER", "DILOCO_NATS_PASSWORD"} & set(env), name  # secrets only in env files
         assert env["DILOCO_NATS_URL"].startswith("nats://nats:"), name
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
-        from_env(CommonConfig, env)  # every value parses for its role
-        for cfg in {"learner": ("model", "learner"), "eval": ("model", "learner", "eval"),
-                    "aggregator": ("model", "aggregator"), "monitor": ("monitor",)}.get(role_of(svc), ()):
-            from_env(roles[cfg], env)
+        local = {**env, "DILOCO_ENV_FILE": str(env_file_of(svc, auth_dir))}
+        cfg = from_env(CommonConfig, local)  # every value parses for its role, the env file's included
+        assert cfg.nats_user == user_of(svc) and cfg.nats_password, name
+        for c in {"learner": ("model", "learner"), "eval": ("model", "learner", "eval"),
+                  "aggregator": ("model", "aggregator"), "monitor": ("monitor",)}.get(role_of(svc), ()):
+            from_env(roles[c], local)
     models = {tuple(s["environment"].get(k) for k in MODEL_VARS) for s in services.values()
               if role_of(s) in ("learner", "eval", "aggregator")}
     assert len(models) == 1  # every process of the run agrees on the model
@@ -193,6 +236,8 @@ def test_dockerfile_and_dockerignore():
     for pkg in ("bus", "learner", "aggregator", "monitor"):  # pyproject's packages
         assert re.search(rf"^COPY {pkg} ", text, re.M), pkg
     assert re.search(r"^COPY pyproject\.toml README\.md", text, re.M)
+    # a new named volume at /auth takes the image folder's owner: the auth service (user diloco) writes it
+    assert re.search(r"mkdir -m 0700 /auth && chown diloco:diloco /auth", text)
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.lstrip().startswith("#")}
     assert ".git" in ignored and not ignored & {"bus", "learner", "aggregator", "monitor", "pyproject.toml",
@@ -222,12 +267,11 @@ def local_argv(command: list[str]) -> list[str]:
 
 
 def local_env(svc: dict, nats_url: str, auth: Path) -> dict[str, str]:
-    """As compose: the env_file, then `environment:` (wins), then the test's overrides."""
-    from bus.auth import parse_env_file
-
+    """As compose: `environment:` (the process reads its DILOCO_ENV_FILE itself, mapped to ``auth``),
+    then the test's overrides."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-    creds = parse_env_file(env_file_of(svc, auth).read_text())
-    out = {**base, **creds, **{k: str(v) for k, v in svc["environment"].items()}, **TEST_OVERRIDES}
+    out = {**base, **{k: str(v) for k, v in svc["environment"].items()}, **TEST_OVERRIDES}
+    out["DILOCO_ENV_FILE"] = str(env_file_of(svc, auth))
     out["DILOCO_NATS_URL"] = re.sub(r"nats://nats:\d+", nats_url, out["DILOCO_NATS_URL"])
     return out
 
