@@ -30,8 +30,14 @@ Two checks, both per fragment of n parameters:
   at 0.63-0.75 of that). A vector just under the rejection bound sent at version 0, when one
   learner may be the whole run (participation scale 1), was still worth about 3 honest ones and
   left the run measurably worse at its end; at this cap it is worth at most about 1.4.
-  The history records the norms *as applied* (after clipping), so a hostile vector does not raise
-  the reference it is measured against.
+  The reference is the median of the last 64 *whole-round* norms of the fragment, each recorded as
+  sent up to the geometric bound of ``reference_steps`` steps: a median of 64 is moved by one order
+  statistic per large vector, not to its size, and no recorded norm exceeds what an honest
+  contribution can have. Partial rounds (a staggered fragment's first sync, a final sync) are
+  merged but not recorded. Recording them and the clipped norms (this module's first version)
+  locked the reference to the warm-up scale of the first syncs: the next rounds were all clipped to
+  3x that, and the global model of a default ``diloco up`` run trailed its learners by about a
+  nat for the first rounds (issue 16; measured with ``bench.reference``, docs/aggregator.md).
 """
 
 from __future__ import annotations

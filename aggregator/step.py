@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from aggregator.contribution import Contribution, ContributionKey
-from aggregator.influence import norm_caps
+from aggregator.influence import norm_bound, norm_caps
 from aggregator.merge import l2_norm, merge
 from aggregator.outer_opt import (DelayedNesterovState, NesterovState, RoundNesterov, RoundNesterovState,
                                   make_outer_optimizer)
@@ -73,7 +73,7 @@ class FragmentState:
     last_merge: list[ContributionKey] = field(default_factory=list)
     last_scale: float = 1.0
     last_per_round: int = 1
-    applied_norms: NormHistory = field(default_factory=NormHistory)  # norms as applied (after caps)
+    applied_norms: NormHistory = field(default_factory=NormHistory)  # the clip reference (whole rounds)
     last_clipped: int = 0  # contributions of the newest merge scaled down to their cap
 
     @classmethod
@@ -182,9 +182,16 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     anorms = NormHistory.from_dict(state.applied_norms.to_dict())
     for c, n, cap in zip(contribs, norms, caps):
         applied.record(c)
-        n = min(float(n), float(cap))  # as applied: a clipped vector does not raise the reference
+        # the clip reference: whole rounds only, each norm as sent (it passed the bound and the
+        # outlier check) up to the geometric bound of reference_steps steps. Recording partial rounds
+        # (a staggered fragment's first sync: a few steps at a tiny warm-up learning rate) and clipped
+        # norms locked the reference to its warm-up scale: the next rounds were all clipped to 3x it,
+        # and the global model trailed the learners early in every run (issue 16; docs/aggregator.md)
+        if c.round_share >= 1.0:
+            anorms.add(state.fragment, float(n) if settings.max_inner_lr is None else min(float(n), norm_bound(
+                settings.max_inner_lr, state.params.size, min(max(1, c.inner_steps), settings.reference_steps))))
+        n = min(float(n), float(cap))  # the outlier reference: as applied
         hist.add(state.fragment, n / max(1, c.inner_steps))  # norm per inner step
-        anorms.add(state.fragment, n)
     clipped = int(np.sum(np.asarray(norms, dtype=np.float64) > caps))
     return FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
                          float(scale), max(1, int(per_round)), anorms, clipped)
