@@ -19,6 +19,10 @@ optimal); data-parallel as one AdamW on batches of M x b.
 4. the headline configurations (tuned data-parallel, tuned synchronous DiLoCo, Decoupled K=M with the
    better fetch policy) on two more data seeds (the batches each learner samples).
 
+5. bandwidth at parity (M=2): the tuned synchronous configuration with lighter quantisers (uplink and
+   downlink int8 or int4), then data-parallel and synchronous DiLoCo at 4x and 8x the tuned H on 2x
+   and 4x the budget (``gap_vs_budget_m2``: the gap of each H against tokens, the compute-optimal
+   point from the sweep above).
 Keys: ``loss_gap_m2`` / ``loss_gap_m4`` = (decoupled K=M - data-parallel) / data-parallel, both the
 mean over the 3 seeds (targets <= 1% and <= 2%); ``decoupled_vs_sync_m2`` / ``_m4`` = (decoupled K=M -
 synchronous at the same H) / synchronous, means over the seeds (target <= 0.5%);
@@ -26,10 +30,15 @@ synchronous at the same H) / synchronous, means over the seeds (target <= 0.5%);
 measured side by side (target >= 0.9). ``--plot FILE.png``: held-out loss against tokens.
 
     python -m bench.algorithm --quick --out algorithm.json           (~1 min, a tiny budget)
-    python -m bench.algorithm --out algorithm.json --plot docs/quality.png     (~55 min on 2 cores; --reuse)
+    python -m bench.algorithm --out algorithm.json --plot docs/quality.png     (~75 min on 2 cores; --reuse)
 """
 
 from __future__ import annotations
+
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
 from dataclasses import replace
 
@@ -163,6 +172,35 @@ def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner)
         for k, c in cfgs.items():
             seeded[k].append(run(replace(c, data_seed=s), f"{first[k]['label']} data_seed={s}", seed=s)["loss"])
     mean = {k: sum(v) / len(v) for k, v in seeded.items()}
+    # 5. bandwidth at parity (M=2, the target's): lighter quantisers at the tuned synchronous
+    # configuration; then the gap of a longer H against the run's length (2x and 4x the budget,
+    # data-parallel at its tuned lr with the warm-up scaled alike)
+    budgets: list[dict] = []
+    if M == 2:
+        quants = (("int4", "int4"),) if quick else (("int8", "int8"), ("int4", "fp32"), ("int4", "int8"),
+                                                   ("int4", "int4"))
+        for up, down in quants:
+            run(replace(tuned, mode="sync", quantiser=up, downlink=down), f"{best['label']} up={up} down={down}",
+                **tags)
+        plan = ((2, (best["H"], 4 * best["H"])),) if quick else (
+            (2, (best["H"], 4 * best["H"], 8 * best["H"])), (4, (4 * best["H"], 8 * best["H"])))
+        for mult, Hs in plan:
+            longer = replace(base, steps=steps * mult, warmup=dp_best["warmup"] * mult)
+            d = run(replace(longer, mode="dp", lr=dp_best["lr"]), f"{dp_best['label']} x{mult} budget",
+                    lr=dp_best["lr"], budget=mult)
+            for H in Hs:
+                x = run(replace(longer, mode="sync", lr=best["lr"], H=H, outer_lr=best["outer_lr"],
+                                outer_momentum=best["momentum"]), f"sync H={H} x{mult} budget",
+                        **{**tags, "H": H}, budget=mult)
+                budgets.append({"tokens_per_param": round(tokens_per_param * mult, 1), "H": H,
+                                "dp": d["loss"], "sync": x["loss"], "gap": (x["loss"] - d["loss"]) / d["loss"]})
+        for x in run.rows:  # the same H at the compute-optimal budget, from the sweep above
+            if x["M"] == M and x.get("mode") == "sync" and x.get("lr") == best["lr"] and "seed" not in x \
+                    and "budget" not in x and x.get("uplink") == "int8" and x.get("downlink") == "fp32" \
+                    and x.get("outer_lr") == best["outer_lr"] and x.get("momentum") == best["momentum"]:
+                budgets.append({"tokens_per_param": tokens_per_param, "H": x["H"], "dp": dp_best["loss"],
+                                "sync": x["loss"], "gap": (x["loss"] - dp_best["loss"]) / dp_best["loss"]})
+        budgets.sort(key=lambda b: (b["H"], b["tokens_per_param"]))
     family = [best] + list(fam.values())
     top = min(family, key=lambda r: r["loss"])
     return {"M": M, "steps": steps, "batch": batch, "dp_best": dp_best, "sync_best": best,
@@ -176,7 +214,8 @@ def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner)
             "seed_gaps_vs_sync": [(d - b) / b for d, b in zip(seeded["decoupled"], seeded["sync"])],
             "best_single_run_gap": (top["loss"] - dp_best["loss"]) / dp_best["loss"], "best_single_run": top["label"],
             "decoupled_k1_vs_sync": (fam["k1", dec_fetch]["loss"] - best["loss"]) / best["loss"],
-            "streaming_vs_sync": (fam["streaming", dec_fetch]["loss"] - best["loss"]) / best["loss"]}
+            "streaming_vs_sync": (fam["streaming", dec_fetch]["loss"] - best["loss"]) / best["loss"],
+            "gap_vs_budget": budgets}
 
 
 def speed(quick: bool, M: int, batch: int) -> dict:
@@ -264,13 +303,15 @@ def main() -> None:
         # loss is within 1% of tuned data-parallel's
         dp = r["dp_best"]["loss"]
         ok = [x for x in run.rows if x["M"] == r["M"] and x.get("reduction_vs_dp") and "seed" not in x
-              and x["loss"] <= 1.01 * dp]
+              and "budget" not in x and x["loss"] <= 1.01 * dp]
         best = max(ok, key=lambda x: x["reduction_vs_dp"]) if ok else None
         r["parity"] = {"reduction_vs_dp": best["reduction_vs_dp"], "of": best["label"]} if best else None
         out[f"reduction_at_parity_m{r['M']}"] = best["reduction_vs_dp"] if best else None
         out[f"loss_gap_m{r['M']}"] = round(r["loss_gap"], 5)
         out[f"decoupled_vs_sync_m{r['M']}"] = round(r["decoupled_vs_sync"], 5)
         out[f"decoupled_k1_vs_sync_m{r['M']}"] = round(r["decoupled_k1_vs_sync"], 5)
+        if r["gap_vs_budget"]:
+            out[f"gap_vs_budget_m{r['M']}"] = [{**b, "gap": round(b["gap"], 5)} for b in r["gap_vs_budget"]]
     if not a.no_speed:
         out.update(speed(a.quick, Ms[0], a.batch))
     if a.plot:

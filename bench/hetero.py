@@ -24,6 +24,11 @@ one aggregator (defaults: K=1, adaptive grace) and M=4 learners:
 
 from __future__ import annotations
 
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
 import asyncio
 import time
 

@@ -12,6 +12,11 @@ residual, in-flight fragment buffers); the rest of the RSS is the Python/JAX/XLA
 
 from __future__ import annotations
 
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
 import asyncio
 import os
 import subprocess

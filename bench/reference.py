@@ -46,6 +46,11 @@ version reaches every learner ``down_delay`` after its merge (download included)
 
 from __future__ import annotations
 
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
 import heapq
 import itertools
 import time

@@ -13,6 +13,11 @@ Also encode/decode GB/s of every quantiser (``codec_gbps``, GB of float32 input 
 
 from __future__ import annotations
 
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
 import asyncio
 import statistics
 import time

@@ -1,6 +1,12 @@
 """Cheap checks of the evidence benchmarks' pure parts (the benchmarks themselves take minutes:
 run them with ``python -m bench.<name> --quick``)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from bench.goodput import M, failure_trace
 from bench.runs import Cluster
 
@@ -36,3 +42,15 @@ def test_aggregator_variants_of_the_jax_benchmarks():
     assert set(AGG_VARIANTS) == {"quorum", "k1", "k1dn"}
     with pytest.raises(ValueError):
         aggregator_settings("k2", 4)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).resolve().parent.parent / "bench").glob("*.py")
+                                          if '__name__ == "__main__"' in p.read_text()))
+def test_every_benchmark_runs_by_its_path_too(script, tmp_path):
+    """`python bench/transport.py` as well as `python -m bench.transport`, from any folder (it failed
+    with ModuleNotFoundError: No module named 'bench')."""
+    path = Path(__file__).resolve().parent.parent / "bench" / script
+    p = subprocess.run([sys.executable, str(path), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "--quick" in p.stdout or script in ("dp.py", "reference.py"), p.stdout[:500]
