@@ -35,9 +35,8 @@ Two checks, both per fragment of n parameters:
   statistic per large vector, not to its size, and no recorded norm exceeds what an honest
   contribution can have. Partial rounds (a staggered fragment's first sync, a final sync) are
   merged but not recorded. Recording them and the clipped norms (this module's first version)
-  locked the reference to the warm-up scale of the first syncs: the next rounds were all clipped to
-  3x that, and the global model of a default ``diloco up`` run trailed its learners by about a
-  nat for the first rounds (issue 16; measured with ``bench.reference``, docs/aggregator.md).
+  could lock the reference to the warm-up scale of the first syncs: the next rounds were then all
+  clipped to 3x that (measured with ``bench.reference``: docs/aggregator.md).
 """
 
 from __future__ import annotations

@@ -185,8 +185,8 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         # the clip reference: whole rounds only, each norm as sent (it passed the bound and the
         # outlier check) up to the geometric bound of reference_steps steps. Recording partial rounds
         # (a staggered fragment's first sync: a few steps at a tiny warm-up learning rate) and clipped
-        # norms locked the reference to its warm-up scale: the next rounds were all clipped to 3x it,
-        # and the global model trailed the learners early in every run (issue 16; docs/aggregator.md)
+        # norms could lock the reference to its warm-up scale: the next rounds were all clipped to 3x
+        # it (docs/aggregator.md)
         if c.round_share >= 1.0:
             anorms.add(state.fragment, float(n) if settings.max_inner_lr is None else min(float(n), norm_bound(
                 settings.max_inner_lr, state.params.size, min(max(1, c.inner_steps), settings.reference_steps))))

@@ -97,8 +97,7 @@ def test_a_clipped_vector_barely_moves_the_reference_it_is_measured_against():
 def test_honest_norms_that_grow_through_warm_up_are_clipped_for_one_round_only():
     """Staggered first syncs cover a few steps at a tiny warm-up learning rate, so a fragment's first
     norms can be 100x smaller than its later ones. The reference follows them: one round is clipped
-    (to 3x the first ones), not every round until 32 of 64 recorded norms are clipped ones (the
-    global model then trailed its learners for most of a short run: issue 16)."""
+    (to 3x the first ones), not every round until 32 of 64 recorded norms are clipped ones."""
     n, M, rng = 256, 4, np.random.default_rng(1)
     s = MergeSettings(max_inner_lr=0.01, reference_steps=24, momentum=0.0, lr=0.7)
     st_ = FragmentState.initial(0, 0, np.zeros(n, np.float32), s)
