@@ -491,8 +491,9 @@ def plot_eval(summary: dict, state: RunState, path: str) -> dict | None:
         ax.plot([e["t"] for e in ev], [e["eval_loss"] for e in ev], "o-", color="black", lw=2, ms=3,
                 label="held-out (global model)")
         drawn["eval_points"] = len(ev)
-        for e in ev:
-            if e.get("version") is not None:
+        every = max(1, len(ev) // 12)  # at most about a dozen version labels
+        for i, e in enumerate(ev):
+            if e.get("version") is not None and (i % every == 0 or i == len(ev) - 1):
                 ax.annotate(f"v{e['version']}", (e["t"], e["eval_loss"]), textcoords="offset points",
                             xytext=(0, 5), fontsize=6, ha="center", color="black")
         last = ev[-1]
