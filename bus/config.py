@@ -202,18 +202,23 @@ def parse_env_file(text: str) -> dict[str, str]:
 def with_env_file(environ: Mapping[str, str]) -> Mapping[str, str]:
     """``environ`` over the ``DILOCO_*`` variables of the file ``DILOCO_ENV_FILE`` names (if it does):
     the environment wins, as with compose's ``env_file``. ConfigError (one line) if it cannot be read."""
-    path = environ.get(env_name("env_file"))
+    name = env_name("env_file")
+    path = environ.get(name)
     if not path:
         return environ
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    if len(path) > 4096:
+        raise ConfigError(f"{name}={shown!r}: expected a path of at most 4096 characters")
     try:
         with open(path) as f:
             text = f.read()
     except OSError as e:
-        raise ConfigError(f"{env_name('env_file')}={path!r}: cannot read it ({e.strerror})") from None
+        raise ConfigError(f"{name}={shown!r}: cannot read it ({e.strerror}): expected a readable file of "
+                          "DILOCO_*=value lines") from None
     try:
         found = parse_env_file(text)
     except ValueError as e:
-        raise ConfigError(f"{env_name('env_file')}={path!r}: not KEY=value lines ({e})") from None
+        raise ConfigError(f"{name}={shown!r}: expected KEY=value lines ({e})") from None
     return {**{k: v for k, v in found.items() if k.startswith(PREFIX)}, **environ}
 
 
