@@ -11,6 +11,9 @@
 * ``nats-server.conf``: a complete server config that includes the fragment (listen address,
   loopback-only monitoring, JetStream store): ``nats-server -c nats-server.conf`` or the official
   ``nats`` image in compose;
+* with ``--leaf``, ``nats-auth-leaf.conf`` (0600): the same account and users for the JetStream-less
+  leaf servers of a hub-and-leaves deployment (mappings inside the account, permissions in their
+  mapped form: :mod:`bus.auth_leaf`); the hub takes ``nats-auth.conf``;
 * ``<user>.env`` (0600): the ``DILOCO_*`` variables that start that user's process with env alone
   (``DILOCO_RUN``, ``DILOCO_NATS_USER``/``PASSWORD``, ``DILOCO_LEARNER_ID``, ``DILOCO_TLS_CA``...);
 * ``auth.json``: the users, their roles and permissions (no secrets), for tools and review;
@@ -73,6 +76,7 @@ SERVICE_USERS = ("admin", "aggregator", "monitor", "evaluator", "metrics")
 KV_KINDS = ("members", "lease", "run")
 LEASE_KEY = "leader"  # monitor.lease.LEASE_KEY (not imported: keep this module free of role code)
 CONF_NAME = "nats-auth.conf"
+LEAF_CONF_NAME = "nats-auth-leaf.conf"
 SERVER_CONF_NAME = "nats-server.conf"
 ENV_HEADER = "# diloco auth init:"
 #: Event kinds (``diloco.<run>.events.<kind>``) the aggregator publishes; the monitor owns ``membership``.
@@ -424,13 +428,21 @@ def _list(items: Sequence[str], indent: str) -> str:
 
 
 def render_accounts(run: str, users: Sequence[User], secrets_: dict[str, str], *,
-                    provision: bool = True) -> str:
+                    provision: bool = True, jetstream: bool = True, mappings: dict[str, str] | None = None,
+                    permissions: Callable[[Permissions], Permissions] | None = None) -> str:
     """The ``accounts { }`` block: one JetStream-enabled account for ``run`` with every user.
 
-    ``secrets_`` maps a user name to what the config holds: a bcrypt hash or the plain password."""
-    lines = ["accounts {", f"  {account_name(run)}: {{", "    jetstream: enabled", "    users: ["]
+    ``secrets_`` maps a user name to what the config holds: a bcrypt hash or the plain password.
+    ``jetstream=False``, ``mappings`` and ``permissions`` (applied to each user's permissions): the
+    account as a JetStream-less leaf server holds it (:mod:`bus.auth_leaf`)."""
+    lines = ["accounts {", f"  {account_name(run)}: {{"]
+    lines += ["    jetstream: enabled"] if jetstream else []
+    if mappings:
+        lines += ["    mappings {", *(f"      {_q(k)}: {_q(v)}" for k, v in mappings.items()), "    }"]
+    lines += ["    users: ["]
     for u in users:
         p = permissions_of(u, run, provision=provision)
+        p = permissions(p) if permissions else p
         ind = "          "
         lines += [
             "      {",
@@ -675,19 +687,22 @@ class InitResult:
     env_files: dict[str, Path]
     hashed: bool
     tls: dict[str, str] = field(default_factory=dict)
+    #: user name -> what the server config holds (bcrypt hash, or the password with --hash plain):
+    #: for more configs of the same users (bus.auth_leaf: the hub and leaf servers of the leaf topology)
+    stored: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | None]], *, url: str | None = None,
          tls: bool = False, client_certs: bool = False, hosts: Iterable[str] = (), days: int = 825,
          hash_mode: str = "auto", provision: bool = True, path_prefix: str | None = None,
          force: bool = False, listen: str = "0.0.0.0:4222", store_dir: str = "/data",
-         password: Callable[[], str] = new_password) -> InitResult:
+         password: Callable[[], str] = new_password, leaf: bool = False) -> InitResult:
     """Write the config fragment, env files, ``auth.json`` and TLS material into ``out``.
 
     ``path_prefix``: the folder as the server and the processes will see it (e.g. a container
     mount); default: ``out``'s absolute path. ``listen`` and ``store_dir`` go into the standalone
-    ``nats-server.conf`` (for compose or a host install). Refuses to overwrite an existing output
-    unless ``force``."""
+    ``nats-server.conf`` (for compose or a host install). ``leaf``: also ``nats-auth-leaf.conf``, the
+    account for leaf servers. Refuses to overwrite an existing output unless ``force``."""
     check_token("run", run)
     if not re.fullmatch(r"[^\s:]*:\d{1,5}", listen):
         raise AuthError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:4222")
@@ -727,6 +742,14 @@ def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | N
                      "key": str(seen / "tls" / "server.key")}
         text.append(render_tls(tls_paths["cert"], tls_paths["key"], tls_paths["ca"], verify=client_certs))
     _write_private(conf, "".join(text))
+    leaf_conf = out_dir / LEAF_CONF_NAME
+    if leaf:
+        from bus.auth_leaf import render_leaf_accounts  # it imports this module
+
+        _write_private(leaf_conf, f"# diloco auth init: run {run}, for the leaf servers (the hub takes {CONF_NAME}). "
+                                  "Secret (0600).\n" + render_leaf_accounts(run, users, stored, provision=provision))
+    elif leaf_conf.exists():  # a previous init's (--force): its credentials are gone
+        leaf_conf.unlink()
     host, _, port = listen.rpartition(":")
     server_conf = out_dir / SERVER_CONF_NAME
     server_conf.write_text(
@@ -751,13 +774,14 @@ def init(out: str | os.PathLike, run: str, learners: Sequence[tuple[str, str | N
 
     summary = {
         "run": run, "account": account_name(run), "config": CONF_NAME, "server_config": SERVER_CONF_NAME,
+        "leaf_config": LEAF_CONF_NAME if leaf else None,
         "hashed": hasher is not None,
         "provision_by_aggregator": provision, "tls": bool(tls), "mutual_tls": bool(client_certs),
         "users": [{"user": u.name, "role": u.role, "learner": u.learner, "region": u.region, "env": u.env_name,
                    "permissions": permissions_of(u, run, provision=provision).to_dict()} for u in users],
     }
     (out_dir / "auth.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return InitResult(out_dir, conf, users, env_files, hasher is not None, tls_paths)
+    return InitResult(out_dir, conf, users, env_files, hasher is not None, tls_paths, stored)
 
 
 def _cmd_init(argv: list[str]) -> int:
@@ -784,6 +808,8 @@ def _cmd_init(argv: list[str]) -> int:
                    "(container mount); default: its absolute path")
     p.add_argument("--listen", default="0.0.0.0:4222", help="client address of the standalone nats-server.conf")
     p.add_argument("--store-dir", default="/data", help="JetStream store of the standalone nats-server.conf")
+    p.add_argument("--leaf", action="store_true", help=f"also write {LEAF_CONF_NAME}: the same users for the "
+                   "JetStream-less leaf servers of a hub with leaf nodes (docs/deploy.md)")
     p.add_argument("--force", action="store_true", help="replace an existing output (new passwords for everyone)")
     p.add_argument("--keep", action="store_true", help="an existing output is kept as it is (exit 0): a one-shot "
                    "set-up step that may run on every start (compose's auth service)")
@@ -801,7 +827,7 @@ def _cmd_init(argv: list[str]) -> int:
             raise AuthError("--days: expected >= 1")
         r = init(a.out, a.run, learners, url=a.url, tls=a.tls, client_certs=a.client_certs,
                  hosts=a.hosts.split(","), days=a.days, hash_mode=a.hash_mode, provision=not a.strict,
-                 path_prefix=a.path_prefix, force=a.force, listen=a.listen, store_dir=a.store_dir)
+                 path_prefix=a.path_prefix, force=a.force, listen=a.listen, store_dir=a.store_dir, leaf=a.leaf)
     except (AuthError, ValueError) as e:
         print(f"diloco auth init: {e}", file=sys.stderr)
         return 2
@@ -809,6 +835,8 @@ def _cmd_init(argv: list[str]) -> int:
           f"{'bcrypt-hashed' if r.hashed else 'in plain text, file mode 0600'}"
           f"{', TLS' if a.tls else ''}{' with client certificates' if a.client_certs else ''})")
     print(f"env files: {', '.join(p.name for p in r.env_files.values())}")
+    if a.leaf:
+        print(f"leaf servers: {r.out / LEAF_CONF_NAME} (the hub: {r.conf}; docs/deploy.md, leaf nodes)")
     print(f"start the server: diloco nats --config-extra {r.conf}   (or: nats-server -c {r.out / SERVER_CONF_NAME})")
     print(f"start a role:     set -a; . {r.env_files['aggregator']}; set +a; diloco aggregator")
     return 0

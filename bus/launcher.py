@@ -8,11 +8,11 @@ everything at the end. Order of a run:
 1. generate the run's credentials into ``OUT/auth`` (:func:`bus.auth.init`: one account, one
    least-privilege user per role and per learner; new passwords every time) and start the broker
    (:mod:`bus.topology`: one JetStream server with those accounts, or a hub plus one leaf-node
-   server per region), its JetStream store under ``OUT/nats-store`` (wiped at start: every
-   ``diloco up`` is a fresh run). Each role process gets its user's env file merged into its
-   environment; the launcher itself connects as ``metrics`` (read-only). ``--no-auth``: anonymous
-   access as before; ``--topology leaf`` always runs without auth (leaf servers do not carry the
-   accounts);
+   server per region, each with the same account and users, the leaf links bound to the account
+   with one new password per region: :mod:`bus.auth_leaf`), its JetStream store under
+   ``OUT/nats-store`` (wiped at start: every ``diloco up`` is a fresh run). Each role process gets
+   its user's env file merged into its environment; the launcher itself connects as ``metrics``
+   (read-only). ``--no-auth``: anonymous access as before, on every server of either topology;
 2. start the aggregator (it creates version 0), the monitor and the evaluator; wait for the
    evaluator's first held-out loss of version 0 (the *initial* loss);
 3. start the learners (``<region>-<i>``, spread round-robin over the regions, each on its own
@@ -224,8 +224,8 @@ def with_credentials(procs: list[ProcSpec], env_files: dict[str, Any]) -> list[P
 
 
 def auth_enabled(a: argparse.Namespace) -> bool:
-    """Credentials for this launch: on by default, off with --no-auth and for the leaf topology."""
-    return not a.no_auth and a.topology == "single"
+    """Credentials for this launch: on by default (either topology), off with --no-auth."""
+    return not a.no_auth
 
 
 def validate_envs(procs: list[ProcSpec]) -> None:
@@ -615,12 +615,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"{QUICK_STEPS} with --quick)")
     p.add_argument("--out", default="./diloco-out", help="output folder: logs, store, summary.json, eval_loss.png")
     p.add_argument("--topology", choices=("single", "leaf"), default="single",
-                   help="single: one server; leaf: a hub plus one leaf-node server per region "
-                        "(always without auth: the leaf servers do not carry the run's accounts)")
+                   help="single: one server; leaf: a hub (JetStream; aggregator, monitor, evaluator) plus one "
+                        "leaf-node server per region (its learners), each with the run's account and users, the "
+                        "leaf links bound to that account (unless --no-auth)")
     p.add_argument("--no-auth", action="store_true",
-                   help="anonymous access to the server, as before auth existed. Default (single topology): "
+                   help="anonymous access to the server(s), as before auth existed. Default (either topology): "
                         "generate one least-privilege user per role and per learner into OUT/auth (bus.auth, "
-                        "new passwords every launch), start the server with those accounts only and give each "
+                        "new passwords every launch), start the server(s) with those accounts only and give each "
                         "process its user's credentials; the launcher reads as the metrics user")
     p.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="tiny | small | default (default: default, or tiny with --quick); DILOCO_* overrides win")
@@ -769,7 +770,7 @@ class Launcher:
         rc = 0
         try:
             os.environ["DILOCO_UP_OUT"] = self.out  # the servers inherit the launcher's environment
-            auth_conf, me = "", CommonConfig(run=run)
+            auth_conf, leaf_auth, me = "", None, CommonConfig(run=run)
             if self.auth:
                 from bus.auth import init as auth_init
                 from bus.auth import parse_env_file
@@ -778,20 +779,24 @@ class Launcher:
                 # plain passwords in the 0600 config: the env files next to it hold them anyway, and a
                 # bcrypt check per connection costs the shared cores seconds while every role starts
                 creds = auth_init(self.auth_dir, run, learners, force=True, hash_mode="plain")
-                auth_conf = creds.conf.read_text()
+                if self.a.topology == "leaf":  # the same account and users on the hub and every leaf
+                    from bus.auth_leaf import leaf_auth_from_init
+
+                    leaf_auth = leaf_auth_from_init(creds, run, self.a.regions)
+                else:
+                    auth_conf = creds.conf.read_text()
                 self.specs = with_credentials(self.specs, creds.env_files)
                 mine = parse_env_file(creds.env_files["metrics"].read_text())
                 me = CommonConfig(run=run, nats_user=mine["DILOCO_NATS_USER"],
                                   nats_password=mine["DILOCO_NATS_PASSWORD"])
             self.topology = make_topology(self.a.topology, self.a.regions, store, os.path.join(self.out, "logs"),
-                                          extra_config=auth_conf)
+                                          extra_config=auth_conf, leaf_auth=leaf_auth)
             self.topology.start()  # in the main thread: PR_SET_PDEATHSIG follows the spawning thread
             self.specs = with_urls(self.specs, self.topology.url_for)
             self.write_processes()
             urls = {n: s.url for n, s in self.topology.servers.items()}
-            access = (f"auth: one user per role, credentials in {self.auth_dir}" if self.auth else
-                      "auth: off (anonymous access" + (", --no-auth)" if self.a.no_auth else
-                                                       ": the leaf topology has no accounts)"))
+            access = ("auth: one user per role" + (" on every server" if leaf_auth else "")
+                      + f", credentials in {self.auth_dir}" if self.auth else "auth: off (anonymous access, --no-auth)")
             self.say(f"diloco up: {self.a.topology} topology {urls}; run {run!r}; "
                      f"{self.a.learners} learners over {','.join(self.a.regions)}; "
                      f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; {access}; "

@@ -1,13 +1,19 @@
 """Access control: ``diloco auth init`` output against a real nats-server.
 
-One server (module scope) runs with the generated accounts config; the run is created by the
+One broker (module scope) runs with the generated accounts config; the run is created by the
 ``admin`` user and version 0 bootstrapped by the ``aggregator`` user. Each test connects as the
 users it needs (from their env files alone) and checks that every allowed operation works and every
-forbidden one is denied. A denied publish is no exception in nats-py: the server sends
-``-ERR 'Permissions Violation ...'`` (collected from the error callback) and a JetStream request
-times out, so denials are asserted on the collected errors and on the unchanged streams. The
-server's own log (one ``Violation`` line per denial, with the user) proves the allowed paths
-needed nothing more.
+forbidden one is denied. The broker is parametrized: ``single``, one server, and ``leaf``, the
+leaf topology with auth (``bus.auth_leaf``): a hub with JetStream, where the aggregator, monitor,
+evaluator, admin and metrics users connect, and one leaf server per region, where each learner
+connects to its region's leaf (``learner-us-0`` to ``leaf-us``); every check runs on both.
+
+A denied publish is no exception in nats-py: the server sends ``-ERR 'Permissions Violation
+...'`` (collected from the error callback) and a JetStream request times out, so denials are
+asserted on the collected errors and on the unchanged streams. The servers' own logs (one
+``Violation`` line per denial, with the user) prove the allowed paths needed nothing more. On a
+leaf, a denied JetStream request names its mapped subject (``$JS.hub.API...``, see
+bus/auth_leaf.py): :meth:`User.violations` accepts either form.
 
 The happy path runs the real roles as processes started from their env files (``python -m
 aggregator``, ``monitor`` and two synthetic ``learner`` processes) and checks that they train
@@ -44,14 +50,17 @@ from bus.auth import (
     parse_env_file,
     parse_learners,
     permissions_markdown,
+    region_of,
     role_permissions,
 )
+from bus.auth_leaf import leaf_auth_from_init, mapped_subject
 from bus.codec import dumps_json
 from bus.config import CommonConfig, from_env
 from bus.conn import connect
 from bus.server import EmbeddedServer, render_config, validate_config_file
 from bus.streams import ensure_run, inspect_run
 from bus.subjects import GLOBAL, STATE, Subjects
+from bus.topology import Topology, leaf_mappings, make_topology
 from bus.transport import VersionedStore
 from monitor.membership import Heartbeat, heartbeat_to_dict
 from tests.agg_helpers import MODEL, PLAN, SPEC, TINY, FakeLearner
@@ -61,6 +70,7 @@ RUN = "sec"
 S = Subjects(RUN)
 LEARNERS = "us-0,eu-0"
 DENY_TIMEOUT = 0.6  # JetStream request timeout where a denial (= a timeout) is expected
+REGIONS = ["us", "eu"]  # the leaf topology's leaves: learner-us-0 on leaf-us, learner-eu-0 on leaf-eu
 
 
 # -- pure ------------------------------------------------------------------------------------------
@@ -227,11 +237,25 @@ class User:
         return self.nc.jetstream(timeout=timeout)
 
     def violations(self, subject: str) -> list[str]:
-        return [e for e in self.errors if "permissions violation" in e.lower() and subject.lower() in e.lower()]
+        """The server's refusals of ``subject``, or of its mapped form (a leaf checks ``$JS.hub.API...``)."""
+        forms = {subject.lower(), mapped_subject(subject, leaf_mappings()).lower()}
+        return [e for e in self.errors if "permissions violation" in e.lower() and any(f in e.lower() for f in forms)]
 
 
 def env_of(auth_result, user: str) -> dict:
     return parse_env_file(auth_result.env_files[user].read_text())
+
+
+def url_of(broker, user: str) -> str:
+    """Where ``user`` connects: the server, or on the leaf topology a learner's regional leaf and the hub."""
+    if isinstance(broker, Topology):
+        learner = user.removeprefix("learner-") if user.startswith("learner-") else None
+        return broker.url_for(region_of(learner) if learner else None)
+    return broker.url
+
+
+def servers_of(broker) -> list[EmbeddedServer]:
+    return list(broker.servers.values()) if isinstance(broker, Topology) else [broker]
 
 
 async def login(server, auth_result, user: str, **extra) -> User:
@@ -240,7 +264,7 @@ async def login(server, auth_result, user: str, **extra) -> User:
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
-    cfg = from_env(CommonConfig, env_of(auth_result, user), nats_url=server.url)
+    cfg = from_env(CommonConfig, env_of(auth_result, user), nats_url=url_of(server, user))
     nc = await connect(cfg, name=f"test-{user}", error_cb=on_error, **extra)
     return User(nc, errors)
 
@@ -258,21 +282,62 @@ async def expect_denied(user: User, subject: str, action, wait: float = 2.0) -> 
     assert user.violations(subject), f"{subject}: no permissions violation (errors: {user.errors})"
 
 
-def server_violations(server, since: int = 0) -> list[str]:
-    text = Path(server.log_file).read_text(errors="replace")[since:]
-    return [ln for ln in text.splitlines() if "Violation" in ln]
+def server_violations(server, since: dict[str, int] | None = None) -> list[str]:
+    """``Violation`` lines in the logs of every server of ``server`` (past the offsets ``since``)."""
+    out = []
+    for srv in servers_of(server):
+        text = Path(srv.log_file).read_text(errors="replace")[(since or {}).get(srv.log_file, 0):]
+        out += [ln for ln in text.splitlines() if "Violation" in ln]
+    return out
 
 
-def log_offset(server) -> int:
-    return len(Path(server.log_file).read_text(errors="replace"))
+def log_offset(server) -> dict[str, int]:
+    return {srv.log_file: len(Path(srv.log_file).read_text(errors="replace")) for srv in servers_of(server)}
 
 
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory):
-    """(server, auth result): a server with the generated accounts; run created, version 0 published."""
-    d = tmp_path_factory.mktemp("auth")
+async def until_received(publish, sub, timeout: float = 10.0):
+    """``await publish()`` until ``sub`` gets a message: on the leaf topology a subscription made on the
+    hub reaches a leaf asynchronously, and a core publish before that has no receiver."""
+    t_end = time.monotonic() + timeout
+    while True:
+        await publish()
+        try:
+            return await sub.next_msg(timeout=0.2)
+        except nats.errors.TimeoutError:
+            if time.monotonic() > t_end:
+                raise
+
+
+def _wait_stream_interest(topo: Topology, subject: str, timeout: float = 10.0) -> None:
+    """Until every leaf knows the hub's interest in ``subject`` (a new stream's subjects reach the leaves
+    asynchronously; a JetStream publish before that gets "no responders")."""
+    import urllib.request
+
+    t_end = time.monotonic() + timeout
+    for name, srv in topo.servers.items():
+        if name == topo.hub_name:
+            continue
+        while True:  # the leaf's view of its link: the subscriptions the hub sent over it
+            with urllib.request.urlopen(f"{srv.monitor_url}/leafz?subs=1", timeout=5) as resp:
+                links = orjson.loads(resp.read()).get("leafs") or []
+            if any(matches(p, subject) for link in links for p in link.get("subscriptions_list") or []):
+                break
+            assert time.monotonic() < t_end, f"{name}: no interest in {subject} after {timeout}s"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", params=["single", "leaf"])
+def secured(request, tmp_path_factory):
+    """(broker, auth result): a server (single) or a hub and one leaf per region (leaf) with the generated
+    accounts; run created, version 0 published."""
+    d = tmp_path_factory.mktemp(f"auth-{request.param}")
     r = init(d / "auth", RUN, parse_learners(LEARNERS), hash_mode="plain")
-    srv = EmbeddedServer(store_dir=str(d / "store"), extra_config=r.conf.read_text(), log_file=str(d / "nats.log"))
+    if request.param == "single":
+        srv = EmbeddedServer(store_dir=str(d / "store"), extra_config=r.conf.read_text(),
+                             log_file=str(d / "nats.log"))
+    else:
+        srv = make_topology("leaf", REGIONS, str(d / "store"), str(d),
+                            leaf_auth=leaf_auth_from_init(r, RUN, REGIONS))
     srv.start()
 
     async def provision() -> None:
@@ -285,19 +350,27 @@ def secured(tmp_path_factory):
 
     try:
         asyncio.run(provision())
+        if isinstance(srv, Topology):
+            _wait_stream_interest(srv, S.grad(0, "us-0"))
         yield srv, r
     finally:
-        srv.close()
+        srv.stop() if isinstance(srv, Topology) else srv.close()
 
 
 async def test_anonymous_and_wrong_credentials_are_refused(secured):
+    """On every server of the broker: the hub and each leaf of the leaf topology."""
     srv, r = secured
-    for kw in [{}, {"user": "learner-us-0", "password": env_of(r, "learner-eu-0")["DILOCO_NATS_PASSWORD"]},
-               {"user": "nobody", "password": "x"}]:
-        with pytest.raises(Exception) as ei:
-            nc = await nats.connect(srv.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **kw)
-            await nc.close()
-        assert "authorization" in repr(ei.value).lower() or isinstance(ei.value, nats.errors.NoServersError), ei.value
+    servers = servers_of(srv)
+    assert len(servers) == (1 if isinstance(srv, EmbeddedServer) else 1 + len(REGIONS))
+    for server in servers:
+        for kw in [{}, {"user": "learner-us-0", "password": env_of(r, "learner-eu-0")["DILOCO_NATS_PASSWORD"]},
+                   {"user": "nobody", "password": "x"}]:
+            with pytest.raises(Exception) as ei:
+                nc = await nats.connect(server.url, allow_reconnect=False, max_reconnect_attempts=0,
+                                        connect_timeout=2, **kw)
+                await nc.close()
+            assert "authorization" in repr(ei.value).lower() or isinstance(ei.value, nats.errors.NoServersError), \
+                (server.server_name, ei.value)
 
 
 async def test_learner_can_do_its_job(secured):
@@ -305,6 +378,9 @@ async def test_learner_can_do_its_job(secured):
     since = log_offset(srv)
     me, mon, met, agg = [await login(srv, r, u) for u in ("learner-us-0", "monitor", "metrics", "aggregator")]
     try:
+        if isinstance(srv, Topology):  # the learner on its region's leaf, the central roles on the hub
+            assert me.nc.connected_url.port == srv.servers["leaf-us"].port
+            assert {u.nc.connected_url.port for u in (mon, met, agg)} == {srv.hub.port}
         js = me.js()
         # read the manifest and the newest global version of every fragment (direct get)
         manifest = await read_manifest(js, RUN)
@@ -341,10 +417,12 @@ async def test_learner_can_do_its_job(secured):
         await mon.nc.flush()
         await met.nc.flush()
         hb = Heartbeat("us-0", "us", "inc1", 1, 10.0, {}, time.time())
-        await me.nc.publish(S.heartbeat("us-0"), dumps_json(heartbeat_to_dict(hb)))
-        await me.nc.publish(S.metrics("learner", "us-0"), b'{"role": "learner"}')
-        assert (await hb_sub.next_msg(timeout=5)).subject == S.heartbeat("us-0")
-        assert (await m_sub.next_msg(timeout=5)).subject == S.metrics("learner", "us-0")
+        got = await until_received(lambda: me.nc.publish(S.heartbeat("us-0"), dumps_json(heartbeat_to_dict(hb))),
+                                   hb_sub)
+        assert got.subject == S.heartbeat("us-0")
+        got = await until_received(lambda: me.nc.publish(S.metrics("learner", "us-0"), b'{"role": "learner"}'),
+                                   m_sub)
+        assert got.subject == S.metrics("learner", "us-0")
         # publish outer-gradient chunks with JetStream acks (chunked, several in flight)
         before = (await agg.js().stream_info(S.stream("grad"))).state.messages
         key = await FakeLearner(js, RUN, "us-0").send(1, base=0)
@@ -494,7 +572,7 @@ def _proc_env(auth_result, user: str, server, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env.update(env_of(auth_result, user))
     env.update(TINY)
-    env.update(DILOCO_NATS_URL=server.url, PYTHONUNBUFFERED="1", **extra)
+    env.update(DILOCO_NATS_URL=url_of(server, user), PYTHONUNBUFFERED="1", **extra)
     return env
 
 

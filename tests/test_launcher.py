@@ -82,7 +82,9 @@ def test_each_process_gets_its_own_user(tmp_path):
     assert [p.env["DILOCO_LEARNER_ID"] for p in procs if p.role == "learner"] == ["us-0", "eu-0", "us-1"]
     L.validate_envs(procs)
     assert L.auth_enabled(L.parse_args([])) and not L.auth_enabled(L.parse_args(["--no-auth"]))
-    assert not L.auth_enabled(L.parse_args(["--topology", "leaf"]))  # leaf servers carry no accounts
+    # the leaf topology too: the hub and every leaf carry the run's account (bus/auth_leaf.py)
+    assert L.auth_enabled(L.parse_args(["--topology", "leaf"]))
+    assert not L.auth_enabled(L.parse_args(["--topology", "leaf", "--no-auth"]))
 
 
 def test_bad_variable_stops_before_anything_starts(tmp_path):

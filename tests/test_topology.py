@@ -30,7 +30,8 @@ def deploy_configs() -> list[Path]:
 
 def test_deploy_has_the_documented_configs():
     names = {p.name for p in deploy_configs()}
-    assert {"compose.conf", "hub.conf", "leaf-us.conf", "leaf-eu.conf", "cluster-us.conf", "cluster-eu.conf"} <= names
+    assert {"compose.conf", "hub.conf", "leaf-us.conf", "leaf-eu.conf", "cluster-us.conf", "cluster-eu.conf",
+            "nats-auth.conf", "nats-auth-leaf.conf"} <= names
 
 
 @pytest.mark.parametrize("path", deploy_configs(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -45,16 +46,43 @@ def _mappings(text: str) -> dict[str, str]:
     return dict(re.findall(r'"([^"]+)"\s*:\s*"([^"]+)"', block.group(1)))
 
 
+def _with_includes(path: Path) -> str:
+    """The config text with each ``include "file"`` replaced by that file (relative to the config's folder)."""
+    return re.sub(r'^\s*include\s+"([^"]+)"\s*$', lambda m: (path.parent / m.group(1)).read_text(),
+                  path.read_text(), flags=re.M)
+
+
 @pytest.mark.parametrize("region", ["us", "eu"])
 def test_deploy_leaf_matches_the_tested_design(region):
-    """The production leaves use exactly the mappings and hub domain the loopback tests below exercise."""
-    leaf = (DEPLOY / "nats" / f"leaf-{region}.conf").read_text()
+    """The production leaves use exactly the mappings, hub domain and account binding the loopback tests
+    below (and tests/test_auth.py's leaf broker) exercise: the mappings inside the run's account, the
+    remote bound to it, the hub's leaf user of the region bound to it as well."""
+    from bus.auth import account_name
+    from bus.auth_leaf import DEPLOY_RUN, leaf_user
+
+    acct = account_name(DEPLOY_RUN)
+    leaf = _with_includes(DEPLOY / "nats" / f"leaf-{region}.conf")
     assert _mappings(leaf) == leaf_mappings(HUB_DOMAIN)
+    assert re.search(rf"^accounts\s*\{{\s*{acct}:\s*\{{\s*mappings", leaf, re.M)  # inside the account
     assert re.search(r"^jetstream:\s*disabled", leaf, re.M)
-    assert "nats-leaf://" in leaf
-    hub = (DEPLOY / "nats" / "hub.conf").read_text()
+    assert "nats-leaf://" in leaf and re.search(rf"^\s*account:\s*{acct}\b", leaf, re.M)
+    assert "no_auth_user" not in leaf
+    hub = _with_includes(DEPLOY / "nats" / "hub.conf")
     assert re.search(rf"^\s*domain:\s*{HUB_DOMAIN}\b", hub, re.M)
     assert re.search(r"leafnodes\s*\{", hub)
+    assert re.search(rf"\{{\s*user:\s*{leaf_user(region)},\s*password:\s*\S+,\s*account:\s*{acct}\s*\}}", hub)
+    assert "no_auth_user" not in hub
+
+
+def test_deploy_accounts_are_what_bus_auth_generates():
+    """deploy/nats/nats-auth*.conf are bus.auth's account for the deploy run (placeholder passwords): the
+    users and permissions of `diloco auth init --leaf`. Regenerate: python -m bus.auth_leaf --deploy deploy/nats"""
+    from bus.auth_leaf import deploy_fragments
+
+    for name, text in deploy_fragments().items():
+        assert (DEPLOY / "nats" / name).read_text() == text, f"{name}: python -m bus.auth_leaf --deploy deploy/nats"
+    for name in ("hub.conf", "cluster-us.conf", "cluster-eu.conf"):
+        assert 'include "nats-auth.conf"' in (DEPLOY / "nats" / name).read_text(), name
 
 
 def test_rendered_loopback_configs_are_valid(tmp_path):
@@ -337,7 +365,8 @@ asyncio.run(main())
 
 @pytest.mark.timeout(300)
 def test_up_leaf_topology_trains(tmp_path):
-    """The whole run with a hub and one leaf per region: learners on their leaves, loss falls."""
+    """The whole run with a hub and one leaf per region: learners on their leaves, loss falls; with auth
+    by default: every role as its own user on every server, without one permission violation."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env["JAX_PLATFORMS"] = "cpu"
@@ -353,3 +382,10 @@ def test_up_leaf_topology_trains(tmp_path):
     procs = json.loads((out / "processes.json").read_text())
     learners = {c["name"]: c for c in procs["children"] if c["role"] == "learner"}
     assert set(learners) == {"learner-us-0", "learner-eu-0"}
+    # auth on by default on the leaf topology too: credentials generated, said in the first line
+    assert s["settings"]["auth"] is True and procs["auth"] == str(out / "auth")
+    assert "auth: one user per role on every server" in p.stdout
+    assert (out / "auth" / "learner-us-0.env").exists()
+    for name in ("leaf-us", "leaf-eu"):  # the learners' least-privilege users sufficed through their leaves
+        log = (out / "logs" / f"nats-{name}.log").read_text(errors="replace")
+        assert "Violation" not in log, (name, [ln for ln in log.splitlines() if "Violation" in ln][:5])
