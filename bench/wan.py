@@ -6,7 +6,8 @@ hub namespace (hub server with JetStream, aggregator, monitor) by a veth pair li
 Learners: ``DILOCO_COMPUTE=synthetic`` (every inner step sleeps ``STEP_TIME`` and moves the real
 fragment vectors: what is measured is whether publishing and receiving ever hold up the step loop,
 not this machine's two shared cores), int8 outer gradients, the ``diloco up`` defaults otherwise
-(quorum K = M with the adaptive grace window, int8 downlink deltas).
+(quorum K = M with the adaptive grace window, int8 downlink deltas), and its auth: the run's account
+and one user per role and learner on the hub and every leaf (``--no-auth``: anonymous).
 
 Scenarios, each in its own set of namespaces with its own servers, all four run side by side (so
 that the machine's noise falls on each alike), measured over ``window`` seconds once every
@@ -91,15 +92,17 @@ def steps_per_s(series: list[tuple[float, int]], t0: float, t1: float) -> float 
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
-async def scenario(name: str, net: WanNet, per_region: int, window: float, cut: float | None = None) -> dict:
+async def scenario(name: str, net: WanNet, per_region: int, window: float, cut: float | None = None,
+                   auth: bool = True) -> dict:
     regions = net.regions
-    names = {f"learner-{r}-{j}": r for r in regions for j in range(per_region)}
+    names = {f"{r}-{j}": r for r in regions for j in range(per_region)}
     M = len(names)
     steps: dict[str, list[tuple[float, int]]] = {n: [] for n in names}
     membership: list[tuple[float, dict]] = []
     merges: list[tuple[float, list]] = []
     env = {**MODEL, **FAST_MONITOR, **LEARNER, "DILOCO_SUSPECT_AFTER": "2.0", "DILOCO_EVICT_AFTER": "4.0"}
-    async with WanCluster(net, f"wan{name}", env, metrics_interval=0.25) as c:
+    async with WanCluster(net, f"wan{name}", env, metrics_interval=0.25, learners=list(names.items()),
+                          auth=auth) as c:
         async def on_metrics(m):
             try:
                 d = orjson.loads(m.data)
@@ -175,6 +178,7 @@ async def scenario(name: str, net: WanNet, per_region: int, window: float, cut: 
         q1 = [net.qdisc_stats(i) for i in range(len(regions))]
         agg = c.metrics("aggregator", "agg-0")
         lm = {n: c.metrics("learner", n) for n in names}
+        out["permission_violations"] = sum(c.permission_violations().values())
     span = t1 - t0
     out["window_s"] = round(span, 2)
     out["steps_per_s"] = {n: round(v, 3) if (v := steps_per_s(steps[n], t0, t1)) is not None else None for n in names}
@@ -196,9 +200,9 @@ async def scenario(name: str, net: WanNet, per_region: int, window: float, cut: 
 
 
 def run_scenario(name: str, regions: list[str], links: list[Link], per_region: int, window: float,
-                 cut: float | None = None) -> dict:
+                 cut: float | None = None, auth: bool = True) -> dict:
     with WanNet(regions, links) as net:
-        return run_in_hub(net, scenario, name, net, per_region, window, cut)
+        return run_in_hub(net, scenario, name, net, per_region, window, cut, auth)
 
 
 def mean(xs) -> float | None:
@@ -213,6 +217,8 @@ def main() -> None:
     p.add_argument("--window", type=float, default=None, help="measured seconds per scenario (default 10 quick, 40 full)")
     p.add_argument("--cut", type=float, default=None, help=f"partition length, s (default 8 quick, {CUT:.0f} full)")
     p.add_argument("--scenarios", default="loopback,wan,thin,partition")
+    p.add_argument("--no-auth", action="store_true", help="anonymous servers (default: the run's account and "
+                   "per-role users on the hub and every leaf, as diloco up --topology leaf)")
     a = p.parse_args()
     why = unavailable()
     if why:
@@ -225,21 +231,21 @@ def main() -> None:
     wan = Link(RATE, RTT / 2)
     plans = {"loopback": [Link()] * R, "wan": [wan] * R, "thin": [Link(THIN_RATE, RTT / 2)] + [wan] * (R - 1),
              "partition": [wan] * R}
-    res: dict = {"regions": regions, "per_region": a.per_region, "step_time": STEP_TIME, "H": H, "P": P,
+    res: dict = {"regions": regions, "auth": not a.no_auth, "per_region": a.per_region, "step_time": STEP_TIME, "H": H, "P": P,
                  "rate_mbit": RATE, "rtt_ms": RTT, "thin_rate_mbit": THIN_RATE, "scenarios": {}}
     params = count_params(model_config(MODEL).spec())
     names = a.scenarios.split(",")
     progress(f"scenarios {names}, side by side (each in its own namespaces)")
     with ThreadPoolExecutor(len(names)) as ex:
         futs = {s: ex.submit(run_scenario, s, regions, plans[s], a.per_region, window,
-                             cut if s == "partition" else None) for s in names}
+                             cut if s == "partition" else None, not a.no_auth) for s in names}
         res["scenarios"] = {s: f.result() for s, f in futs.items()}
     sc = res["scenarios"]
     base = mean(sc["loopback"]["steps_per_s"].values()) if "loopback" in sc else None
     if base and "wan" in sc:
         res["wan_throughput_ratio"] = round(mean(sc["wan"]["steps_per_s"].values()) / base, 4)
     if base and "thin" in sc:
-        thin_names = [n for n in sc["thin"]["steps_per_s"] if n.startswith(f"learner-{regions[0]}-")]
+        thin_names = [n for n in sc["thin"]["steps_per_s"] if n.startswith(f"{regions[0]}-")]
         res["thin_throughput_ratio"] = round(mean(sc["thin"]["steps_per_s"][n] for n in thin_names) / base, 4)
     res["params"] = params
     if params:

@@ -8,7 +8,8 @@ leaf on the namespace's loopback, so everything they send the hub crosses their 
 
 :class:`WanCluster` is a :class:`bench.runs.Cluster` (metrics tap, ``wait_for``, ``eval_once``) whose
 ``__aenter__`` must run on a thread inside the hub namespace (``WanNet.call(None, asyncio.run, ...)``),
-so that its NATS tap and the evaluator subprocess are on the hub's loopback.
+so that its NATS tap is on the hub's loopback. With ``auth`` (the default) every server has the
+run's account and per-role users, as ``diloco up --topology leaf`` runs it.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def _get_json(url: str) -> dict:
         return orjson.loads(r.read())
 
 
-def _js_answers() -> bool:
+def _js_answers(user: str | None = None, password: str | None = None) -> bool:
     """A JetStream account-info request through the local server is answered (a leaf: by the hub)."""
     import nats
 
     async def ask() -> bool:
-        nc = await nats.connect(LOCAL_URL, connect_timeout=2, allow_reconnect=False)
+        nc = await nats.connect(LOCAL_URL, connect_timeout=2, allow_reconnect=False, user=user, password=password)
         try:
             await nc.request("$JS.API.INFO", b"", timeout=1)
             return True
@@ -59,11 +60,20 @@ def _js_answers() -> bool:
 
 
 class WanCluster(Cluster):
-    """``async with WanCluster(net, run, env) as c`` (on a thread in the hub namespace)."""
+    """``async with WanCluster(net, run, env) as c`` (on a thread in the hub namespace).
 
-    def __init__(self, net: WanNet, run: str = "bench", env: dict | None = None, metrics_interval: float = 0.5):
+    ``learners``: [(learner id, region)] of the run. With ``auth`` (the default) every server
+    carries the run's account and per-role users as ``diloco up`` makes them (:func:`bus.auth.init`,
+    :mod:`bus.auth_leaf`): the leaf links are bound to the account, anonymous clients are refused,
+    and every process started here gets its own user's credentials (the tap reads as ``metrics``)."""
+
+    def __init__(self, net: WanNet, run: str = "bench", env: dict | None = None, metrics_interval: float = 0.5,
+                 learners: list[tuple[str, str]] | None = None, auth: bool = True):
         super().__init__(run, env, metrics_interval)
         self.net = net
+        self.learners = list(learners or [])
+        self.auth = auth
+        self.creds: dict[str, dict[str, str]] = {}  # user -> its env file's DILOCO_* values
         self.servers: dict[str, subprocess.Popen] = {}
         self.relays: list[Relay] = []
         self.region_of: dict[str, str | None] = {}
@@ -109,7 +119,9 @@ class WanCluster(Cluster):
         try:
             await asyncio.to_thread(self._start_servers)
             self.url = LOCAL_URL
-            self.nc = await connect(CommonConfig(nats_url=self.url, run=self.run), "bench-tap")
+            me = self.creds.get("metrics", {})
+            self.nc = await connect(CommonConfig(nats_url=self.url, run=self.run, nats_user=me.get("DILOCO_NATS_USER"),
+                                                 nats_password=me.get("DILOCO_NATS_PASSWORD")), "bench-tap")
             self.s = Subjects(self.run)
 
             async def on_metrics(m):
@@ -128,18 +140,34 @@ class WanCluster(Cluster):
 
     def _start_servers(self) -> None:
         net = self.net
-        self._server("hub", None, hub_extra_config(os.path.join(self.dir, "hub", "jetstream"), LEAF_PORT))
+        hub_auth: dict = {}
+        la = None
+        if self.auth:
+            from bus.auth import init as auth_init
+            from bus.auth import parse_env_file
+            from bus.auth_leaf import leaf_auth_from_init
+
+            made = auth_init(os.path.join(self.dir, "auth"), self.run, self.learners, force=True, hash_mode="plain")
+            self.creds = {u: parse_env_file(f.read_text()) for u, f in made.env_files.items()}
+            la = leaf_auth_from_init(made, self.run, net.regions)
+            hub_auth = {"accounts": la.hub_accounts, "leafnode_authorization": la.leafnode_authorization}
+        self._server("hub", None, hub_extra_config(os.path.join(self.dir, "hub", "jetstream"), LEAF_PORT, **hub_auth))
         self._wait(lambda: self.http(None, "/healthz?js-enabled-only=true") is not None, 20, "the hub is not up")
         for i, (region, link) in enumerate(zip(net.regions, net.links)):
             hub_addr = net.plan.addrs(i)[0]
             relay = Relay((hub_addr, RELAY_PORT), ("127.0.0.1", LEAF_PORT), link.delay_ms / 1000, link.loss, seed=i)
             relay.serve_in_thread(start=lambda body: in_netns(net.plan.hub_ns, body, daemon=True))
             self.relays.append(relay)
-            self._server(f"leaf-{region}", region, leaf_extra_config([f"nats-leaf://{hub_addr}:{RELAY_PORT}"]))
+            leaf_auth = ({"accounts": la.leaf_accounts, "account": la.account, "credentials": la.credentials(region)}
+                         if la is not None else {})
+            self._server(f"leaf-{region}", region,
+                         leaf_extra_config([f"nats-leaf://{hub_addr}:{RELAY_PORT}"], **leaf_auth))
         self._wait(lambda: self.leaves_connected() >= len(net.regions), 30,
                    f"not every one of {len(net.regions)} leaves connected to the hub")
         for region in net.regions:  # the hub's interest in its JetStream API has reached the leaf
-            self._wait(lambda: in_netns(net.ns_of(region), _js_answers), 30,
+            probe = self.creds.get("metrics", {})  # the read-only user may ask for account info
+            self._wait(lambda: in_netns(net.ns_of(region), _js_answers, probe.get("DILOCO_NATS_USER"),
+                                        probe.get("DILOCO_NATS_PASSWORD")), 30,
                        f"the hub's JetStream does not answer through the leaf of {region}")
 
     def _stop_servers(self) -> None:
@@ -164,7 +192,9 @@ class WanCluster(Cluster):
         """Start role ``module`` as ``name`` in ``region``'s namespace (None: the hub's)."""
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
         argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]
-        p = subprocess.Popen(self.net.cmd(region, [PY, "-m", *argv]), env=self.env(**extra), stdout=log,
+        user = f"learner-{extra['DILOCO_LEARNER_ID']}" if module == "learner" else module
+        env = self.env(**{**self.creds.get(user, {}), **extra, "DILOCO_NATS_URL": LOCAL_URL})
+        p = subprocess.Popen(self.net.cmd(region, [PY, "-m", *argv]), env=env, stdout=log,
                              stderr=log, start_new_session=True)
         log.close()
         self.procs[name] = p
@@ -183,6 +213,18 @@ class WanCluster(Cluster):
                 name = c.get("name") or f"cid{c.get('cid')}"
                 i, o = out.get(name, (0, 0))
                 out[name] = (i + int(c.get("in_bytes", 0)), o + int(c.get("out_bytes", 0)))
+        return out
+
+    def permission_violations(self) -> dict[str, int]:
+        """Lines of each server's log that report a permissions violation (0 everywhere: every role
+        did its job within its user's permissions, on the hub and through the leaves)."""
+        out = {}
+        for name in self.servers:
+            try:
+                with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
+                    out[name] = sum(1 for line in f if "permissions violation" in line.lower())
+            except OSError:
+                out[name] = 0
         return out
 
     def leafz(self) -> dict:
