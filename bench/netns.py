@@ -382,5 +382,6 @@ if __name__ == "__main__":
     elif len(sys.argv) == 2 and sys.argv[1] == "--sweep":
         print("\n".join(sweep_stale()) or "nothing to sweep")
     else:
-        print("usage: python -m bench.netns --sweep   (delete namespaces of dead harnesses)", file=sys.stderr)
-        sys.exit(2)
+        print("usage: python -m bench.netns --sweep   (delete the namespaces of dead WAN harnesses)",
+              file=sys.stdout if sys.argv[1:] in (["--help"], ["-h"]) else sys.stderr)
+        sys.exit(0 if sys.argv[1:] in (["--help"], ["-h"]) else 2)

@@ -12,18 +12,12 @@ Backpressure: a direction stops reading once ``max_buffer`` bytes wait in it, so
 a thin link fills its own socket buffers rather than this process's memory.
 
 ``schedule`` and ``lost_segments`` are the pure parts; :class:`Relay` is the asyncio shell. Run it
-in a thread of its own (``Relay.serve_forever_in_thread``, inside a namespace with
-:func:`bench.netns.in_netns`) or as ``python -m bench.relay --listen H:P --to H:P --delay-ms D``.
+in a thread of its own (``Relay.serve_in_thread``, inside a namespace with
+:func:`bench.netns.in_netns`).
 """
 
 from __future__ import annotations
 
-if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
-    import sys as _sys
-    from pathlib import Path as _Path
-    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
-
-import argparse
 import asyncio
 import math
 import random
@@ -181,22 +175,3 @@ class Relay:
             loop.call_soon_threadsafe(stop)
         except RuntimeError:
             pass
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description="TCP relay with one-way delay and loss")
-    p.add_argument("--listen", required=True, help="HOST:PORT to listen on")
-    p.add_argument("--to", required=True, help="HOST:PORT to relay to")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
-    p.add_argument("--loss", type=float, default=0.0, help="segment loss probability (0..1)")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
-    lh, lp = a.listen.rsplit(":", 1)
-    th, tp = a.to.rsplit(":", 1)
-    r = Relay((lh, int(lp)), (th, int(tp)), a.delay_ms / 1000, a.loss, a.seed)
-    print(f"relay {a.listen} -> {a.to} delay {a.delay_ms} ms loss {a.loss}", flush=True)
-    asyncio.run(r.serve())
-
-
-if __name__ == "__main__":
-    main()

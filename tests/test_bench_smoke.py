@@ -53,4 +53,4 @@ def test_every_benchmark_runs_by_its_path_too(script, tmp_path):
     p = subprocess.run([sys.executable, str(path), "--help"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "--quick" in p.stdout or script in ("dp.py", "reference.py"), p.stdout[:500]
+    assert "--quick" in p.stdout or script in ("dp.py", "reference.py", "netns.py"), p.stdout[:500]
