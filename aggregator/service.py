@@ -16,6 +16,10 @@ rejected as ``duplicate``. Nothing acknowledged is lost, nothing is applied twic
 
 Several aggregators can share a run, each owning a disjoint fragment range
 (``DILOCO_AGG_FRAGMENTS``), each with its own durable consumer.
+
+This module is the process shell (start-up, recovery, membership, metrics, the main loop,
+``main``); ``aggregator.intake`` takes contributions in, ``aggregator.versions`` merges and
+publishes.
 """
 
 from __future__ import annotations
@@ -33,33 +37,20 @@ import orjson
 from bus.runs import RunMismatch, read_manifest, run_tree
 from aggregator.admission import AdmissionHold
 from aggregator.config import AggregatorConfig, parse_fragments
-from aggregator.contribution import Contribution
-from aggregator.merge import l2_norm
-from aggregator.quorum import ArrivalStats, GracePolicy, decide
-from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale, round_work
-from aggregator.validate import OutlierWatch, Reason, ValidationContext, validate
+from aggregator.intake import Intake, Pending
+from aggregator.quorum import ArrivalStats, GracePolicy
+from aggregator.step import FragmentState, MergeSettings
+from aggregator.validate import OutlierWatch
+from aggregator.versions import VersionMaker
 from bus import codec
 from bus.signals import install_stop
-from bus.chunks import Assembled, Dropped
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import connect
-from bus.downlink import Keyframe, encode_version
+from bus.downlink import Keyframe
 from bus.log import get_logger, setup
-from bus.protocol import parse_grad_meta
 from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, ensure_run, missing_parts
 from bus.subjects import GLOBAL, STATE, Subjects
-from bus.transport import ChunkConsumer, ChunkPublisher, VersionConflict, VersionedStore, ack_all, term_all
-
-
-_AUDIT = ("learner", "incarnation", "fragment", "round", "base", "obj", "subject", "claimed", "detail")
-
-
-@dataclass
-class Pending:
-    c: Contribution
-    norm: float
-    tokens: list
-    arrived: float
+from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore
 
 
 @dataclass
@@ -85,8 +76,7 @@ class Stats:
             "clipped": self.clipped, "reference_restarts": self.reference_restarts,
         }
 
-
-class AggregatorService:
+class AggregatorService(Intake, VersionMaker):
     def __init__(self, common: CommonConfig, cfg: AggregatorConfig):
         """The aggregator knows no model: it merges the tree the run's manifest describes."""
         self.common, self.cfg = common, cfg
@@ -239,230 +229,6 @@ class AggregatorService:
             await self.kstore.put(p, 0, codec.encode_array(st.params),
                                   {"model": self.model_hash, "plan": self.plan.plan_hash(), "key": 0})
             self.keys[p] = Keyframe(0, np.array(st.params, dtype=np.float32, copy=True))
-
-    # -- contributions ----------------------------------------------------------------------------
-
-    def _reject(self, reason: str, tokens=(), **kw) -> None:
-        """Count, log and queue the audit event; the rejected messages (``tokens``) are terminated
-        only once their event is stored (``_publish_audit``)."""
-        self.stats.rejected[reason] += 1
-        self.log.warning("contribution_rejected", reason=reason, **kw)
-        self._audit.append(({"reason": reason, "ts": time.time(), **{k: v for k, v in kw.items() if k in _AUDIT}},
-                            list(tokens)))
-
-    async def _handle(self, r: Assembled | Dropped, now: float) -> None:
-        if isinstance(r, Dropped):
-            if r.reason == "duplicate":
-                return  # a redelivery of something held or done: its original handle settles it
-            self._reject(f"transport_{r.reason}", r.tokens, obj=r.obj_id, detail=r.detail)
-            return
-        try:
-            meta = parse_grad_meta(r.meta)
-            vec = np.asarray(codec.decode_array(r.blob))  # its shape is checked, never mended
-        except (ValueError, codec.CodecError) as e:
-            self._reject("malformed", r.tokens, obj=r.obj_id, detail=str(e)[:200])
-            return
-        subject = getattr(r.tokens[0], "subject", "") if r.tokens else ""
-        parts = subject.split(".")
-        if len(parts) == 5 and (parts[4] != meta["learner"] or parts[3] != str(meta["frag"])):
-            # the subject is what NATS permissions bind to a learner's credentials: metadata that
-            # names another learner or fragment than the subject it came on is forged
-            self._reject("forged_subject", r.tokens, obj=r.obj_id, subject=subject, claimed=meta["learner"])
-            return
-        c = Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
-                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
-                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,
-                         period=meta.get("period", 0))
-        if not self.cfg.require_membership and c.run == self.common.run:
-            self.seen.add(c.learner)
-        norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
-        self._consider(Pending(c, norm, r.tokens, now), now)
-
-    def _consider(self, x: Pending, now: float, since: float | None = None) -> None:
-        """Validate a contribution: buffer it for the merge, hold it until its learner is admitted,
-        or reject it. ``since``: when it was first held (an item handed back by the hold)."""
-        c = x.c
-        p = c.fragment
-        st = self.states.get(p)
-        pending = {b.c.key for b in self.buffers.get(p, [])}
-        ctx = ValidationContext(
-            run=self.common.run, model_hash=self.model_hash,
-            fragment_sizes={q: self.plan.sizes[q] for q in self.owned},
-            current_version={q: self.states[q].version for q in self.owned},
-            active=self.active() | self.leavers(), known=self.known(),
-            applied=st.applied if st else None, pending=pending,
-            norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
-            per_round=max(1, len(self.participants(now))),  # as the merge counts rounds
-            norm_outlier_factor=self.cfg.norm_outlier_factor, norm_min_history=self.cfg.norm_min_history,
-            max_tokens_per_step=self.manifest.max_tokens_per_step, max_inner_lr=self.manifest.max_inner_lr,
-        ) if st else None
-        reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=x.norm)
-        if (reason in (Reason.unknown_learner, Reason.inactive_learner) and self.cfg.require_membership
-                and self.hold.offer(x, c.learner, self.members.get(c.learner), getattr(c.vector, "nbytes", 0),
-                                    now, since)):
-            if since is None:
-                self.log.info("contribution_held", learner=c.learner, state=self.members.get(c.learner),
-                              fragment=p, round=c.round, held=len(self.hold))
-            return
-        if reason == Reason.norm_outlier and st is not None:
-            self._watch_outliers(st, c, x.norm)
-        if reason is not None:
-            self._reject(str(getattr(reason, "value", reason)), x.tokens, learner=c.learner, incarnation=c.incarnation,
-                         fragment=p, round=c.round, base=c.base_version, version=st.version if st else None,
-                         **({"held_s": round(now - since, 3)} if since is not None else {}))
-            return
-        if since is not None:
-            self.log.info("contribution_admitted", learner=c.learner, fragment=p, round=c.round,
-                          held_s=round(now - since, 3))
-        self.buffers[p].append(Pending(c, x.norm, x.tokens, now))
-        self.recent[c.learner] = now
-        self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps)
-        self.stats.accepted += 1
-
-    def _watch_outliers(self, st: FragmentState, c: Contribution, norm: float) -> None:
-        """Most learners refused as outliers on a fragment: its norm reference is stale (OutlierWatch)."""
-        restart = self.outliers.refused(st.fragment, c.learner, norm / max(1, c.inner_steps), self.active())
-        if restart is not None:
-            st.norms.restart(st.fragment, restart)  # persisted with the fragment's next merge
-            self.stats.reference_restarts += 1
-            self.log.warning("norm_reference_restarted", fragment=st.fragment, refused_learners=len(restart),
-                             norms=[round(x, 6) for x in restart])
-
-    def _release_held(self, now: float) -> None:
-        """Decide the held contributions whose learner was admitted, evicted, or waited too long."""
-        if len(self.hold):
-            for h in self.hold.sweep(self.members.get, now):
-                self._consider(h.item, now, since=h.since)
-
-    # -- merging ----------------------------------------------------------------------------------
-
-    async def _maybe_merge(self, p: int, now: float) -> float | None:
-        """Merge fragment p if the quorum rule says so; else the time to look again (or None)."""
-        buf = self.buffers[p]
-        if not buf:
-            return None
-        contributors: dict[str, float] = {}
-        for x in buf:
-            contributors[x.c.learner] = min(contributors.get(x.c.learner, x.arrived), x.arrived)
-        first = min(x.arrived for x in buf)
-        d = decide(now, first, contributors, self.active(), self.cfg.quorum, self.grace, self.arrivals)
-        reason = d.reason
-        if not d.merge and not self.active():
-            # nobody is active any more (all evicted while their contributions were buffered):
-            # merge what we hold after the grace window rather than holding it forever
-            if now < first + self.cfg.grace_seconds:
-                return first + self.cfg.grace_seconds
-            reason = "no active learner: merging what is buffered after the grace window"
-        elif not d.merge:
-            return d.wait_until
-        await self._merge(p, now, first, reason)
-        return None
-
-    async def _merge(self, p: int, now: float, first: float, reason: str) -> None:
-        items = self.buffers[p]
-        self.buffers[p] = []
-        st = self.states[p]
-        t0 = time.monotonic()
-        learners = {x.c.learner for x in items}
-        participants = self.participants(now) | learners
-        scale = (participation_scale(round_work([x.c for x in items]), len(participants))
-                 if self.cfg.scale_by_participation else 1.0)
-        per_round = max(1, len(participants))
-        new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
-        try:
-            await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
-        except VersionConflict as e:
-            await self._adopt_committed_state(p, items, e)
-            return
-        except Exception as e:  # state not committed: keep the contributions, try again later
-            self.log.error("state_persist_failed", fragment=p, error=repr(e))
-            self.buffers[p] = items + self.buffers[p]
-            return
-        self.states[p] = new
-        for x in items:
-            await ack_all(x.tokens)
-        await self._publish_global(p, fresh=True)
-        self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
-        self.stats.merges += 1
-        self.stats.merge_latency.append(time.monotonic() - first)
-        firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
-        self.stats.quorum_wait += firsts[min(self.cfg.quorum, len(firsts)) - 1] - first
-        self.stats.clipped += new.last_clipped
-        for x in items:
-            self.stats.staleness[st.version - x.c.base_version] += 1  # in versions
-            self.stats.contributions[x.c.learner] += 1
-        self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
-                      learners=sorted({x.c.learner for x in items}), scale=round(scale, 4), clipped=new.last_clipped,
-                      stale=[st.version - x.c.base_version for x in items],
-                      steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
-                      step_norm=round(l2_norm(new.params - st.params), 5), param_norm=round(l2_norm(new.params), 3))
-
-    async def _adopt_committed_state(self, p: int, items: list[Pending], e: VersionConflict) -> None:
-        """The state store already holds version v+1 (or newer) of fragment p: an earlier put whose
-        head was stored although it reported a failure, or another writer. Take that state as
-        ours; contributions it applied are done (acked), the others wait for the next merge."""
-        self.log.error("state_conflict", fragment=p, committed=e.committed.version, error=str(e))
-        got = await self.sstore.get(p)
-        if got is None:  # cannot happen after a conflict; keep everything and retry later
-            self.buffers[p] = items + self.buffers[p]
-            return
-        st = FragmentState.from_bytes(got[1])
-        self.states[p] = st
-        self.unpublished.add(p)
-        keep = []
-        for x in items:
-            if st.applied.is_duplicate(x.c):
-                await ack_all(x.tokens)
-            else:
-                keep.append(x)
-        self.buffers[p] = keep + self.buffers[p]
-        self.log.warning("state_adopted", fragment=p, version=st.version, applied=len(items) - len(keep),
-                         kept=len(keep))
-
-    async def _publish_global(self, p: int, fresh: bool = False) -> None:
-        """Publish the global version of the state and its merge event. ``fresh``: just merged, so
-        not published yet; otherwise (recovery, retry) only if the global head is behind."""
-        st = self.states[p]
-        applied = [list(k) for k in st.last_merge]
-        try:
-            head = None if fresh else await self.gstore.head(p)
-            if head is None or head.version < st.version:
-                meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
-                blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
-                                                  self.settings.downlink_quantiser, self.cfg.keyframe_every)
-                if key is not None:  # a keyframe: on its own subjects first, then as the version
-                    await self.kstore.put(p, st.version, blob, {**meta, **extra})
-                    self.keys[p] = key
-                await self.gstore.put(p, st.version, blob, {**meta, **extra, "applied": applied})
-            if st.version > 0:
-                await self.js.publish(self.s.event("merge"), orjson.dumps(
-                    {"fragment": p, "version": st.version, "applied": applied, "scale": st.last_scale,
-                     "per_round": st.last_per_round,
-                     "ts": time.time()}),
-                    headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
-            self.unpublished.discard(p)
-        except Exception as e:
-            self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
-            self.unpublished.add(p)
-
-    async def _publish_audit(self, limit: int = 256) -> None:
-        """Rejections as JetStream events (``events.reject``): an audit trail that survives restarts.
-
-        Each rejected contribution is terminated only after its event is stored. Before, it was
-        terminated at once and its event queued: an aggregator killed in between lost the record
-        of an acknowledged contribution (the chaos run's ``none_lost``, 2 runs in 12: five
-        rejections logged 3 s before the kill, none in the stream). Now a crash in between
-        redelivers the contribution, which is judged again. A failed publish keeps the rest queued
-        for the next round (it used to drop them)."""
-        for _ in range(min(limit, len(self._audit))):
-            event, tokens = self._audit[0]
-            try:
-                await self.js.publish(self.s.event("reject"), orjson.dumps(event), timeout=2)
-            except Exception as e:
-                self.log.warning("audit_publish_failed", error=repr(e), queued=len(self._audit))
-                return
-            self._audit.pop(0)
-            await term_all(tokens)
 
     # -- main loop --------------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ async def run(steps: int) -> dict:
                 latest.update(d)
 
         await nc.subscribe(Subjects("bench").metrics_all, cb=on_metrics)
-        agg = subprocess.Popen([sys.executable, "-m", "bus.cli", "aggregator"], env=env, stderr=subprocess.DEVNULL)
+        agg = subprocess.Popen([sys.executable, "-m", "diloco.cli", "aggregator"], env=env, stderr=subprocess.DEVNULL)
         t0 = time.monotonic()
         lrn = subprocess.Popen([sys.executable, "-m", "learner"], stderr=subprocess.DEVNULL, env={
             **env, "DILOCO_LEARNER_ID": "bench-0", "DILOCO_MAX_STEPS": str(steps),

@@ -110,7 +110,7 @@ class Cluster:
 
     def start(self, name: str, module: str, **extra: str) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
-        argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
         p = subprocess.Popen([PY, "-m", *argv], env=self.env(**extra), stdout=log, stderr=log,
                              start_new_session=True)
         log.close()

@@ -2,7 +2,7 @@
 
 The hub ``nats-server`` (JetStream, domain ``hub``) runs in the hub namespace with the aggregator,
 monitor and evaluator; every region has its own leaf ``nats-server`` (no JetStream; the mappings of
-:mod:`bus.topology`) in its namespace, dialling the hub through its link: the veth pair (rate,
+:mod:`diloco.topology`) in its namespace, dialling the hub through its link: the veth pair (rate,
 ``tc tbf``) and the relay (delay, loss; :mod:`bench.relay`). A region's learners connect to their
 leaf on the namespace's loopback, so everything they send the hub crosses their link.
 
@@ -31,7 +31,7 @@ from bus.conn import connect
 from bus.server import DEFAULT_MAX_PAYLOAD, _die_with_parent, find_binary, render_config
 from bus.signals import terminate_all
 from bus.subjects import Subjects
-from bus.topology import hub_extra_config, leaf_extra_config
+from diloco.topology import hub_extra_config, leaf_extra_config
 
 CLIENT_PORT, HTTP_PORT, LEAF_PORT, RELAY_PORT = 4222, 8222, 7422, 7500
 LOCAL_URL = f"nats://127.0.0.1:{CLIENT_PORT}"
@@ -63,8 +63,8 @@ class WanCluster(Cluster):
     """``async with WanCluster(net, run, env) as c`` (on a thread in the hub namespace).
 
     ``learners``: [(learner id, region)] of the run. With ``auth`` (the default) every server
-    carries the run's account and per-role users as ``diloco up`` makes them (:func:`bus.auth.init`,
-    :mod:`bus.auth_leaf`): the leaf links are bound to the account, anonymous clients are refused,
+    carries the run's account and per-role users as ``diloco up`` makes them (:func:`diloco.auth.init`,
+    :mod:`diloco.auth_leaf`): the leaf links are bound to the account, anonymous clients are refused,
     and every process started here gets its own user's credentials (the tap reads as ``metrics``)."""
 
     def __init__(self, net: WanNet, run: str = "bench", env: dict | None = None, metrics_interval: float = 0.5,
@@ -143,9 +143,9 @@ class WanCluster(Cluster):
         hub_auth: dict = {}
         la = None
         if self.auth:
-            from bus.auth import init as auth_init
-            from bus.auth import parse_env_file
-            from bus.auth_leaf import leaf_auth_from_init
+            from diloco.auth import init as auth_init
+            from bus.config import parse_env_file
+            from diloco.auth_leaf import leaf_auth_from_init
 
             made = auth_init(os.path.join(self.dir, "auth"), self.run, self.learners, force=True, hash_mode="plain")
             self.creds = {u: parse_env_file(f.read_text()) for u, f in made.env_files.items()}
@@ -191,7 +191,7 @@ class WanCluster(Cluster):
     def start(self, name: str, module: str, region: str | None = None, **extra: str) -> subprocess.Popen:
         """Start role ``module`` as ``name`` in ``region``'s namespace (None: the hub's)."""
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
-        argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]
+        argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]
         user = f"learner-{extra['DILOCO_LEARNER_ID']}" if module == "learner" else module
         env = self.env(**{**self.creds.get(user, {}), **extra, "DILOCO_NATS_URL": LOCAL_URL})
         p = subprocess.Popen(self.net.cmd(region, [PY, "-m", *argv]), env=env, stdout=log,

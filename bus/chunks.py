@@ -19,8 +19,9 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
 
 CHUNK_HEADER = "Diloco-Chunk"
@@ -60,25 +61,34 @@ class Chunk:
     token: Any = None  # the message handle, so the caller can ack once the object is consumed
 
 
+class ChunkHeader(msgspec.Struct, frozen=True, gc=False):
+    """Schema of the ``Diloco-Chunk`` header (unknown fields ignored); ``i < n`` is checked after."""
+
+    o: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    i: Annotated[int, msgspec.Meta(ge=0)]
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNKS)]
+    s: Annotated[int, msgspec.Meta(ge=0, le=MAX_OBJECT_BYTES)]
+    c: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+    m: dict
+
+
+_decode_header = msgspec.json.Decoder(ChunkHeader).decode
+
+
 def parse_chunk(headers: dict | None, data: bytes, token: Any = None) -> Chunk:
     """A :class:`Chunk` from a message, or ``ValueError(reason)`` with reason ``bad_header``."""
     raw = (headers or {}).get(CHUNK_HEADER)
     if raw is None:
         raise ValueError("bad_header: no Diloco-Chunk header")
     try:
-        h = orjson.loads(raw)
-        obj_id, i, n, s, c, m = h["o"], h["i"], h["n"], h["s"], h["c"], h["m"]
+        h = _decode_header(raw)
+    except msgspec.ValidationError:
+        raise ValueError(f"bad_header: out-of-range fields in {raw[:120]!r}") from None
     except Exception:
         raise ValueError("bad_header: Diloco-Chunk is not the expected JSON") from None
-    ok = (
-        isinstance(obj_id, str) and 0 < len(obj_id) <= 256
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in (i, n, s, c))
-        and 1 <= n <= MAX_CHUNKS and 0 <= i < n and 0 <= s <= MAX_OBJECT_BYTES and 0 <= c <= 0xFFFFFFFF
-        and isinstance(m, dict)
-    )
-    if not ok:
+    if h.i >= h.n:
         raise ValueError(f"bad_header: out-of-range fields in {raw[:120]!r}")
-    return Chunk(obj_id, i, n, s, c, m, data, token)
+    return Chunk(h.o, h.i, h.n, h.s, h.c, h.m, data, token)
 
 
 @dataclass(frozen=True)

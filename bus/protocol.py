@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Annotated
+
+import msgspec
 
 from bus.subjects import check_token
 
@@ -41,24 +44,45 @@ def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment:
     return meta
 
 
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+
+class GradMeta(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
+    """Schema of the metadata of a gradient object (:func:`grad_meta`): exactly these fields."""
+
+    run: _Name
+    model: _Name
+    learner: _Name
+    inc: _Name
+    frag: _Count
+    round: _Count
+    base: _Count
+    steps: _Count
+    tokens: _Count
+    region: _Name
+    period: Annotated[int, msgspec.Meta(ge=1, le=2**31)] | msgspec.UnsetType = msgspec.UNSET
+
+
+_RULES = {**{k: "must be a non-empty string" for k in ("run", "model", "learner", "inc", "region")},
+          **{k: "must be an integer in 0..2**62" for k in ("frag", "round", "base", "steps", "tokens")},
+          "period": "must be an integer in 1..2**31"}
+
+
 def parse_grad_meta(meta: dict) -> dict:
-    """Type-check the metadata of a gradient object; ``ValueError('malformed: ...')`` if wrong.
+    """Type-check the metadata of a gradient object (:class:`GradMeta`); ``ValueError('malformed: ...')``
+    if wrong; returns ``meta`` itself.
 
     Semantic checks (right run, active learner, staleness...) belong to the aggregator's validator.
     """
-    if not isinstance(meta, dict) or not set(GRAD_FIELDS) <= set(meta) <= set(GRAD_FIELDS + GRAD_OPTIONAL):
+    try:
+        msgspec.convert(meta, GradMeta)
+    except msgspec.ValidationError as e:
+        field = str(e).rpartition("at `$.")[2].rstrip("`")
+        if isinstance(meta, dict) and field in _RULES and set(GRAD_FIELDS) <= set(meta):
+            raise ValueError(f"malformed: field {field!r} {_RULES[field]}") from None
         raise ValueError(f"malformed: expected fields {', '.join(GRAD_FIELDS)} (and optionally "
-                         f"{', '.join(GRAD_OPTIONAL)})")
-    for k in ("run", "model", "learner", "inc", "region"):
-        if not isinstance(meta[k], str) or not meta[k] or len(meta[k]) > 128:
-            raise ValueError(f"malformed: field {k!r} must be a non-empty string")
-    if "period" in meta and (not isinstance(meta["period"], int) or isinstance(meta["period"], bool)
-                             or not 1 <= meta["period"] <= 2**31):
-        raise ValueError("malformed: field 'period' must be an integer in 1..2**31")
-    for k in ("frag", "round", "base", "steps", "tokens"):
-        v = meta[k]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 2**62:
-            raise ValueError(f"malformed: field {k!r} must be an integer in 0..2**62")
+                         f"{', '.join(GRAD_OPTIONAL)})") from None
     try:
         check_token("learner", meta["learner"])
     except ValueError as e:
@@ -91,7 +115,7 @@ class Manifest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Manifest":
+    def from_dict(cls, d: dict) -> Manifest:
         try:
             m = cls(str(d["run"]), str(d["model_hash"]), dict(d["spec"]), int(d["seed"]), int(d["num_fragments"]),
                     str(d["plan_hash"]), float(d["created_at"]),

@@ -1,5 +1,9 @@
 """Moving fragments of any size over JetStream: chunked publish, assembled pull, versioned objects.
 
+(About 540 lines in one module on purpose: one concern, objects as chunks over JetStream; the
+versioned store is chunks plus a head record, and every role, tool and test imports these names
+from here.)
+
 Three pieces, thin I/O around :mod:`bus.chunks`:
 
 * :class:`ChunkPublisher` publishes a blob as chunks no larger than ``max_chunk`` through a bounded

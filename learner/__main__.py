@@ -2,7 +2,8 @@
 
 import sys
 
-from bus.cli import main
+from bus.entry import run_command
+from learner.service import main
 
 if __name__ == "__main__":
-    sys.exit(main(["learner", *sys.argv[1:]]))
+    sys.exit(run_command("learner", main, sys.argv[1:]))

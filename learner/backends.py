@@ -13,6 +13,8 @@ vectors of the run's fragment plan).
   fragments are read between two steps in the same thread, so the step may donate its inputs.
   ``diloco learner`` is this backend with the built-in transformer's step, optimizer and data
   (``learner.builtin.builtin_backend``).
+* :class:`SyntheticBackend`: no JAX (``DILOCO_SYNTHETIC``): numpy fragment vectors, a
+  deterministic pseudo-gradient and a sleep per step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import numpy as np
 
 from bus.fragments import FragmentPlan
 from bus.tree import TreeSpec
+from learner import loop as lp
+from learner.config import LearnerConfig
 from learner.malloc import trim
 from learner.pytree import TreeParams
 
@@ -188,3 +192,36 @@ class TrainBackend(_TreeBackend):
         params, self.opt_state, loss = self.train_step(self.params.tree(), self.opt_state, batch)
         self.params.set_tree(params)  # checked: a step that changes the tree's structure is refused
         return float(loss)
+
+
+class SyntheticBackend:
+    """No JAX: numpy fragment vectors, a deterministic pseudo-gradient and a sleep per step."""
+
+    slowdown_included = True  # the step sleeps step_time * slowdown itself
+
+    def __init__(self, plan: FragmentPlan, cfg: LearnerConfig, seed: int, cancel: threading.Event):
+        self.plan = plan
+        self.lr = cfg.inner_lr
+        self.step_seconds = cfg.step_time * cfg.slowdown
+        self.cancel = cancel
+        self.directions = lp.synthetic_directions(plan.sizes, seed)
+        self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(11,))))
+        self.frags: list[np.ndarray] = []
+
+    def load(self, vectors: list[np.ndarray]) -> None:
+        self.frags = [np.array(v, dtype=np.float32, copy=True).reshape(-1) for v in vectors]
+
+    def step(self) -> float:
+        t0 = time.monotonic()
+        scales = self.rng.standard_normal(len(self.frags))
+        loss = lp.synthetic_step(self.frags, self.directions, self.lr, scales)
+        rest = self.step_seconds - (time.monotonic() - t0)
+        if rest > 0:
+            self.cancel.wait(rest)  # blocks this worker thread, as a long JAX step would
+        return loss
+
+    def get_fragment(self, p: int) -> np.ndarray:
+        return self.frags[p].copy()
+
+    def set_fragment(self, p: int, vector: np.ndarray) -> None:
+        self.frags[p][:] = vector

@@ -38,7 +38,7 @@ from bus.global_reader import GlobalReader
 from bus.transport import Head, follow_heads
 from learner import loop as lp
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
-from learner.service import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, close_quietly, connect_until,
+from learner.startup import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, close_quietly, connect_until,
                              fetch_newest, global_reader, initial_blobs, join_run, peak_rss_mib,
                              start_unless_halted)
 from learner.spec import spec_hash
@@ -208,7 +208,7 @@ class Evaluator:
 
 
 async def _amain(once: bool) -> int:
-    
+
     common = from_env(CommonConfig)
     ev = Evaluator(common, from_env(ModelConfig), from_env(LearnerConfig), from_env(EvalConfig))
     stop = asyncio.Event()
@@ -230,6 +230,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bus.cli import main as cli_main
+    from bus.entry import run_command
 
-    sys.exit(cli_main(["eval", *sys.argv[1:]]))
+    sys.exit(run_command("eval", main, sys.argv[1:]))

@@ -32,7 +32,7 @@ async def fetch_run_params(common: CommonConfig, timeout: float = 10.0) -> tuple
     """(path -> float32 array, record) of the run's newest global version of every fragment."""
     from bus.runs import read_manifest, tree_of_manifest
     from learner.spec import make_plan
-    from learner.service import fetch_newest, global_reader, StartupError
+    from learner.startup import fetch_newest, global_reader, StartupError
     from learner.spec import ModelSpec
 
     nc = await connect(common, "diloco-export")

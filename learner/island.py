@@ -56,7 +56,7 @@ from learner.backends import NO_STEP, HookBackend, IslandClosed, TrainBackend  #
 
 
 class TreeModel:
-    """What the learner core needs of a model, for a user's tree (see ``learner.service.BuiltinModel``)."""
+    """What the learner core needs of a model, for a user's tree (see ``learner.startup.BuiltinModel``)."""
 
     def __init__(self, spec: TreeSpec, num_fragments: int, max_imbalance: float, tokens_per_step: int,
                  make_backend: Callable[[Any], Any], init: dict[str, np.ndarray] | None = None,
@@ -392,7 +392,7 @@ def _tree_evaluator_class():
             return float(np.mean([float(self._user_eval(params, b)) for b in self._user_batches]))
 
         async def _start(self) -> None:
-            from learner.service import (StartupError, connect_until, fetch_newest, global_reader,
+            from learner.startup import (StartupError, connect_until, fetch_newest, global_reader,
                                          join_run_model)
 
             deadline = time.monotonic() + self.lcfg.manifest_timeout

@@ -1,7 +1,7 @@
 """Pure membership core of the monitor: heartbeats in, membership and transitions out.
 
-No NATS, no asyncio, no clock reads (except `validate_heartbeat` when it is not given `now`):
-the monitor service calls `validate_heartbeat` on every decoded heartbeat, then
+No NATS, no asyncio, no clock reads: the monitor service calls `validate_heartbeat` (the wire
+schema of a heartbeat, in :mod:`bus.heartbeat`, re-exported here) on every decoded heartbeat, then
 `on_heartbeat`, and calls `on_tick` periodically (every `heartbeat_interval / 2` is plenty).
 Both return the complete new membership plus the list of transitions to publish as events; the
 service writes changed members to the KV bucket with `member_to_dict`.
@@ -34,12 +34,23 @@ transition times are clamped so they never go backwards for a learner.
 from __future__ import annotations
 
 import math
-import re
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Any
+
+
+from bus.members import Member, State, member_from_dict, member_to_dict
+from bus.heartbeat import (
+    Heartbeat,
+    HeartbeatLimits,
+    InvalidHeartbeat,
+    Versions,
+    _is_int,
+    _is_number,
+    heartbeat_to_dict,
+    normalize_versions,
+    validate_heartbeat,
+)
 
 __all__ = [
     "ALLOWED_EDGES",
@@ -66,17 +77,6 @@ __all__ = [
 ]
 
 
-class State(str, Enum):
-    """Membership state of one learner. Use `.value` for the wire/JSON form."""
-
-    JOINING = "joining"
-    ACTIVE = "active"
-    SUSPECT = "suspect"
-    EVICTED = "evicted"
-    REJOINING = "rejoining"
-    LEFT = "left"
-
-
 #: Every (old, new) pair a transition may have; `None` means "not a member yet".
 ALLOWED_EDGES: frozenset[tuple[State | None, State]] = frozenset(
     {
@@ -99,31 +99,6 @@ ALLOWED_EDGES: frozenset[tuple[State | None, State]] = frozenset(
         (State.LEFT, State.REJOINING),
     }
 )
-
-#: Versions held by a learner: ((fragment, version), ...) sorted by fragment, no duplicates.
-Versions = tuple[tuple[int, int], ...]
-
-
-def normalize_versions(
-    versions: Mapping[int, int] | Iterable[tuple[int, int]] | None,
-) -> Versions:
-    """Canonical `Versions` from a mapping or pairs (fragment -> version); raises ValueError.
-
-    Python callers may pass `{0: 3, 1: 4}`; wire input goes through `validate_heartbeat`.
-    """
-    if versions is None:
-        return ()
-    pairs = versions.items() if isinstance(versions, Mapping) else versions
-    out: dict[int, int] = {}
-    for pair in pairs:
-        frag, ver = pair
-        if not _is_int(frag) or not _is_int(ver) or frag < 0 or ver < 0:
-            raise ValueError(f"versions need non-negative int fragment and version, got {pair!r}")
-        if frag in out:
-            raise ValueError(f"fragment {frag} listed twice in versions")
-        out[int(frag)] = int(ver)
-    return tuple(sorted(out.items()))
-
 
 @dataclass(frozen=True)
 class MembershipConfig:
@@ -183,51 +158,6 @@ class MembershipConfig:
     def effective_startup_grace(self) -> float:
         """`startup_grace`, or `evict_after` when it is None."""
         return self.evict_after if self.startup_grace is None else float(self.startup_grace)
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """One validated heartbeat. `versions` accepts a mapping and is stored as sorted pairs.
-
-    `incarnation` identifies one process lifetime (e.g. a uuid4 drawn at start): a new value
-    tells the monitor the learner restarted and lost its local state.
-    """
-
-    learner: str
-    region: str
-    incarnation: str
-    step: int
-    tokens_per_s: float
-    versions: Versions
-    sent_at: float
-    leaving: bool = False  # the learner is done: its last heartbeat
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "versions", normalize_versions(self.versions))
-
-
-@dataclass(frozen=True)
-class Member:
-    """Membership record of one learner, as stored (JSON) in the membership KV bucket.
-
-    `last_seen` is the monitor's receive time of the newest heartbeat, `since` the time of the
-    last transition and `reason` its reason.
-    """
-
-    learner: str
-    region: str
-    state: State
-    last_seen: float
-    since: float
-    reason: str
-    incarnation: str
-    versions: Versions = ()
-    step: int = 0
-    tokens_per_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "state", State(self.state))
-        object.__setattr__(self, "versions", normalize_versions(self.versions))
 
 
 @dataclass(frozen=True)
@@ -427,85 +357,6 @@ def count_states(members: Mapping[str, Member]) -> dict[str, int]:
 
 # --------------------------------------------------------------------------- serialisation
 
-_SCHEMA = 1
-
-
-def _versions_to_json(versions: Versions) -> dict[str, int]:
-    return {str(frag): ver for frag, ver in versions}
-
-
-def member_to_dict(member: Member) -> dict[str, Any]:
-    """Plain JSON-able dict for the KV bucket (orjson.dumps it). Inverse: `member_from_dict`."""
-    return {
-        "schema": _SCHEMA,
-        "learner": member.learner,
-        "region": member.region,
-        "state": member.state.value,
-        "last_seen": member.last_seen,
-        "since": member.since,
-        "reason": member.reason,
-        "incarnation": member.incarnation,
-        "versions": _versions_to_json(member.versions),
-        "step": member.step,
-        "tokens_per_s": member.tokens_per_s,
-    }
-
-
-def member_from_dict(raw: Mapping[str, Any]) -> Member:
-    """Member from `member_to_dict` output (after a JSON round trip); ValueError if malformed.
-
-    A KV value that fails here was written by an incompatible or broken writer: log it and
-    treat the learner as unknown (it will rejoin on its next heartbeat) rather than crash.
-    """
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"member must be an object, got {type(raw).__name__}")
-    if raw.get("schema", _SCHEMA) != _SCHEMA:
-        raise ValueError(f"unsupported member schema {raw.get('schema')!r}")
-    try:
-        fields = {
-            "learner": raw["learner"],
-            "region": raw["region"],
-            "state": raw["state"],
-            "last_seen": raw["last_seen"],
-            "since": raw["since"],
-            "reason": raw["reason"],
-            "incarnation": raw["incarnation"],
-        }
-    except KeyError as exc:
-        raise ValueError(f"member is missing field {exc.args[0]!r}") from None
-    for name in ("learner", "region", "reason", "incarnation"):
-        if not isinstance(fields[name], str):
-            raise ValueError(f"member field {name!r} must be a string")
-    for name in ("last_seen", "since"):
-        if not _is_number(fields[name]) or not math.isfinite(fields[name]):
-            raise ValueError(f"member field {name!r} must be a finite number")
-    try:
-        state = State(fields["state"])
-    except ValueError:
-        raise ValueError(f"unknown member state {fields['state']!r}") from None
-    step = raw.get("step", 0)
-    tps = raw.get("tokens_per_s", 0.0)
-    if not _is_int(step) or step < 0:
-        raise ValueError("member field 'step' must be an int >= 0")
-    if not _is_number(tps) or not math.isfinite(tps):
-        raise ValueError("member field 'tokens_per_s' must be a finite number")
-    versions = _parse_versions(raw.get("versions", {}), HeartbeatLimits())
-    if isinstance(versions, str):
-        raise ValueError(f"member field 'versions': {versions}")
-    return Member(
-        learner=fields["learner"],
-        region=fields["region"],
-        state=state,
-        last_seen=float(fields["last_seen"]),
-        since=float(fields["since"]),
-        reason=fields["reason"],
-        incarnation=fields["incarnation"],
-        versions=versions,
-        step=int(step),
-        tokens_per_s=float(tps),
-    )
-
-
 def transition_to_dict(t: Transition) -> dict[str, Any]:
     """Plain JSON-able dict for the membership event subject."""
     return {
@@ -515,177 +366,3 @@ def transition_to_dict(t: Transition) -> dict[str, Any]:
         "reason": t.reason,
         "at": t.at,
     }
-
-
-def heartbeat_to_dict(hb: Heartbeat) -> dict[str, Any]:
-    """Wire form of a heartbeat (what learners publish); `validate_heartbeat` reads it back."""
-    return {
-        "learner": hb.learner,
-        "region": hb.region,
-        "incarnation": hb.incarnation,
-        "step": hb.step,
-        "tokens_per_s": hb.tokens_per_s,
-        "versions": _versions_to_json(hb.versions),
-        "sent_at": hb.sent_at,
-        **({"leaving": True} if hb.leaving else {}),
-    }
-
-
-# --------------------------------------------------------------------------- validation
-
-
-class InvalidHeartbeat(ValueError):
-    """A heartbeat that must be dropped. `reason` is a short code fit for a metrics counter
-    (e.g. "missing_field", "bad_step", "from_future"); `detail` says what was wrong."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-@dataclass(frozen=True)
-class HeartbeatLimits:
-    """Bounds beyond which a heartbeat is rejected as absurd.
-
-    Ids are restricted to characters that are safe both as a NATS subject token and as a
-    KV key (`[A-Za-z0-9_-]`). `max_clock_skew` rejects heartbeats stamped in the future:
-    if learners are rejected with "from_future", fix NTP on their hosts rather than raising
-    it. `max_age` drops heartbeats stamped too long ago (e.g. flushed from nats-py's reconnect
-    buffer after a long outage); None disables the check.
-    """
-
-    max_id_len: int = 64
-    max_incarnation_len: int = 128
-    max_fragments: int = 4096
-    max_version: int = 2**53
-    max_step: int = 2**62
-    max_tokens_per_s: float = 1e12
-    max_clock_skew: float = 30.0
-    max_age: float | None = 300.0
-
-
-_ID_RE = re.compile(r"[A-Za-z0-9_-]+")
-_INCARNATION_RE = re.compile(r"[A-Za-z0-9_.:-]+")
-_DIGITS_RE = re.compile(r"[0-9]{1,9}")
-_REQUIRED = ("learner", "region", "incarnation", "step", "tokens_per_s", "versions", "sent_at")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _parse_versions(raw: object, limits: HeartbeatLimits) -> Versions | str:
-    """Versions from JSON ({"frag": ver} or [[frag, ver], ...]); an error string if malformed."""
-    if isinstance(raw, Mapping):
-        if len(raw) > limits.max_fragments:
-            return f"more than {limits.max_fragments} fragments"
-        items: list[tuple[object, object]] = []
-        for key, ver in raw.items():
-            if isinstance(key, str) and _DIGITS_RE.fullmatch(key):
-                items.append((int(key), ver))
-            elif _is_int(key):
-                items.append((key, ver))
-            else:
-                return f"fragment key {str(key)[:20]!r} is not a decimal integer"
-    elif isinstance(raw, (list, tuple)):
-        items = []
-        for pair in raw[: limits.max_fragments + 1]:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                return "list form must hold [fragment, version] pairs"
-            items.append((pair[0], pair[1]))
-    else:
-        return f"must be an object or a list of pairs, got {type(raw).__name__}"
-    if len(items) > limits.max_fragments:
-        return f"more than {limits.max_fragments} fragments"
-    seen: dict[int, int] = {}
-    for frag, ver in items:
-        if not _is_int(frag) or not 0 <= frag < limits.max_fragments:
-            return f"fragment {str(frag)[:20]!r} out of range [0, {limits.max_fragments})"
-        if not _is_int(ver) or not 0 <= ver <= limits.max_version:
-            return f"version {str(ver)[:20]!r} of fragment {frag} is not an int in [0, {limits.max_version}]"
-        if frag in seen:
-            return f"fragment {frag} listed twice"
-        seen[frag] = ver
-    return tuple(sorted(seen.items()))
-
-
-def validate_heartbeat(
-    raw: object,
-    *,
-    now: float | None = None,
-    limits: HeartbeatLimits = HeartbeatLimits(),
-) -> Heartbeat:
-    """Validate an orjson-decoded heartbeat; raise `InvalidHeartbeat` (a ValueError) if malformed.
-
-    `now` is the receive time for the clock checks; None reads `time.time()`. Unknown extra
-    fields are ignored so learners can add fields before the monitor knows them. Count the
-    rejections by `exc.reason` in the monitor's metrics: a learner whose heartbeats are all
-    rejected will be evicted as if it were dead.
-    """
-    if not isinstance(raw, Mapping):
-        raise InvalidHeartbeat("not_an_object", f"heartbeat must be a JSON object, got {type(raw).__name__}")
-    for name in _REQUIRED:
-        if name not in raw:
-            raise InvalidHeartbeat("missing_field", f"heartbeat has no {name!r}")
-
-    for name in ("learner", "region"):
-        value = raw[name]
-        if not isinstance(value, str) or not 0 < len(value) <= limits.max_id_len or not _ID_RE.fullmatch(value):
-            raise InvalidHeartbeat(
-                "bad_id",
-                f"{name} must be 1-{limits.max_id_len} characters of [A-Za-z0-9_-], got {str(value)[:40]!r}",
-            )
-    inc = raw["incarnation"]
-    if not isinstance(inc, str) or not 0 < len(inc) <= limits.max_incarnation_len or not _INCARNATION_RE.fullmatch(inc):
-        raise InvalidHeartbeat(
-            "bad_incarnation",
-            f"incarnation must be 1-{limits.max_incarnation_len} characters of [A-Za-z0-9_.:-], got {str(inc)[:40]!r}",
-        )
-
-    step = raw["step"]
-    if not _is_int(step) or not 0 <= step <= limits.max_step:
-        raise InvalidHeartbeat("bad_step", f"step must be an int in [0, {limits.max_step}], got {str(step)[:40]!r}")
-
-    tps = raw["tokens_per_s"]
-    if not _is_number(tps) or not math.isfinite(tps) or not 0 <= tps <= limits.max_tokens_per_s:
-        raise InvalidHeartbeat(
-            "bad_tokens_per_s",
-            f"tokens_per_s must be a finite number in [0, {limits.max_tokens_per_s:g}], got {str(tps)[:40]!r}",
-        )
-
-    sent_at = raw["sent_at"]
-    if not _is_number(sent_at) or not math.isfinite(sent_at) or sent_at < 0:
-        raise InvalidHeartbeat("bad_sent_at", f"sent_at must be a finite number >= 0, got {str(sent_at)[:40]!r}")
-    now = time.time() if now is None else now
-    if sent_at > now + limits.max_clock_skew:
-        raise InvalidHeartbeat(
-            "from_future",
-            f"sent_at is {sent_at - now:.1f}s ahead of the monitor's clock (max {limits.max_clock_skew:g}s): check NTP",
-        )
-    if limits.max_age is not None and sent_at < now - limits.max_age:
-        raise InvalidHeartbeat(
-            "too_old", f"sent_at is {now - sent_at:.1f}s old (max {limits.max_age:g}s)"
-        )
-
-    versions = _parse_versions(raw["versions"], limits)
-    if isinstance(versions, str):
-        raise InvalidHeartbeat("bad_versions", versions)
-    leaving = raw.get("leaving", False)
-    if not isinstance(leaving, bool):
-        raise InvalidHeartbeat("bad_leaving", f"leaving must be true or false, got {str(leaving)[:40]!r}")
-
-    return Heartbeat(
-        learner=raw["learner"],
-        region=raw["region"],
-        incarnation=inc,
-        step=int(step),
-        tokens_per_s=float(tps),
-        versions=versions,
-        sent_at=float(sent_at),
-        leaving=leaving,
-    )

@@ -32,7 +32,7 @@ class Procs:
 
     def start(self, name: str, module: str, url: str | None = None, **extra: str) -> subprocess.Popen:
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")
-        argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
         p = subprocess.Popen([PY, "-m", *argv], env=env(url or self.url, self.run, **extra),
                              stdout=log, stderr=log, start_new_session=True)
         log.close()

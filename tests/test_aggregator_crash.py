@@ -34,7 +34,7 @@ SETTINGS = dataclasses.replace(  # with the manifest's max_inner_lr, as the aggr
 
 
 def _spawn(url):
-    return subprocess.Popen([PY, "-m", "bus.cli", "aggregator"], env=env(url, RUN, **AGG),
+    return subprocess.Popen([PY, "-m", "diloco.cli", "aggregator"], env=env(url, RUN, **AGG),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

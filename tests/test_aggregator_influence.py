@@ -3,7 +3,6 @@ that a merge with caps never lets one vector count for more than its cap."""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

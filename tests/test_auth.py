@@ -4,7 +4,7 @@ One broker (module scope) runs with the generated accounts config; the run is cr
 ``admin`` user and version 0 bootstrapped by the ``aggregator`` user. Each test connects as the
 users it needs (from their env files alone) and checks that every allowed operation works and every
 forbidden one is denied. The broker is parametrized: ``single``, one server, and ``leaf``, the
-leaf topology with auth (``bus.auth_leaf``): a hub with JetStream, where the aggregator, monitor,
+leaf topology with auth (``diloco.auth_leaf``): a hub with JetStream, where the aggregator, monitor,
 evaluator, admin and metrics users connect, and one leaf server per region, where each learner
 connects to its region's leaf (``learner-us-0`` to ``leaf-us``); every check runs on both.
 
@@ -13,7 +13,7 @@ A denied publish is no exception in nats-py: the server sends ``-ERR 'Permission
 asserted on the collected errors and on the unchanged streams. The servers' own logs (one
 ``Violation`` line per denial, with the user) prove the allowed paths needed nothing more. On a
 leaf, a denied JetStream request names its mapped subject (``$JS.hub.API...``, see
-bus/auth_leaf.py): :meth:`User.violations` accepts either form.
+diloco/auth_leaf.py): :meth:`User.violations` accepts either form.
 
 The happy path runs the real roles as processes started from their env files (``python -m
 aggregator``, ``monitor`` and two synthetic ``learner`` processes) and checks that they train
@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -39,8 +40,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from learner.builtin import create_builtin_run
 from bus.runs import read_manifest
-from bus import auth
-from bus.auth import (
+from diloco import auth
+from diloco.auth import (
     AuthError,
     Permissions,
     init,
@@ -53,17 +54,17 @@ from bus.auth import (
     region_of,
     role_permissions,
 )
-from bus.auth_leaf import leaf_auth_from_init, mapped_subject
+from diloco.auth_leaf import leaf_auth_from_init, mapped_subject
 from bus.codec import dumps_json
 from bus.config import CommonConfig, from_env
 from bus.conn import connect
 from bus.server import EmbeddedServer, render_config, validate_config_file
 from bus.streams import ensure_run, inspect_run
 from bus.subjects import GLOBAL, STATE, Subjects
-from bus.topology import Topology, leaf_mappings, make_topology
+from diloco.topology import Topology, leaf_mappings, make_topology
 from bus.transport import VersionedStore
 from monitor.membership import Heartbeat, heartbeat_to_dict
-from tests.agg_helpers import MODEL, PLAN, SPEC, TINY, FakeLearner
+from tests.agg_helpers import MODEL, PLAN, TINY, FakeLearner
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "sec"
@@ -502,7 +503,7 @@ async def test_learner_forbidden_actions_are_denied(secured):
 
 
 async def test_metrics_user_reads_status_and_publishes_nothing(secured):
-    from monitor.cli import gather_status
+    from monitor.status import gather_status
 
     srv, r = secured
     since = log_offset(srv)
@@ -584,7 +585,7 @@ class Procs:
 
     def start(self, name: str, module: str, env: dict) -> None:
         err = open(self.tmp / f"{name}.err", "w")
-        argv = ["bus.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
         self.procs[name] = (subprocess.Popen([sys.executable, "-m", *argv], cwd=str(ROOT), env=env,
                                              stdout=subprocess.DEVNULL, stderr=err), err)
 
@@ -656,7 +657,7 @@ async def test_strict_mode_only_admin_provisions(tmp_path):
             assert env_of(r, "aggregator")["DILOCO_PROVISION"] == "false"
             assert "DILOCO_PROVISION" not in env_of(r, "learner-us-0")
             since = log_offset(srv)
-            early = subprocess.run([sys.executable, "-m", "bus.cli", "aggregator"], env=_proc_env(r, "aggregator", srv),
+            early = subprocess.run([sys.executable, "-m", "diloco.cli", "aggregator"], env=_proc_env(r, "aggregator", srv),
                                    capture_output=True, text=True, timeout=60)
             assert early.returncode == 3, early.stderr[-2000:]
             line = early.stderr.strip().splitlines()[-1]
@@ -665,7 +666,7 @@ async def test_strict_mode_only_admin_provisions(tmp_path):
             await ensure_run(admin.js(), RUN)
             assert all(v is not None for v in (await inspect_run(admin.js(), RUN)).values())
             # once admin created it, `diloco aggregator` runs: it writes version 0 of every fragment
-            proc = subprocess.Popen([sys.executable, "-m", "bus.cli", "aggregator"], env=_proc_env(r, "aggregator", srv),
+            proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "aggregator"], env=_proc_env(r, "aggregator", srv),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             try:
                 store = VersionedStore(agg.js(), RUN, GLOBAL)
@@ -697,7 +698,7 @@ def _openssl(*args: str) -> str:
     return subprocess.run(["openssl", *args], capture_output=True, text=True, check=True).stdout
 
 
-@pytest.mark.skipif(not auth.shutil.which("openssl"), reason="needs the openssl command")
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
 async def test_tls_with_generated_ca_and_client_certificates(tmp_path):
     hash_mode = "bcrypt" if auth.bcrypt_hasher() else "plain"
     r = init(tmp_path / "auth", RUN, parse_learners("us-0"), tls=True, client_certs=True, hosts=["nats.example",

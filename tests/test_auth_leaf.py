@@ -1,4 +1,4 @@
-"""Auth on the leaf topology (bus/auth_leaf.py): the configs it renders, ``diloco auth init --leaf``, and a
+"""Auth on the leaf topology (diloco/auth_leaf.py): the configs it renders, ``diloco auth init --leaf``, and a
 hub that refuses leaf servers without their region's credentials.
 
 What each role may do through a leaf is checked by tests/test_auth.py, whose broker is parametrized
@@ -18,9 +18,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bus import auth
-from bus.auth import init, may_publish, parse_env_file, parse_learners, role_permissions
-from bus.auth_leaf import (
+from diloco import auth
+from diloco.auth import init, may_publish, parse_env_file, parse_learners, role_permissions
+from diloco.auth_leaf import (
     LeafAuth,
     leaf_auth_from_init,
     leaf_permissions,
@@ -28,7 +28,7 @@ from bus.auth_leaf import (
     mapped_subject,
 )
 from bus.server import EmbeddedServer, ServerError, free_port, render_config, validate_config_file
-from bus.topology import hub_extra_config, leaf_extra_config, leaf_mappings, make_topology, with_userinfo
+from diloco.topology import hub_extra_config, leaf_extra_config, leaf_mappings, make_topology, with_userinfo
 from tests.test_auth import PUBLISH_MATRIX, RUN
 
 MAPS = leaf_mappings()

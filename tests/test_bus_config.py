@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from bus.cli import load_role_configs
+from diloco.cli import load_role_configs
 from bus.config import CommonConfig, ConfigError, all_variables, from_env, markdown_table, sources
 
 
@@ -55,7 +55,7 @@ def test_every_role_variable_is_in_the_readme_table():
 
 
 def test_cli_config_reports_sources_and_bad_values():
-    exe = [sys.executable, "-m", "bus.cli"]
+    exe = [sys.executable, "-m", "diloco.cli"]
     ok = subprocess.run(exe + ["config"], env={"DILOCO_RUN": "r1", "PATH": ""}, capture_output=True, text=True)
     assert ok.returncode == 0 and "DILOCO_RUN=r1  # env" in ok.stdout and "DILOCO_REGION=local  # default" in ok.stdout
     bad = subprocess.run(exe + ["config"], env={"DILOCO_MAX_CHUNK_BYTES": "1", "PATH": ""}, capture_output=True, text=True)

@@ -150,7 +150,7 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
 
 async def test_reader_builds_version_0_locally_when_its_crc_matches(nats_server, js):
     from bus.global_reader import GlobalReader
-    from learner.service import initial_blobs
+    from learner.startup import initial_blobs
     from tests.test_learner_service import PLAN, RUN, SPEC, V0, bootstrap, put_version
 
     await bootstrap(js)  # version 0 of every fragment from seed 0, as the aggregator makes it

@@ -86,7 +86,7 @@ def auth_dir(compose, tmp_path_factory) -> Path:
 
 
 def user_of(svc: dict) -> str:
-    """The bus.auth user a service must run as."""
+    """The diloco.auth user a service must run as."""
     role = role_of(svc)
     if role == "learner":
         return f"learner-{svc['environment']['DILOCO_LEARNER_ID']}"
@@ -176,7 +176,7 @@ def test_nats_config_is_valid_and_allows_8mib_messages(auth_dir):
 
 
 def test_env_files_match_the_services(compose, auth_dir):
-    from bus.auth import parse_env_file
+    from bus.config import parse_env_file
 
     for name, svc in diloco_services(compose, include_profiles=True).items():
         creds = parse_env_file(env_file_of(svc, auth_dir).read_text())
@@ -189,7 +189,7 @@ def test_env_files_match_the_services(compose, auth_dir):
 
 
 def test_diloco_services(compose, auth_dir):
-    from bus.cli import COMMANDS, load_role_configs
+    from diloco.cli import COMMANDS, load_role_configs
     from bus.config import CommonConfig, from_env
 
     roles = load_role_configs()
@@ -233,7 +233,7 @@ def test_dockerfile_and_dockerignore():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
     assert re.search(r"pip install \.", text)
-    for pkg in ("bus", "learner", "aggregator", "monitor"):  # pyproject's packages
+    for pkg in ("bus", "learner", "aggregator", "monitor", "diloco"):  # pyproject's packages
         assert re.search(rf"^COPY {pkg} ", text, re.M), pkg
     assert re.search(r"^COPY pyproject\.toml README\.md", text, re.M)
     # a new named volume at /auth takes the image folder's owner: the auth service (user diloco) writes it
@@ -263,7 +263,7 @@ def start_order(compose: dict) -> list[str]:
 
 def local_argv(command: list[str]) -> list[str]:
     exe = Path(sys.executable).with_name("diloco")
-    return ([str(exe)] if exe.exists() else [sys.executable, "-m", "bus.cli"]) + command[1:]
+    return ([str(exe)] if exe.exists() else [sys.executable, "-m", "diloco.cli"]) + command[1:]
 
 
 def local_env(svc: dict, nats_url: str, auth: Path) -> dict[str, str]:
@@ -280,11 +280,11 @@ def local_env(svc: dict, nats_url: str, auth: Path) -> dict[str, str]:
 def test_compose_services_train_as_local_processes(compose, auth_dir, tmp_path):
     import nats as nats_py
 
-    from bus.auth import parse_env_file
+    from bus.config import parse_env_file
     from bus.codec import loads_json
     from bus.config import CommonConfig
     from bus.conn import connect
-    from bus.launcher import RunState, _child_preexec
+    from diloco.up import RunState, _child_preexec
 
     nats = compose["services"]["nats"]
     port, http = free_port(), free_port()

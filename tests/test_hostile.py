@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from bus.cli import load_role_configs
+from diloco.cli import load_role_configs
 from bus.config import ROLE_CONFIGS, ConfigError, env_name, from_env
 from bus.subjects import GLOBAL
 from bus.transport import Head

@@ -128,7 +128,7 @@ async def test_two_islands_train_a_user_model_export_and_load_back(nats_server, 
         assert max(done) < 0.5 * min(joined), (joined, done)
         await asyncio.sleep(1.5)  # the final syncs are merged
         out = tmp_path / "reg.npz"
-        exp = subprocess.run([PY, "-m", "bus.cli", "export", "--out", str(out)], cwd=ROOT,
+        exp = subprocess.run([PY, "-m", "diloco.cli", "export", "--out", str(out)], cwd=ROOT,
                              env=_env(nats_server.url, run), capture_output=True, text=True, timeout=60)
         assert exp.returncode == 0, exp.stderr
         sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -269,7 +269,7 @@ def test_donated_parameters_stop_the_island_with_one_line_saying_so(nats_server)
 
 def test_export_without_a_run_or_a_version_is_one_line(nats_server, tmp_path):
     out = tmp_path / "m.npz"
-    p = subprocess.run([PY, "-m", "bus.cli", "export", "--out", str(out), "--timeout", "1"], cwd=ROOT,
+    p = subprocess.run([PY, "-m", "diloco.cli", "export", "--out", str(out), "--timeout", "1"], cwd=ROOT,
                        env=_env(nats_server.url, "nothing"), capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and not out.exists()
     lines = p.stderr.strip().splitlines()
@@ -291,7 +291,7 @@ def test_run_create_from_an_init_file_and_an_island_joins_it(nats_server, tmp_pa
     env = _env(nats_server.url, "fromfile", DILOCO_NUM_FRAGMENTS="2")
 
     def create(path) -> subprocess.CompletedProcess:
-        return subprocess.run([PY, "-m", "bus.cli", "run", "create", "--init", str(path)], cwd=ROOT, env=env,
+        return subprocess.run([PY, "-m", "diloco.cli", "run", "create", "--init", str(path)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
 
     first = create(init)

@@ -15,7 +15,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus import launcher as L
+from diloco import up as L
 
 # -- pure helpers ----------------------------------------------------------------------------------
 
@@ -64,11 +64,11 @@ def test_plan_gives_every_process_its_identity():
     assert procs[0].env["DILOCO_NATS_URL"] == "nats://hub:4222"
     assert all(p.env["DILOCO_RUN"] == "r1" for p in procs)
     L.validate_envs(procs)  # every role accepts its environment
-    assert procs[0].argv()[1:] == ["-m", "bus.cli", "aggregator"]
+    assert procs[0].argv()[1:] == ["-m", "diloco.cli", "aggregator"]
 
 
 def test_each_process_gets_its_own_user(tmp_path):
-    from bus.auth import init
+    from diloco.auth import init
 
     env = L.base_env({"DILOCO_RUN": "r1"}, "tiny", 10, quick=False)
     procs = L.plan_processes(env, 3, ["us", "eu"])
@@ -82,7 +82,7 @@ def test_each_process_gets_its_own_user(tmp_path):
     assert [p.env["DILOCO_LEARNER_ID"] for p in procs if p.role == "learner"] == ["us-0", "eu-0", "us-1"]
     L.validate_envs(procs)
     assert L.auth_enabled(L.parse_args([])) and not L.auth_enabled(L.parse_args(["--no-auth"]))
-    # the leaf topology too: the hub and every leaf carry the run's account (bus/auth_leaf.py)
+    # the leaf topology too: the hub and every leaf carry the run's account (diloco/auth_leaf.py)
     assert L.auth_enabled(L.parse_args(["--topology", "leaf"]))
     assert not L.auth_enabled(L.parse_args(["--topology", "leaf", "--no-auth"]))
 
@@ -90,14 +90,14 @@ def test_each_process_gets_its_own_user(tmp_path):
 def test_bad_variable_stops_before_anything_starts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env["DILOCO_INNER_LR"] = "fast"
-    p = subprocess.run([sys.executable, "-m", "bus.cli", "up", "--out", str(tmp_path / "o")], env=env,
+    p = subprocess.run([sys.executable, "-m", "diloco.cli", "up", "--out", str(tmp_path / "o")], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "DILOCO_INNER_LR" in p.stderr
     assert not (tmp_path / "o").exists()
 
 
 def test_a_previous_runs_output_is_named_before_it_is_replaced(tmp_path):
-    from bus.launcher import previous_run
+    from diloco.up import previous_run
 
     assert previous_run(str(tmp_path)) is None
     (tmp_path / "logs").mkdir()
@@ -241,10 +241,10 @@ async def _try_connect(url: str, **kw) -> None:
 # about 20 s each on a quiet 2-core machine; the timeouts leave room for a machine shared with others
 @pytest.mark.timeout(300)
 def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
-    from bus.auth import parse_env_file
+    from bus.config import parse_env_file
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "bus.cli", "up", "--quick", "--steps", "400", "--out", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "up", "--quick", "--steps", "400", "--out", str(out),
                              "--progress", "line"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -299,7 +299,7 @@ def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
 @pytest.mark.timeout(300)
 def test_up_sigint_mid_run_stops_everything_and_writes_a_summary(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "bus.cli", "up", "--quick", "--steps", "100000", "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "up", "--quick", "--steps", "100000", "--out",
                              str(out), "--progress", "line", "--progress-interval", "0.5"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

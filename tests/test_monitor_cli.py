@@ -212,7 +212,7 @@ def _dead_port() -> int:
 async def test_dir_watches_the_run_of_a_diloco_up_output_folder(nats_server, nc, tmp_path):
     """`--dir` takes the URL, run and credentials from the folder's watch.env (what `diloco up`
     writes), over a shell whose DILOCO_* variables point elsewhere; a folder without one is one line."""
-    from bus.launcher import write_watch_env
+    from diloco.up import write_watch_env
 
     run = "m3"
     path = write_watch_env(str(tmp_path), nats_server.url, run, None)

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.cli import freshen_seen, heard_from_monitor
+from monitor.status import freshen_seen, heard_from_monitor
 from monitor.metrics_view import MetricsSnapshot, fold_all
 from monitor.prometheus import SnapshotCollector, families, parse_listen
 from tests.system import FAST_AGG, FAST_MONITOR, SYNTH_LEARNER, Procs, wait_for

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bus.launcher import base_env
+from diloco.up import base_env
 from bus.protocol import Manifest
-from learner.service import StartupError, check_geometry
+from learner.startup import StartupError, check_geometry
 
 
 def _manifest(**kw) -> Manifest:

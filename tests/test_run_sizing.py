@@ -97,8 +97,8 @@ def _env(**extra: str) -> dict:
     return e
 
 
-@pytest.mark.parametrize("argv", [["-m", "bus.cli", "run", "create"], ["-m", "bus.cli", "aggregator"],
-                                  ["-m", "bus.cli", "up", "--quick", "--out", "{tmp}"]])
+@pytest.mark.parametrize("argv", [["-m", "diloco.cli", "run", "create"], ["-m", "diloco.cli", "aggregator"],
+                                  ["-m", "diloco.cli", "up", "--quick", "--out", "{tmp}"]])
 def test_every_provisioner_refuses_a_limit_too_small_in_one_line(argv, tmp_path):
     """The issue's case (the default model, DILOCO_STREAM_MAX_BYTES=4000000): `diloco run create`,
     `diloco aggregator` and `diloco up` stop before connecting, with one line naming the variable."""
@@ -115,7 +115,7 @@ def test_the_aggregator_of_an_existing_run_refuses_a_limit_too_small(nats_server
     """The aggregator alone (``python -m aggregator``) knows the model from the manifest only: it
     refuses once it has read it, in one line, and leaves the run's streams as they were."""
     env = {**_env(DILOCO_NATS_URL=nats_server.url), "DILOCO_D_MODEL": "64"}
-    made = subprocess.run([sys.executable, "-m", "bus.cli", "run", "create"], cwd=ROOT, env=env,
+    made = subprocess.run([sys.executable, "-m", "diloco.cli", "run", "create"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     r = subprocess.run([sys.executable, "-m", "aggregator"], cwd=ROOT, env={**env, "DILOCO_STREAM_MAX_BYTES": "4000000"},
@@ -136,7 +136,7 @@ def test_run_create_streams_only_sizes_the_streams_and_writes_no_version(nats_se
     from learner.config import ModelConfig
 
     env = {**_env(DILOCO_NATS_URL=nats_server.url), "DILOCO_RUN": "adm"}
-    r = subprocess.run([sys.executable, "-m", "bus.cli", "run", "create", "--streams-only"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "diloco.cli", "run", "create", "--streams-only"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 

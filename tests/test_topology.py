@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bus.server import EmbeddedServer, free_port, render_config, validate_config_file
-from bus.topology import HUB_DOMAIN, hub_extra_config, leaf_extra_config, leaf_mappings, make_topology
+from diloco.topology import HUB_DOMAIN, hub_extra_config, leaf_extra_config, leaf_mappings, make_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -57,8 +57,8 @@ def test_deploy_leaf_matches_the_tested_design(region):
     """The production leaves use exactly the mappings, hub domain and account binding the loopback tests
     below (and tests/test_auth.py's leaf broker) exercise: the mappings inside the run's account, the
     remote bound to it, the hub's leaf user of the region bound to it as well."""
-    from bus.auth import account_name
-    from bus.auth_leaf import DEPLOY_RUN, leaf_user
+    from diloco.auth import account_name
+    from diloco.auth_leaf import DEPLOY_RUN, leaf_user
 
     acct = account_name(DEPLOY_RUN)
     leaf = _with_includes(DEPLOY / "nats" / f"leaf-{region}.conf")
@@ -75,12 +75,12 @@ def test_deploy_leaf_matches_the_tested_design(region):
 
 
 def test_deploy_accounts_are_what_bus_auth_generates():
-    """deploy/nats/nats-auth*.conf are bus.auth's account for the deploy run (placeholder passwords): the
-    users and permissions of `diloco auth init --leaf`. Regenerate: python -m bus.auth_leaf --deploy deploy/nats"""
-    from bus.auth_leaf import deploy_fragments
+    """deploy/nats/nats-auth*.conf are diloco.auth's account for the deploy run (placeholder passwords): the
+    users and permissions of `diloco auth init --leaf`. Regenerate: python -m diloco.auth_leaf --deploy deploy/nats"""
+    from diloco.auth_leaf import deploy_fragments
 
     for name, text in deploy_fragments().items():
-        assert (DEPLOY / "nats" / name).read_text() == text, f"{name}: python -m bus.auth_leaf --deploy deploy/nats"
+        assert (DEPLOY / "nats" / name).read_text() == text, f"{name}: python -m diloco.auth_leaf --deploy deploy/nats"
     for name in ("hub.conf", "cluster-us.conf", "cluster-eu.conf"):
         assert 'include "nats-auth.conf"' in (DEPLOY / "nats" / name).read_text(), name
 
@@ -252,7 +252,7 @@ async def test_leaf_learners_train_with_the_hub_aggregator(leaf_topology, tmp_pa
     from bus.codec import loads_json
     from bus.config import CommonConfig
     from bus.conn import connect
-    from bus.launcher import Child, ProcSpec, RunState, astop_children
+    from diloco.up import Child, ProcSpec, RunState, astop_children
 
     topo = leaf_topology
     learner_env = dict(DILOCO_COMPUTE="synthetic", DILOCO_STEP_TIME="0.02", DILOCO_SYNC_EVERY="4",
@@ -370,7 +370,7 @@ def test_up_leaf_topology_trains(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, "-m", "bus.cli", "up", "--topology", "leaf", "--quick", "--steps", "400",
+    p = subprocess.run([sys.executable, "-m", "diloco.cli", "up", "--topology", "leaf", "--quick", "--steps", "400",
                         "--learners", "2", "--out", str(out), "--progress", "none"],
                        capture_output=True, text=True, timeout=280, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

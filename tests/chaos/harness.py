@@ -105,8 +105,8 @@ class ChaosRun:
             env = self._env(self.proxies[name].url, **self.learner_env, DILOCO_LEARNER_ID=name,
                             DILOCO_NUM_LEARNERS=str(self.n))
         module = {"aggregator": "aggregator", "monitor": "monitor", "evaluator": "learner.evaluator"}.get(name, "learner")
-        args = {"learner.evaluator": [PY, "-m", "bus.cli", "eval"],
-                "aggregator": [PY, "-m", "bus.cli", "aggregator"]}.get(module, [PY, "-m", module])
+        args = {"learner.evaluator": [PY, "-m", "diloco.cli", "eval"],
+                "aggregator": [PY, "-m", "diloco.cli", "aggregator"]}.get(module, [PY, "-m", module])
         log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
         p = subprocess.Popen(args, env=env, stdout=log, stderr=log, start_new_session=True)
         log.close()

@@ -23,7 +23,7 @@ so that unmodified clients (``nc.jetstream()`` without a domain, KV ``put``/``up
 direct get, pull consumers, acks, dedupe headers) work through the leaf exactly as on the hub.
 The production configs in ``deploy/nats/`` use the same design; ``docs/deploy.md`` explains it.
 
-With auth (``leaf_auth``, a :class:`bus.auth_leaf.LeafAuth`; ``diloco up`` passes one unless
+With auth (``leaf_auth``, a :class:`diloco.auth_leaf.LeafAuth`; ``diloco up`` passes one unless
 ``--no-auth``), every server carries the run's account ``DILOCO_<run>`` and its per-role users, and
 the mappings move *into* that account on the leaves (top-level mappings belong to the global
 account, which then has no clients)::
@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING
 
 from bus.server import EmbeddedServer, ServerError, free_port
 
-if TYPE_CHECKING:  # bus.auth_leaf imports this module
-    from bus.auth_leaf import LeafAuth
+if TYPE_CHECKING:  # diloco.auth_leaf imports this module
+    from diloco.auth_leaf import LeafAuth
 
 #: JetStream domain of the hub; leaves map the plain JetStream API names onto it.
 HUB_DOMAIN = "hub"
@@ -73,7 +73,7 @@ def hub_extra_config(js_store_dir: str, leaf_port: int, domain: str = HUB_DOMAIN
                      accounts: str = "", leafnode_authorization: str = "") -> str:
     """Config text appended to the hub's generated config (a later ``jetstream`` block replaces the first).
 
-    With auth: ``accounts``, the run's ``accounts { }`` block (:attr:`bus.auth_leaf.LeafAuth.hub_accounts`),
+    With auth: ``accounts``, the run's ``accounts { }`` block (:attr:`diloco.auth_leaf.LeafAuth.hub_accounts`),
     and ``leafnode_authorization``, the ``authorization { }`` of the leafnode listener that binds
     each region's leaf user to the run's account (``LeafAuth.leafnode_authorization``)."""
     if bool(accounts) != bool(leafnode_authorization):
@@ -106,7 +106,7 @@ def leaf_extra_config(hub_leaf_urls: list[str], domain: str = HUB_DOMAIN, *, acc
     """Config text appended to a leaf's generated config: no JetStream, mappings, remote to the hub.
 
     With auth: ``accounts``, the leaf's ``accounts { }`` block, whose ``account`` holds the users
-    and the mappings (:attr:`bus.auth_leaf.LeafAuth.leaf_accounts`); the remote binds ``account``
+    and the mappings (:attr:`diloco.auth_leaf.LeafAuth.leaf_accounts`); the remote binds ``account``
     and dials the hub as ``credentials`` = (user, password) (``LeafAuth.credentials(region)``).
     Without: the mappings at the top level (the global account), anonymous clients."""
     if accounts or account:
@@ -114,7 +114,7 @@ def leaf_extra_config(hub_leaf_urls: list[str], domain: str = HUB_DOMAIN, *, acc
             raise ServerError("leaf_extra_config: accounts and account go together")
         if f"{account}:" not in accounts or "mappings" not in accounts:
             raise ServerError(f"leaf_extra_config: the accounts block must define {account} with the "
-                              "leaf mappings inside it (bus.auth_leaf.render_leaf_accounts)")
+                              "leaf mappings inside it (diloco.auth_leaf.render_leaf_accounts)")
     if credentials is not None:
         hub_leaf_urls = [with_userinfo(u, *credentials) for u in hub_leaf_urls]
     urls = ", ".join(f'"{u}"' for u in hub_leaf_urls)
@@ -147,7 +147,7 @@ class Topology:
     regions: list[str]
     store_dir: str
     log_dir: str | None = None
-    #: Config text for the ``single`` server (``bus.auth``'s accounts fragment). The leaf topology
+    #: Config text for the ``single`` server (``diloco.auth``'s accounts fragment). The leaf topology
     #: refuses it: its servers take the run's account from ``leaf_auth``.
     extra_config: str = ""
     servers: dict[str, EmbeddedServer] = field(default_factory=dict)
@@ -200,7 +200,7 @@ class Topology:
                 return self
             if self.extra_config:
                 raise ServerError("the leaf topology takes the run's accounts from leaf_auth "
-                                  "(bus.auth_leaf.LeafAuth), not from extra_config")
+                                  "(diloco.auth_leaf.LeafAuth), not from extra_config")
             auth = self.leaf_auth
             if auth is not None and set(self.regions) - set(auth.regions):
                 raise ServerError(f"leaf_auth has no leaf credentials for region(s) "
@@ -284,7 +284,7 @@ class Topology:
 
 def make_topology(kind: str, regions: list[str], store_dir: str, log_dir: str | None = None,
                   extra_config: str = "", *, leaf_auth: LeafAuth | None = None) -> Topology:
-    """``extra_config``: appended to the single server's config (e.g. ``bus.auth``'s accounts);
+    """``extra_config``: appended to the single server's config (e.g. ``diloco.auth``'s accounts);
     ``leaf_auth``: the run's account and users on the hub and every leaf (the leaf topology's auth)."""
     if leaf_auth is not None and kind != "leaf":
         raise ServerError("leaf_auth is for the leaf topology; the single server takes extra_config")

@@ -1,18 +1,18 @@
 """Access control on the leaf topology: the run's account and users on the hub and on every leaf server.
 
-:mod:`bus.auth` makes one account ``DILOCO_<run>`` with one least-privilege user per role and per
-learner, for one server. The leaf topology (:mod:`bus.topology`: a hub with JetStream in the domain
+:mod:`diloco.auth` makes one account ``DILOCO_<run>`` with one least-privilege user per role and per
+learner, for one server. The leaf topology (:mod:`diloco.topology`: a hub with JetStream in the domain
 ``hub``, one JetStream-less leaf server per region) carries the same account on every server:
 
-* **hub**: the account exactly as :func:`bus.auth.render_accounts` writes it (JetStream enabled,
+* **hub**: the account exactly as :func:`diloco.auth.render_accounts` writes it (JetStream enabled,
   every user), and, in its ``leafnodes { }`` block, one *leaf user* per region (``leaf-<region>``)
   bound to that account (:func:`render_leafnode_authorization`): a leaf link that authenticates as
   it joins the run's account and nothing else;
 * **each leaf**: the same users with the same permissions (a client's password and permissions
   are checked by the server it connects to), no JetStream, and the mappings of
-  :func:`bus.topology.leaf_mappings` *inside* the account (:func:`render_leaf_accounts`): top-level
+  :func:`diloco.topology.leaf_mappings` *inside* the account (:func:`render_leaf_accounts`): top-level
   mappings apply to the global account, which has no users here. Its remote dials the hub as
-  ``leaf-<region>`` with ``account: DILOCO_<run>`` (:func:`bus.topology.leaf_extra_config`).
+  ``leaf-<region>`` with ``account: DILOCO_<run>`` (:func:`diloco.topology.leaf_extra_config`).
 
 There is no ``no_auth_user``: every server refuses anonymous clients, and the hub's leafnode
 listener refuses a leaf server without its region's credentials.
@@ -28,7 +28,7 @@ its leaf servers as it trusts itself.
 
 For a deployment by hand, ``diloco auth init --leaf`` writes the leaf servers' account next to the
 hub's (``nats-auth-leaf.conf`` beside ``nats-auth.conf``). ``deploy/nats/`` holds both with
-``CHANGE_ME_*`` placeholder passwords (:func:`deploy_fragments`; ``python -m bus.auth_leaf --deploy
+``CHANGE_ME_*`` placeholder passwords (:func:`deploy_fragments`; ``python -m diloco.auth_leaf --deploy
 deploy/nats`` rewrites them, ``tests/test_topology.py`` checks they are current), included by
 ``hub.conf``, ``cluster-*.conf`` and ``leaf-*.conf``.
 """
@@ -41,22 +41,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.auth import (
+from bus.subjects import check_token
+from diloco.auth_config import InitResult, _q, account_name, render_accounts
+from diloco.auth_permissions import (
     CONF_NAME,
     LEAF_CONF_NAME,
-    InitResult,
     Permissions,
     User,
-    _q,
     _uniq,
-    account_name,
     new_password,
     parse_learners,
     plan_users,
-    render_accounts,
 )
-from bus.subjects import check_token
-from bus.topology import HUB_DOMAIN, leaf_mappings
+from diloco.topology import HUB_DOMAIN, leaf_mappings
 
 #: Run, learners and regions of the checked-in production configs (deploy/nats/).
 DEPLOY_RUN = "exp1"
@@ -106,7 +103,7 @@ def render_leafnode_authorization(run: str, secrets_: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class LeafAuth:
-    """What the servers of a leaf topology need for one run's account (:meth:`bus.topology.Topology.start`).
+    """What the servers of a leaf topology need for one run's account (:meth:`diloco.topology.Topology.start`).
 
     ``hub_accounts`` / ``leaf_accounts``: the ``accounts { }`` blocks of the hub and of every leaf;
     ``leafnode_authorization``: the hub's leafnode users; ``link_passwords``: region -> the plain
@@ -140,7 +137,7 @@ def make_leaf_auth(run: str, users: Sequence[User], stored: Mapping[str, str], r
     """The run's account for the hub and the leaves, and a new leaf-link password per region.
 
     ``users``/``stored``: the run's users and what the server config holds for each (as
-    :func:`bus.auth.init` made them: ``InitResult.users``/``.stored``); ``hasher``: how the hub holds
+    :func:`diloco.auth.init` made them: ``InitResult.users``/``.stored``); ``hasher``: how the hub holds
     the leaf-link passwords (None: in plain text, as the launcher's configs do)."""
     regs = list(dict.fromkeys(regions))
     for r in regs:
@@ -163,7 +160,7 @@ def make_leaf_auth(run: str, users: Sequence[User], stored: Mapping[str, str], r
 
 def leaf_auth_from_init(result: InitResult, run: str, regions: Iterable[str], *, domain: str = HUB_DOMAIN,
                         provision: bool = True) -> LeafAuth:
-    """:func:`make_leaf_auth` for the users :func:`bus.auth.init` just wrote (their env files stay valid)."""
+    """:func:`make_leaf_auth` for the users :func:`diloco.auth.init` just wrote (their env files stay valid)."""
     return make_leaf_auth(run, result.users, result.stored, regions, domain=domain, provision=provision)
 
 
@@ -182,7 +179,7 @@ def deploy_fragments(run: str = DEPLOY_RUN, learners: str = DEPLOY_LEARNERS,
     stored = {u.name: placeholder(u.name) for u in users}
     def head(name: str, what: str) -> str:
         return (f"# {what}: the account of run {run}, one least-privilege user per role and per learner.\n"
-                f"# Generated by `python -m bus.auth_leaf --deploy deploy/nats`, with CHANGE_ME_* placeholder\n"
+                f"# Generated by `python -m diloco.auth_leaf --deploy deploy/nats`, with CHANGE_ME_* placeholder\n"
                 f"# passwords. Replace this file with the {name} that\n"
                 f"#   diloco auth init --run {run} --learners {learners} --leaf\n"
                 "# writes (bcrypt-hashed passwords; the processes' env files beside it hold them).\n")
@@ -191,13 +188,13 @@ def deploy_fragments(run: str = DEPLOY_RUN, learners: str = DEPLOY_LEARNERS,
                               + render_accounts(run, users, stored)),
         DEPLOY_FILES["leaf"]: (head(DEPLOY_FILES["leaf"], "Included by leaf-*.conf") +
                                "# The same users as nats-auth.conf, without JetStream, with the hub-domain mappings\n"
-                               "# inside the account and the permissions in their mapped form (bus/auth_leaf.py).\n"
+                               "# inside the account and the permissions in their mapped form (diloco/auth_leaf.py).\n"
                                + render_leaf_accounts(run, users, stored, domain=domain)),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bus.auth_leaf",
+    p = argparse.ArgumentParser(prog="python -m diloco.auth_leaf",
                                 description="Rewrite the account fragments of the production NATS configs.")
     p.add_argument("--deploy", required=True, help="folder of the production configs (deploy/nats)")
     a = p.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The ``diloco`` command: one entry point, one subcommand per job.
+"""The ``diloco`` command: one entry point, one subcommand per job (the operations layer: it may
+import the roles and the bus; they never import it).
 
 Subcommands are looked up lazily (``COMMANDS`` maps a name to ``module:function``) so that
 ``diloco nats`` does not import JAX. Each function takes the remaining argv and returns an exit
@@ -14,21 +15,22 @@ import signal
 import sys
 import time
 
-from bus.config import ROLE_CONFIGS, CommonConfig, ConfigError, from_env, markdown_table, sources
+from bus.config import ROLE_CONFIGS, CommonConfig, from_env, markdown_table, sources
+from bus.entry import run_command
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "nats": ("bus.cli:cmd_nats", "run an embedded JetStream nats-server in the foreground"),
-    "run": ("bus.cli:cmd_run", "create a run (streams, version 0, manifest), inspect or delete it"),
-    "config": ("bus.cli:cmd_config", "print a role's effective configuration and its sources"),
+    "nats": ("diloco.cli:cmd_nats", "run an embedded JetStream nats-server in the foreground"),
+    "run": ("diloco.cli:cmd_run", "create a run (streams, version 0, manifest), inspect or delete it"),
+    "config": ("diloco.cli:cmd_config", "print a role's effective configuration and its sources"),
     "learner": ("learner.service:main", "run one learner (island)"),
-    "aggregator": ("bus.cli:cmd_aggregator", "run the aggregator (creating a built-in run if there is none)"),
+    "aggregator": ("diloco.cli:cmd_aggregator", "run the aggregator (creating a built-in run if there is none)"),
     "monitor": ("monitor.service:main", "run the membership monitor"),
     "eval": ("learner.evaluator:main", "follow global versions and publish held-out loss"),
     "metrics": ("monitor.cli:cmd_metrics", "live table of a run's metrics"),
-    "status": ("monitor.cli:cmd_status", "one snapshot of a run: membership, versions, streams"),
+    "status": ("monitor.status:cmd_status", "one snapshot of a run: membership, versions, streams"),
     "export": ("learner.export:main", "write a run's newest global parameters to an .npz (while it runs)"),
-    "up": ("bus.launcher:main", "start a whole local run: server, aggregator, monitor, evaluator, learners"),
-    "auth": ("bus.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),
+    "up": ("diloco.up:main", "start a whole local run: server, aggregator, monitor, evaluator, learners"),
+    "auth": ("diloco.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),
 }
 
 ROLE_MODULES = ("learner.config", "aggregator.config", "monitor.config")
@@ -63,13 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         print(f"diloco {name}: not available in this build ({e})", file=sys.stderr)
         return 2
-    try:
-        return int(fn(rest) or 0)
-    except ConfigError as e:
-        print(f"diloco {name}: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(name, fn, rest)
 
 
 def cmd_nats(argv: list[str]) -> int:
@@ -244,9 +240,9 @@ def _run_limits(cfg: CommonConfig, init: str | None):
 
         plan = make_plan(model.spec(), model.num_fragments, model.max_imbalance)
         return Limits.for_run(cfg, plan.sizes, cfg.run), None
+    from bus.runs import plan_for
     from bus.tree import Leaf, TreeSpec
     from learner.export import read_params_file
-    from bus.runs import plan_for
 
     arrays, dtypes = read_params_file(init)
     spec = TreeSpec(tuple(Leaf(k, tuple(a.shape), dtypes[k]) for k, a in arrays.items()))

@@ -1,0 +1,142 @@
+"""The aggregator's production of global versions: the quorum decision, the write-ahead merge
+(state v+1 committed before the contributions are acknowledged), publishing version v+1 (whole,
+or a quantised delta against a keyframe) and its merge event.
+
+A mixin of ``aggregator.service.AggregatorService``; the merge itself is ``aggregator.step``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from aggregator.intake import Pending
+from aggregator.merge import l2_norm
+from aggregator.quorum import ArrivalStats, decide
+from aggregator.step import FragmentState, merge_step, participation_scale, round_work
+from bus.downlink import encode_version
+from bus.transport import VersionConflict, ack_all
+
+
+class VersionMaker:
+    """Merging buffered contributions into global versions for an ``AggregatorService``."""
+
+    if TYPE_CHECKING:  # the state is the AggregatorService's (set in its __init__)
+        def __getattr__(self, name: str) -> Any: ...
+        arrivals: ArrivalStats
+        buffers: dict[int, list[Pending]]
+        states: dict[int, FragmentState]
+        unpublished: set[int]
+
+    # -- merging ----------------------------------------------------------------------------------
+
+    async def _maybe_merge(self, p: int, now: float) -> float | None:
+        """Merge fragment p if the quorum rule says so; else the time to look again (or None)."""
+        buf = self.buffers[p]
+        if not buf:
+            return None
+        contributors: dict[str, float] = {}
+        for x in buf:
+            contributors[x.c.learner] = min(contributors.get(x.c.learner, x.arrived), x.arrived)
+        first = min(x.arrived for x in buf)
+        d = decide(now, first, contributors, self.active(), self.cfg.quorum, self.grace, self.arrivals)
+        reason = d.reason
+        if not d.merge and not self.active():
+            # nobody is active any more (all evicted while their contributions were buffered):
+            # merge what we hold after the grace window rather than holding it forever
+            if now < first + self.cfg.grace_seconds:
+                return first + self.cfg.grace_seconds
+            reason = "no active learner: merging what is buffered after the grace window"
+        elif not d.merge:
+            return d.wait_until
+        await self._merge(p, now, first, reason)
+        return None
+
+    async def _merge(self, p: int, now: float, first: float, reason: str) -> None:
+        items = self.buffers[p]
+        self.buffers[p] = []
+        st = self.states[p]
+        t0 = time.monotonic()
+        learners = {x.c.learner for x in items}
+        participants = self.participants(now) | learners
+        scale = (participation_scale(round_work([x.c for x in items]), len(participants))
+                 if self.cfg.scale_by_participation else 1.0)
+        per_round = max(1, len(participants))
+        new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
+        try:
+            await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
+        except VersionConflict as e:
+            await self._adopt_committed_state(p, items, e)
+            return
+        except Exception as e:  # state not committed: keep the contributions, try again later
+            self.log.error("state_persist_failed", fragment=p, error=repr(e))
+            self.buffers[p] = items + self.buffers[p]
+            return
+        self.states[p] = new
+        for x in items:
+            await ack_all(x.tokens)
+        await self._publish_global(p, fresh=True)
+        self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
+        self.stats.merges += 1
+        self.stats.merge_latency.append(time.monotonic() - first)
+        firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
+        self.stats.quorum_wait += firsts[min(self.cfg.quorum, len(firsts)) - 1] - first
+        self.stats.clipped += new.last_clipped
+        for x in items:
+            self.stats.staleness[st.version - x.c.base_version] += 1  # in versions
+            self.stats.contributions[x.c.learner] += 1
+        self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
+                      learners=sorted({x.c.learner for x in items}), scale=round(scale, 4), clipped=new.last_clipped,
+                      stale=[st.version - x.c.base_version for x in items],
+                      steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
+                      step_norm=round(l2_norm(new.params - st.params), 5), param_norm=round(l2_norm(new.params), 3))
+
+    async def _adopt_committed_state(self, p: int, items: list[Pending], e: VersionConflict) -> None:
+        """The state store already holds version v+1 (or newer) of fragment p: an earlier put whose
+        head was stored although it reported a failure, or another writer. Take that state as
+        ours; contributions it applied are done (acked), the others wait for the next merge."""
+        self.log.error("state_conflict", fragment=p, committed=e.committed.version, error=str(e))
+        got = await self.sstore.get(p)
+        if got is None:  # cannot happen after a conflict; keep everything and retry later
+            self.buffers[p] = items + self.buffers[p]
+            return
+        st = FragmentState.from_bytes(got[1])
+        self.states[p] = st
+        self.unpublished.add(p)
+        keep = []
+        for x in items:
+            if st.applied.is_duplicate(x.c):
+                await ack_all(x.tokens)
+            else:
+                keep.append(x)
+        self.buffers[p] = keep + self.buffers[p]
+        self.log.warning("state_adopted", fragment=p, version=st.version, applied=len(items) - len(keep),
+                         kept=len(keep))
+
+    async def _publish_global(self, p: int, fresh: bool = False) -> None:
+        """Publish the global version of the state and its merge event. ``fresh``: just merged, so
+        not published yet; otherwise (recovery, retry) only if the global head is behind."""
+        st = self.states[p]
+        applied = [list(k) for k in st.last_merge]
+        try:
+            head = None if fresh else await self.gstore.head(p)
+            if head is None or head.version < st.version:
+                meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
+                blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
+                                                  self.settings.downlink_quantiser, self.cfg.keyframe_every)
+                if key is not None:  # a keyframe: on its own subjects first, then as the version
+                    await self.kstore.put(p, st.version, blob, {**meta, **extra})
+                    self.keys[p] = key
+                await self.gstore.put(p, st.version, blob, {**meta, **extra, "applied": applied})
+            if st.version > 0:
+                await self.js.publish(self.s.event("merge"), orjson.dumps(
+                    {"fragment": p, "version": st.version, "applied": applied, "scale": st.last_scale,
+                     "per_round": st.last_per_round,
+                     "ts": time.time()}),
+                    headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
+            self.unpublished.discard(p)
+        except Exception as e:
+            self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
+            self.unpublished.add(p)

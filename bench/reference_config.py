@@ -1,0 +1,133 @@
+"""One reference run's configuration (``bench.reference``): ``RefConfig``, whose defaults are the
+roles' own settings, the model presets, the quorum a mode implies and seeded failure traces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MODES = ("dp", "sync", "streaming", "decoupled")
+#: the built-in model's ``small`` preset (bench.runs.SMALL_MODEL, diloco up --model-preset small; 119,104
+#: parameters) and a tinier one for quick runs and tests (17,504 parameters)
+SMALL_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256, "seq_len": 64}
+TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32}
+
+
+def _default(cls, name: str):
+    """The default of a role's setting: the reference follows the roles' defaults, never a copy."""
+    return cls.__dataclass_fields__[name].default
+
+
+def _L(name: str):
+    from learner.config import LearnerConfig
+
+    return _default(LearnerConfig, name)
+
+
+def _MODEL(name: str):
+    from learner.config import ModelConfig
+
+    return _default(ModelConfig, name)
+
+
+def _A(name: str):
+    from aggregator.config import AggregatorConfig
+
+    return _default(AggregatorConfig, name)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """One reference run. Inner settings are ``learner.config``'s, outer settings the aggregator's."""
+
+    mode: str = "decoupled"
+    M: int = 2
+    steps: int = 200  # inner steps per learner (dp: steps of batch M x batch)
+    batch: int = 8  # sequences per learner step
+    # model: the built-in transformer (learner.config.ModelConfig fields), or ``island`` (below)
+    model: dict = field(default_factory=lambda: dict(SMALL_MODEL))
+    seed: int = 0  # version 0
+    data_seed: int = 0
+    # the learners' incarnations: given, each samples its batches as a ``diloco learner`` process of
+    # that incarnation does (``learner.loop.batch_seed``), so a system run can be replayed
+    # (bench.fidelity); None: bench.dp's samplers, the same as data-parallel's
+    incarnations: tuple[str, ...] | None = None
+    # inner (AdamW, learner.inner): the learner's defaults
+    lr: float = _L("inner_lr")
+    warmup: int = _L("warmup_steps")
+    total_steps: int | None = None  # cosine schedule length (None: steps)
+    weight_decay: float = _L("weight_decay")
+    clip_norm: float = _L("clip_norm")
+    # outer schedule: the learner's and the model's defaults
+    H: int = _L("sync_every")
+    P: int = _MODEL("num_fragments")
+    quantiser: str = _L("quantiser")
+    error_feedback: bool = _L("error_feedback")
+    on_arrival: str = _L("on_arrival")
+    mix_alpha: float = _L("mix_alpha")
+    fetch: str = _L("fetch")
+    fetch_delay: int = _L("fetch_delay")  # -1: H/4
+    final_sync: bool = _L("final_sync")
+    # aggregator: its defaults, except the quorum (None: K = M, as diloco up runs it) and the grace
+    # window (fixed, in virtual seconds)
+    K: int | None = None
+    grace: float = 0.0
+    merge: str = _A("merge")
+    outer_optimizer: str = _A("outer_optimizer")
+    outer_lr: float = _A("outer_lr")
+    outer_momentum: float = _A("outer_momentum")
+    delay_n: int = _A("delay_n")
+    staleness: str = _A("staleness")
+    staleness_a: float = _A("staleness_a")
+    staleness_b: int = _A("staleness_b")
+    max_staleness: int = _A("max_staleness")
+    norm_outlier_factor: float = _A("norm_outlier_factor")
+    norm_min_history: int = _A("norm_min_history")
+    scale_by_participation: bool = _A("scale_by_participation")
+    clip_factor: float = _A("clip_factor")
+    downlink: str = _A("downlink_quantiser")
+    keyframe_every: int = _A("keyframe_every")
+    # timing (virtual seconds) and faults
+    step_times: tuple[float, ...] | None = None  # per learner; None: 1.0 each
+    up_delay: float = 0.0  # a contribution's send -> arrival at the aggregator
+    down_delay: float = 0.0  # a merge -> the version at every learner (download included)
+    failures: tuple[tuple[int, float, float], ...] = ()  # (learner, down at, back at)
+    # evaluation
+    eval_points: int = 8  # held-out loss of the global model at this many points (and the end)
+    eval_batches: int = 8
+    eval_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.M < 1 or self.steps < 1 or self.batch < 1 or self.H < 1 or self.P < 1:
+            raise ValueError("M, steps, batch, H and P must be >= 1")
+        if self.step_times is not None and len(self.step_times) != self.M:
+            raise ValueError(f"step_times needs {self.M} values, got {len(self.step_times)}")
+        if self.incarnations is not None and len(self.incarnations) != self.M:
+            raise ValueError(f"incarnations needs {self.M} values, got {len(self.incarnations)}")
+
+
+def quorum(cfg: RefConfig) -> int:
+    if cfg.mode in ("sync", "streaming"):
+        return cfg.M
+    return cfg.M if cfg.K is None else cfg.K
+
+
+def failure_trace(seed: int, M: int, horizon: float, rate: float, mean_down: float) -> tuple[tuple[int, float, float], ...]:
+    """A seeded fault trace: per learner, failures as a Poisson process of ``rate`` per virtual second
+    over ``horizon``, each down for an exponential time of mean ``mean_down``."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    out = []
+    for m in range(M):
+        t = 0.0
+        while True:
+            t += float(rng.exponential(1.0 / rate)) if rate > 0 else horizon
+            if t >= horizon:
+                break
+            d = float(rng.exponential(mean_down))
+            out.append((m, round(t, 3), round(t + d, 3)))
+            t += d
+    return tuple(sorted(out, key=lambda x: (x[1], x[0])))

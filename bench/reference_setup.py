@@ -1,0 +1,159 @@
+"""What every mode of a reference run (``bench.reference``) shares: the model, its fragment plan,
+version 0, data shards, held-out batches and the inner optimizer, for the built-in transformer
+(``Setup``) or a user's JAX model (``TreeSetup``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from bench.reference_config import RefConfig
+
+
+class Setup:
+    """What every mode shares: model, plan, version 0, data shards, held-out batches, optimizer."""
+
+    def __init__(self, cfg: RefConfig):
+        from learner.config import ModelConfig
+        from learner.data import load_corpus
+        from learner.inner import make_eval_fn, make_optimizer, make_train_step
+        from learner.spec import count_params, init_params, make_plan
+
+        self.cfg = cfg
+        # the run declares its peak inner learning rate (the norm bound of early contributions), as
+        # DILOCO_MAX_INNER_LR asks a user to
+        self.model = ModelConfig(**{"max_inner_lr": max(0.01, cfg.lr), **cfg.model, "num_fragments": cfg.P,
+                                    "seed": cfg.seed})
+        self.spec = self.model.spec()
+        self.plan = make_plan(self.spec, cfg.P, self.model.max_imbalance)
+        self.params = count_params(self.spec)
+        self.v0 = init_params(self.spec, cfg.seed)
+        self.corpus = load_corpus(None)
+        total = cfg.total_steps or cfg.steps
+        self.optimizer = make_optimizer(cfg.lr, min(cfg.warmup, total - 1), total,
+                                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
+        self.train_step = make_train_step(self.spec, self.optimizer, donate=True)
+        self.heldout = self.corpus.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+        self._eval = make_eval_fn(self.spec)
+        self.tokens_per_step = cfg.batch * self.spec.seq_len
+
+    def shard(self, m: int, incarnation: str | None = None):
+        """Learner m's sampler: bench.dp's (so dp and the learners see the same data), or with an
+        ``incarnation`` the one ``diloco learner`` process ``learner-<m>`` of it uses."""
+        from learner.loop import batch_seed
+
+        seed = (self.cfg.data_seed * 1_000_003 + m if incarnation is None
+                else batch_seed(self.cfg.data_seed, f"learner-{m}", incarnation))
+        return self.corpus.shard(m, self.cfg.M, self.spec.seq_len, seed)
+
+    def learner_batches(self, m: int, incarnation: str | None = None):
+        return _forever(self.shard(m, incarnation), self.cfg.batch)
+
+    def dp_batches(self):
+        return _dp_batches([self.shard(m) for m in range(self.cfg.M)], self.cfg.batch)
+
+    def evaluate(self, tree: Any) -> float:
+        return float(np.mean([float(self._eval(tree, hb)) for hb in self.heldout]))
+
+    def evaluate_fragments(self, vectors: list[np.ndarray]) -> float:
+        from learner.loop import params_from_fragments
+        from learner.model import to_jax
+
+        return self.evaluate(to_jax(params_from_fragments(self.plan, vectors)))
+
+    def backend(self, batches):
+        from learner.builtin import builtin_tree
+        from learner.backends import TrainBackend
+        from learner.loop import params_from_fragments
+        from learner.model import to_jax
+
+        return TrainBackend(self.train_step, batches, builtin_tree(self.spec), self.plan,
+                            build=lambda vectors: to_jax(params_from_fragments(self.plan, vectors)),
+                            init_opt=self.optimizer.init)
+
+    def v0_fragments(self) -> list[np.ndarray]:
+        out = []
+        for frag in self.plan.fragments:
+            out.append(np.concatenate([self.v0[s.path].reshape(-1)[s.start:s.stop] for s in frag.slices])
+                       .astype(np.float32))
+        return out
+
+
+class TreeSetup:
+    """A user's JAX model, as islands train it (``learner.island``): the reference then runs any
+    model, not only the built-in one (``run_reference(cfg, TreeSetup(...))``; the inner settings of
+    ``cfg`` are the user's business then, its outer settings and timing apply).
+
+    ``params``: version 0 (any pytree; its floating-point leaves are synchronised, the others stay
+    each learner's); ``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` (it may
+    donate its inputs); ``init_opt(params)``; ``batches(m)``: learner m's batch iterator (data
+    parallel concatenates one batch of each learner, leaf by leaf); ``eval_fn(params) -> float``:
+    the held-out loss; ``tokens_per_step``: what one learner step counts for the token weights."""
+
+    def __init__(self, cfg: RefConfig, params: Any, train_step: Callable, init_opt: Callable,
+                 batches: Callable[[int], Any], eval_fn: Callable[[Any], float], tokens_per_step: int,
+                 max_inner_lr: float | None = None, max_imbalance: float = 1.1):
+        from types import SimpleNamespace
+
+        from bus.fragments import gather_all
+        from bus.runs import plan_for
+        from learner.pytree import named_float_arrays, tree_spec
+
+        self.cfg = cfg
+        self.tree = tree_spec(params)
+        self.plan = plan_for(self.tree, cfg.P, max_imbalance)
+        self._v0 = gather_all(self.plan, named_float_arrays(params))
+        self._params0 = params
+        self.params = self.tree.num_params
+        self.train_step, self.init_opt, self._batches, self.eval_fn = train_step, init_opt, batches, eval_fn
+        self.tokens_per_step = int(tokens_per_step)
+        self.model = SimpleNamespace(max_inner_lr=max_inner_lr, max_tokens_per_step=None)
+
+    def _copy(self) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), self._params0)
+
+    def learner_batches(self, m: int, incarnation: str | None = None):
+        return iter(self._batches(m))
+
+    def dp_batches(self):
+        import jax
+
+        its = [iter(self._batches(m)) for m in range(self.cfg.M)]
+        while True:
+            yield jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *[next(it) for it in its])
+
+    def v0_fragments(self) -> list[np.ndarray]:
+        return [v.copy() for v in self._v0]
+
+    def backend(self, batches):
+        from learner.backends import TrainBackend
+
+        return TrainBackend(self.train_step, batches, self.tree, self.plan, params=self._copy(),
+                            init_opt=self.init_opt)
+
+    def evaluate(self, tree: Any) -> float:
+        return float(self.eval_fn(tree))
+
+    def evaluate_fragments(self, vectors: list[np.ndarray]) -> float:
+        from learner.pytree import TreeParams
+
+        tp = TreeParams(self._copy(), self.tree, self.plan)
+        for p, v in enumerate(vectors):
+            tp.set_fragment(p, v)
+        return self.evaluate(tp.tree())
+
+
+def _forever(shard, b: int):
+    while True:
+        yield shard.batch(b)
+
+
+def _dp_batches(shards, b: int):
+    while True:
+        yield np.concatenate([s.batch(b) for s in shards])

@@ -1,0 +1,356 @@
+"""The learner's island core: the training loop and everything it does at a step boundary.
+
+A mixin of ``learner.service.Learner`` (which holds the state and the process shell): inner steps
+in the worker thread, the sync schedule, outer gradients prepared (Delta = base - theta, error
+feedback, quantised) and published in the background, the sync-mode wait for merged versions, the
+final sync; global versions taken in (the head watch, the once-per-sync download, checks) and
+rebased or mixed in; the resync after an eviction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from nats.js.errors import NotFoundError
+
+from bus import codec
+from bus.protocol import grad_meta, grad_obj_id
+from bus.transport import Head, follow_heads
+from learner import loop as lp
+from learner.outer import mix, outer_gradient, rebase
+from learner.startup import HEAD_POLL_INTERVAL, StartupError, fetch_newest
+
+#: Seconds a stopping learner waits for its in-flight outer gradients.
+DRAIN_TIMEOUT = 10.0
+
+
+def _owned(a) -> bool:
+    """A float32 numpy vector the learner may write into (not a read-only view of a blob)."""
+    return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1 and a.flags.writeable
+
+
+class IslandCore:
+    """The training loop, outer-gradient publishing and global-version intake of a ``Learner``."""
+
+    if TYPE_CHECKING:  # the state is the Learner's (set in its __init__)
+        def __getattr__(self, name: str) -> Any: ...
+        base: list[np.ndarray | None]
+        residual: list[np.ndarray | None]
+        unsent: list[np.ndarray | None]
+        pending: dict[int, tuple[int, np.ndarray]]
+        applied_in: dict[tuple[int, int], int]
+        loss: float
+        quant_error: float
+        blocked_s: float
+        sync_timeouts: int
+        _resync_requested: bool
+
+    # -- the training loop --------------------------------------------------------------------------
+
+    async def _train(self) -> None:
+        cfg = self.cfg
+        total = cfg.steps_to_run
+        hook = getattr(self.backend, "serves_early", False)
+        while not self._halt.is_set() and self.book.step < total:
+            # an island's hook (``hook``): the parameters held here were handed back to the user
+            # already, and the next deposit replaces them; arrivals and a resync are applied to
+            # that deposit instead (below), or they would be lost with the base moved on
+            if self._resync_requested and not hook:
+                await self._resync()
+            if self.pending and not hook:
+                await self._apply_pending()
+            t0 = time.monotonic()
+            loss = await self._in_worker(self.backend.step)
+            if loss is None:  # the backend has no step to take: an island closing (learner.island)
+                break
+            if self._halt.is_set() and cfg.synthetic:
+                break  # the synthetic sleep was cut short: do not count a partial step
+            if not self.backend.slowdown_included and cfg.slowdown > 1.0:
+                await self._sleep(lp.extra_sleep(time.monotonic() - t0, cfg.slowdown))
+            due = self.book.on_step(time.monotonic() - t0)
+            self.loss = loss
+            self.rate.add(time.monotonic(), self.tokens_per_step)
+            if hook:
+                # mix arrivals (or a resync) into the parameters just taken and hand them back to
+                # the user now; the outer gradients below are computed while the user's next inner
+                # step runs (JAX arrays are immutable, so the taken tree stays as it was)
+                if self._resync_requested:
+                    await self._resync()
+                    due = []  # the step's work is dropped with the rest: nothing to send
+                if self.pending:
+                    await self._apply_pending()
+                await self._in_worker(self.backend.serve)
+            waits = []
+            for p in due:
+                c = self.book.begin_sync(p)
+                if c is None:
+                    self.log.debug("sync_skipped", fragment=p, reason="previous publish in flight")
+                    continue
+                blob, meta = await self._in_worker(self._prepare, c)
+                task = asyncio.create_task(self._publish(c, blob, meta))
+                self._publishes.add(task)
+                task.add_done_callback(self._publishes.discard)
+                if cfg.mode == "sync":
+                    self._awaiting.add((c.fragment, c.round))
+                    waits.append((c, task))
+            if cfg.mode == "sync" and waits:
+                await self._sync_wait(waits)
+            if not self._fetch_all:
+                self._fetch_candidates()
+        if cfg.final_sync and not self._halt.is_set():
+            await self._final_sync()
+        self.log.info("training_done", step=self.book.step, halted=self._halt.is_set())
+
+    async def _final_sync(self) -> None:
+        """The step budget is reached: send the steps every fragment holds since its last sync.
+
+        Without it about H/2 inner steps per fragment of every learner never reach the global model.
+        """
+        await self._drain()  # a publish still in flight would make begin_sync skip its fragment
+        tasks = []
+        for p in self.book.unsent_fragments():
+            c = self.book.begin_sync(p)
+            if c is None:
+                continue
+            blob, meta = await self._in_worker(self._prepare, c)
+            tasks.append(asyncio.create_task(self._publish(c, blob, meta)))
+        if tasks:
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            self.log.info("final_sync", fragments=len(tasks), published=sum(1 for d in done if d is True))
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            try:
+                await asyncio.wait_for(self._halt.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+
+    def _prepare(self, c: lp.Contribution) -> tuple[bytearray, dict]:
+        """Worker thread: Delta = base - theta (+ residual), quantised, and its metadata.
+
+        The reference then moves to theta: base_p <- theta_p. The next outer gradient of p holds only
+        progress made after this one, so work is never sent twice when no new global version arrives
+        in between (the aggregator down, a slow merge, a network cut): without this, every later
+        delta would repeat this one and the aggregator would apply it again and again.
+        """
+        p, q = c.fragment, self.cfg.quantiser
+        ef = self.cfg.error_feedback and q != "fp32"
+        base, res = self.base[p], self.residual[p]
+        if ef and res is not None and hasattr(self.backend, "fold_progress") and _owned(base) and _owned(res):
+            # residual += base - theta and base <- theta, chunk by chunk from the parameters; the
+            # new residual is then written over the corrected vector: a sync allocates nothing of
+            # the fragment's size but its blob (bench.island; bitwise the path below without unsent
+            # work, since r + d == d + r)
+            self.backend.fold_progress(p, base, res)
+            if self.unsent[p] is not None:
+                res += self.unsent[p]
+                self.unsent[p] = None
+            blob, _, _, self.quant_error = codec.encode_with_feedback(  # the new residual is in res
+                res, None, q, keep_residual=True, want_sent=False, in_place=True)
+            return self._finish_prepare(c, blob)
+        theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
+        # the base is ours alone (never an alias of the parameters or a keyframe) and replaced
+        # below: the delta goes into its memory, one fragment-sized array less at the peak of a sync
+        delta = outer_gradient(base, theta, out=base if _owned(base) and base.shape == theta.shape else None)
+        if self.unsent[p] is not None:  # a publish that failed for good: its work goes out now
+            delta += self.unsent[p]
+            self.unsent[p] = None
+        self.base[p] = theta
+        # error feedback, quantisation and the decoded copy in one chunked pass (bitwise the
+        # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
+        blob, _, residual, self.quant_error = codec.encode_with_feedback(
+            delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False)
+        if ef:
+            self.residual[p] = residual
+        return self._finish_prepare(c, blob)
+
+    def _finish_prepare(self, c: lp.Contribution, blob: bytearray) -> tuple[bytearray, dict]:
+        p = c.fragment
+        meta = grad_meta(run=self.common.run, model=self.model_hash, learner=self.id,
+                         incarnation=self.incarnation, fragment=p, round_=c.round,
+                         base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
+                         region=self.common.region, period=c.period)
+        self._sent[(p, c.round)] = blob  # what was sent is decode(blob), rebuilt only if the publish fails
+        return blob, meta
+
+    async def _publish(self, c: lp.Contribution, blob, meta: dict) -> bool:
+        ok = False
+        try:
+            await self.publisher.publish(self.s.grad(c.fragment, self.id),
+                                         grad_obj_id(self.common.run, self.id, self.incarnation, c.fragment,
+                                                     c.round) + "." + self._nonce,
+                                         blob, meta)
+            ok = True
+            self.log.debug("contributed", fragment=c.fragment, round=c.round, base=c.base_version,
+                           steps=c.steps, bytes=len(blob))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.warning("publish_failed", fragment=c.fragment, round=c.round, error=repr(e))
+        finally:
+            sent_blob = self._sent.pop((c.fragment, c.round), None)
+            if not ok and sent_blob is not None:  # give the work back: it joins the next outer gradient
+                p = c.fragment
+                sent = np.array(codec.decode_array(sent_blob), dtype=np.float32).reshape(-1)
+                self.unsent[p] = sent if self.unsent[p] is None else self.unsent[p] + sent
+            self.book.end_sync(c, ok)
+        return ok
+
+    async def _sync_wait(self, waits: list) -> None:
+        """Sync mode: wait until a merged global version includes each contribution (or timeout)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.sync_timeout
+        for c, task in waits:
+            key = (c.fragment, c.round)
+            try:
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+                published = task in done and not task.cancelled() and task.result()
+            except Exception:
+                published = False
+            while published and not self._halt.is_set():
+                self._news.clear()
+                f = self.book.frags[c.fragment]
+                if lp.sync_satisfied(self.applied_in.get(key), max(f.base_version, f.pending_version)):
+                    break
+                rest = deadline - time.monotonic()
+                if rest <= 0:
+                    self.sync_timeouts += 1
+                    self.log.warning("sync_timeout", fragment=c.fragment, round=c.round,
+                                     waited=round(time.monotonic() - t0, 3))
+                    break
+                try:
+                    await asyncio.wait_for(self._news.wait(), min(rest, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+            self.applied_in.pop(key, None)
+            self._awaiting.discard(key)
+        self.blocked_s += time.monotonic() - t0
+        if self.pending:
+            await self._apply_pending()
+
+    async def _apply_pending(self) -> None:
+        items, self.pending = self.pending, {}
+        merged = await self._in_worker(self._apply, items)
+        for p, v in merged:
+            self.book.on_merged(p, v)
+        if merged:
+            self.log.debug("merged", versions=dict(merged))
+
+    def _apply(self, items: dict[int, tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
+        """Worker thread, at a step boundary: theta_p <- Theta_p + (theta_p - base_p) (rebase) or
+        mix(theta_p, Theta_p, alpha) (mix); then base_p <- Theta_p."""
+        alpha = self.cfg.mix_alpha
+        merged = []
+        for p, (v, vec) in sorted(items.items()):
+            if v <= self.book.frags[p].base_version:
+                continue
+            if self.cfg.on_arrival == "rebase":
+                self.backend.set_fragment(p, rebase(self.backend.get_fragment(p), self.base[p], vec))
+            elif alpha == 0.0:
+                self.backend.set_fragment(p, vec)
+            else:
+                self.backend.set_fragment(p, mix(self.backend.get_fragment(p), vec, alpha))
+            self.base[p] = vec
+            merged.append((p, v))
+        return merged
+
+    async def _resync(self) -> None:
+        """Evicted while alive: take the newest version of every fragment, drop local state."""
+        self._resync_requested = False
+        t0 = time.monotonic()
+        try:
+            vectors, versions = await fetch_newest(self.store, self.plan,
+                                                   t0 + max(30.0, self.cfg.sync_timeout), self.log)
+        except StartupError as e:
+            self.log.warning("resync_failed", reason=str(e))
+            self._resync_requested = True
+            return
+        finally:
+            self.blocked_s += time.monotonic() - t0
+        await self._in_worker(self.backend.load, vectors)
+        self.base = vectors
+        self.residual = [None] * self.P
+        self.unsent = [None] * self.P
+        self.pending = {p: pv for p, pv in self.pending.items() if pv[0] > versions[p]}
+        self.book.on_resync(versions)
+        self.log.warning("resynced", versions=versions, step=self.book.step)
+
+    async def _drain(self) -> None:
+        if self._publishes:
+            await asyncio.wait(set(self._publishes), timeout=DRAIN_TIMEOUT)
+
+    # -- global versions ----------------------------------------------------------------------------
+
+    def _fetch_candidates(self) -> None:
+        """fetch=round, at a step boundary: start the downloads that became due."""
+        for p, head in list(self._candidate.items()):
+            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period)) and not any(
+                    t.get_name() == f"fetch-{p}" for t in self._fetches):
+                task = asyncio.create_task(self._on_head(head), name=f"fetch-{p}")
+                self._fetches.add(task)
+                task.add_done_callback(self._fetches.discard)
+
+    async def _on_head(self, head: Head) -> None:
+        p = head.fragment
+        if not 0 <= p < self.P:
+            self._reject_global("wrong_fragment", head)
+            return
+        async with self._head_lock:
+            if self._refused.get(p) == head:
+                # refused already: the watch and a step boundary's fetch of the same candidate can
+                # both hand it here (test_hostile counted a forged head twice, about 1 run in 10)
+                return
+            if self._fetch_all:
+                due = self.book.wants(p, head.version)
+            else:
+                # download later, once per own sync: remember the newest head (the latest received,
+                # so a forged huge version is replaced by the next genuine one)
+                if head.version > self.book.frags[p].base_version:
+                    self._candidate[p] = head
+                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period))
+                if not due:
+                    return
+            if due:
+                # fetch and check the blob before believing the head: a forged or broken head must
+                # not advance what we think the newest version is
+                try:
+                    vec = await self.store.read(head)
+                except NotFoundError:
+                    # replaced by a newer version meanwhile (its head follows), or a head whose
+                    # sequences hold something else (forged)
+                    self._reject_global("unreadable", head)
+                    self._drop_candidate(head)
+                    self._news.set()
+                    return
+                except Exception as e:
+                    self._reject_global("bad_blob", head, error=repr(e))
+                    self._drop_candidate(head)
+                    self._news.set()
+                    return
+                self.pending[p] = (head.version, vec)
+                self.book.on_downloaded(p, head.version)
+                self._drop_candidate(head)
+            self._verified[p] = max(self._verified.get(p, -1), head.version)
+            self.book.on_head(p, head.version)
+            for r in lp.applied_rounds(head.meta, self.id, self.incarnation, p):
+                key = (p, r)
+                if key in self._awaiting:
+                    self.applied_in[key] = min(self.applied_in.get(key, head.version), head.version)
+            self._news.set()
+
+    def _drop_candidate(self, head: Head) -> None:
+        if self._candidate.get(head.fragment) is head:
+            del self._candidate[head.fragment]
+
+    def _reject_global(self, reason: str, head: Head, **kw) -> None:
+        if 0 <= head.fragment < self.P:
+            self._refused[head.fragment] = head
+        self.rejected_globals[reason] = self.rejected_globals.get(reason, 0) + 1
+        self.log.warning("global_version_rejected", reason=reason, fragment=head.fragment, version=head.version, **kw)
+
+    async def _follow_globals(self) -> None:
+        await follow_heads(self.store.store, self._halt, self._on_head, lambda p: self.book.frags[p].known_version,
+                           self.P, self.log, self._verified, HEAD_POLL_INTERVAL)

@@ -1,0 +1,239 @@
+"""The learner's presence in the run: membership followed, heartbeats and metrics published.
+
+A mixin of ``learner.service.Learner``: the watch on this learner's membership key (a resync when
+evicted), DILOCO_START_WITH (wait for peers), DILOCO_DYNAMIC_H (the period from every active
+learner's tokens/s); heartbeats (the last one says ``leaving``) and the metrics message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from bus import codec
+from learner import loop as lp
+from learner.startup import HEAD_POLL_INTERVAL, peak_rss_mib
+
+
+class Presence:
+    """Membership, heartbeats and metrics of a ``Learner``."""
+
+    if TYPE_CHECKING:  # the state is the Learner's (set in its __init__)
+        def __getattr__(self, name: str) -> Any: ...
+        member_state: str | None
+        blocked_s: float
+        _resync_requested: bool
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    def _on_member(self, value: bytes | None) -> None:
+        from bus.members import member_from_dict
+
+        if not value:
+            return
+        try:
+            rec = member_from_dict(orjson.loads(value))
+        except Exception as e:
+            self.log.warning("bad_member_record", error=repr(e))
+            return
+        self.member_state = rec.state.value
+        if lp.should_resync(rec.state.value, rec.incarnation, self.incarnation):
+            self.log.warning("evicted", reason=rec.reason)
+            self._resync_requested = True
+
+    async def _watch_members(self, key: str | None, on_entry, error_event: str, timeout: float) -> None:
+        """Follow the members bucket (``key``, or every key) until halted, watching again after
+        errors; ``await on_entry(kv, entry)`` for every update, and with None after ``timeout``
+        seconds without one."""
+        while not self._halt.is_set():
+            watcher = None
+            try:
+                kv = await self.js.key_value(self.s.bucket("members"))
+                watcher = await (kv.watch(key) if key else kv.watchall())
+                while not self._halt.is_set():
+                    try:
+                        entry = await watcher.updates(timeout=timeout)
+                    except asyncio.TimeoutError:
+                        entry = None
+                    await on_entry(kv, entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.warning(error_event, error=repr(e))
+                await self._sleep(1.0)
+            finally:
+                if watcher is not None:
+                    try:
+                        await watcher.stop()
+                    except Exception:
+                        pass
+
+    async def _wait_for_peers(self) -> None:
+        """DILOCO_START_WITH=N: hold the first inner step until N learners (this one included) are
+        active in the members bucket, or DILOCO_START_WAIT seconds passed (then start anyway, with a
+        warning). Learners started together then train in step: a quorum of K = M is met from the
+        first round, instead of whoever the monitor admitted first merging alone."""
+        n = self.cfg.start_with
+        if n <= 1:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.start_wait
+        states: dict[str, str] = {}
+        watcher = None
+        try:
+            kv = await self.js.key_value(self.s.bucket("members"))
+            watcher = await kv.watchall()
+            while not self._halt.is_set():
+                active = sorted(k for k, st in states.items() if st == "active")
+                if len(active) >= n:
+                    self.log.info("peers_ready", active=active, waited=round(time.monotonic() - t0, 3))
+                    return
+                rest = deadline - time.monotonic()
+                if rest <= 0:
+                    self.log.warning("start_wait_expired", wanted=n, active=active, waited=round(self.cfg.start_wait, 3))
+                    return
+                try:
+                    e = await watcher.updates(timeout=min(rest, 1.0))
+                except asyncio.TimeoutError:
+                    continue
+                if e is None:  # the end of the bucket's current values
+                    continue
+                try:
+                    rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
+                    states[e.key] = rec.get("state") if isinstance(rec, dict) else None
+                except ValueError:
+                    states.pop(e.key, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.warning("start_wait_failed", error=repr(e))
+        finally:
+            self.blocked_s += time.monotonic() - t0
+            if watcher is not None:
+                try:
+                    await watcher.stop()
+                except Exception:
+                    pass
+
+    async def _follow_membership(self) -> None:
+        last_rev = 0
+
+        async def on_entry(kv, entry) -> None:
+            nonlocal last_rev
+            if entry is None:  # safety net: the watch may be re-creating its consumer
+                try:
+                    entry = await kv.get(self.id)
+                except Exception:
+                    entry = None
+            if entry is None or entry.revision <= last_rev:
+                return
+            last_rev = entry.revision
+            self._on_member(entry.value)
+
+        await self._watch_members(self.id, on_entry, "membership_watch_error", HEAD_POLL_INTERVAL)
+
+    async def _follow_rates(self) -> None:
+        """DILOCO_DYNAMIC_H: follow the active learners' tokens/s in the members bucket (the monitor
+        writes each heartbeat's rate there, every DILOCO_KV_REFRESH at least) and set the period."""
+        peers: dict[str, float] = {}
+
+        async def on_entry(kv, e) -> None:
+            if e is not None and e.key != self.id:
+                try:
+                    rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
+                    rate = float(rec.get("tokens_per_s") or 0.0) if rec.get("state") == "active" else 0.0
+                except (ValueError, TypeError, AttributeError):
+                    rate = 0.0
+                if rate > 0:
+                    peers[e.key] = rate
+                else:
+                    peers.pop(e.key, None)
+            self._update_period(peers)
+
+        await self._watch_members(None, on_entry, "rates_watch_error", 1.0)
+
+    def _update_period(self, peers: dict[str, float]) -> None:
+        mine = self.rate.rate(time.monotonic())
+        h = lp.dynamic_period(self.cfg.sync_every, mine, list(peers.values()), current=self.book.period)
+        if self.book.set_period(h):
+            self.log.info("period_changed", period=h, H=self.cfg.sync_every, tokens_per_s=round(mine, 1),
+                          fastest=round(max(peers.values(), default=mine), 1))
+
+    # -- liveness and metrics -----------------------------------------------------------------------
+
+    def heartbeat(self) -> dict:
+        from bus.heartbeat import Heartbeat, heartbeat_to_dict
+
+        hb = Heartbeat(learner=self.id, region=self.common.region, incarnation=self.incarnation,
+                       step=self.book.step, tokens_per_s=self.rate.rate(time.monotonic()),
+                       versions=self.book.versions(), sent_at=time.time())
+        return heartbeat_to_dict(hb)
+
+    async def _leave(self, beats: asyncio.Task) -> None:
+        """Done (the step budget, an island closed, a stop), with every publish settled: the last
+        heartbeat says ``leaving``, so the monitor marks us ``left`` rather than evicting us for the
+        silence, and the aggregator still merges what we sent (tests/test_system_membership.py)."""
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        hb = self.heartbeat()
+        hb["leaving"] = True
+        try:
+            await self.nc.publish(self.s.heartbeat(self.id), orjson.dumps(hb))
+            await self.nc.flush(timeout=5)
+            self.log.info("left", step=self.book.step)
+        except Exception as e:  # the monitor then evicts us for the silence, as before
+            self.log.warning("leave_failed", error=repr(e))
+
+    async def _heartbeats(self) -> None:
+        interval = self.cfg.heartbeat_interval
+        subject = self.s.heartbeat(self.id)
+        t_next = time.monotonic()
+        while not self._halt.is_set():
+            try:
+                await self.nc.publish(subject, orjson.dumps(self.heartbeat()))
+            except Exception as e:
+                self.log.debug("heartbeat_failed", error=repr(e))
+            t_next += interval
+            now = time.monotonic()
+            if t_next < now:  # we fell behind (loop stalled): do not burst to catch up
+                t_next = now
+            await self._sleep(t_next - now)
+
+    def metrics(self) -> dict:
+        c = self.book.counters()
+        m = {
+            "role": "learner", "run": self.common.run, "ts": time.time(), "learner": self.id,
+            "region": self.common.region, "incarnation": self.incarnation, "mode": self.cfg.mode,
+            "compute": "synthetic" if self.cfg.synthetic else "model", "step": self.book.step, "tokens": self.book.tokens,
+            "loss": self.loss if math.isfinite(self.loss) else None,
+            "tokens_per_s": self.rate.rate(time.monotonic()),
+            "bytes_sent": self.publisher.bytes_sent if self.publisher else 0,
+            "bytes_received": self.store.bytes_received if self.store else 0,
+            "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),
+            "quant_error": self.quant_error, "contributions": self.book.contributions,
+            "steps_sent": self.book.steps_sent, "period": self.book.period,
+            "skipped_syncs": c["skipped"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
+            "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
+            "rejected_globals": {**self.rejected_globals,
+                                 **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
+            "versions": {str(p): v for p, v in self.book.versions().items()},
+            "rss_mib": peak_rss_mib(), "state_mib": round(self.memory()["total"] / 2**20, 3),
+        }
+        if self.member_state:
+            m["state"] = self.member_state
+        return m
+
+    async def _publish_metrics(self) -> None:
+        try:
+            await self.nc.publish(self.s.metrics("learner", self.id), codec.dumps_json(self.metrics()))
+        except Exception as e:
+            self.log.debug("metrics_failed", error=repr(e))
+
+    async def _metrics_loop(self) -> None:
+        while not self._halt.is_set():
+            await self._publish_metrics()
+            await self._sleep(self.common.metrics_interval)

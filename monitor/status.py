@@ -1,0 +1,311 @@
+"""``diloco status``: one snapshot of a run read from JetStream and KV (membership with each
+learner's freshest heartbeat time, leader lease, version per fragment, stream sizes, server health).
+The connection, argument and error handling it shares with ``diloco metrics`` are in
+:mod:`monitor.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shutil
+import time
+from typing import Any
+
+from bus.codec import CodecError, dumps_json, loads_json
+from bus.config import CommonConfig
+from bus.subjects import GLOBAL, Subjects
+from monitor.metrics_view import fmt_age
+
+from monitor.cli import _add_common_args, _describe, _fmt_bytes, _run_cli, open_connection, redact_url
+
+
+def _version(nc) -> str:
+    v = nc.connected_server_version
+    try:
+        return f"{v.major}.{v.minor}.{v.patch}"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def heard_from_monitor(msg: Any) -> dict[str, float]:
+    """{learner: newest heartbeat time} from a monitor's metrics message (its ``seen`` map); {} when
+    the message has none or is malformed (bad entries are skipped, at most 4096 are read)."""
+    seen = msg.get("seen") if isinstance(msg, dict) and msg.get("role") == "monitor" else None
+    if not isinstance(seen, dict):
+        return {}
+    out: dict[str, float] = {}
+    for k, v in list(seen.items())[:4096]:
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                and v > 0:
+            out[k] = float(v)
+    return out
+
+
+def freshen_seen(members: list[dict[str, Any]], heard: dict[str, float]) -> list[dict[str, Any]]:
+    """Members with ``last_seen`` moved to a monitor's fresher heartbeat time (``seen_from``: "monitor"),
+    or left as the bucket has it ("record"). The bucket is rewritten only every DILOCO_KV_REFRESH (5 s),
+    so its ``last_seen`` alone made SEEN read 4-5 s for learners beating every second."""
+    out = []
+    for m in members:
+        t = heard.get(str(m.get("learner")))
+        if t is not None and t > (m.get("last_seen") or 0.0):
+            out.append({**m, "last_seen": t, "seen_from": "monitor"})
+        else:
+            out.append({**m, "seen_from": "record"})
+    return out
+
+
+async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
+    """One snapshot of ``run`` from JetStream and KV (pure reads; every section fails alone).
+
+    ``seen_wait > 0``: also listen to the monitors' metrics messages for up to that many seconds
+    (until the leader's arrives) and take their fresher heartbeat times (:func:`freshen_seen`)."""
+    from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+    from bus.protocol import MANIFEST_KEY, Manifest
+    from bus.streams import inspect_run
+    from bus.transport import VersionedStore
+    from monitor.lease import LEASE_KEY, parse_lease
+    from monitor.membership import count_states, member_to_dict
+    from monitor.service import load_members
+
+    js = nc.jetstream(timeout=5.0)
+    s = Subjects(run)
+    heard: dict[str, float] = {}
+    leader_heard = asyncio.Event()
+    sub = None
+    if seen_wait > 0:
+        async def on_monitor(m) -> None:
+            try:
+                msg = loads_json(m.data)
+            except CodecError:
+                return
+            for k, v in heard_from_monitor(msg).items():
+                heard[k] = max(heard.get(k, 0.0), v)
+            if isinstance(msg, dict) and msg.get("leader") is True:
+                leader_heard.set()
+
+        try:
+            sub = await nc.subscribe(f"{s.prefix}.metrics.monitor.*", cb=on_monitor)
+        except Exception:  # noqa: BLE001 - not allowed or not connected: the records alone
+            sub = None
+    now = time.time()
+    info = getattr(nc, "_server_info", {}) or {}
+    url = nc.connected_url
+    out: dict[str, Any] = {
+        "run": run,
+        "ts": now,
+        "server": {
+            "url": redact_url(url.geturl()) if url is not None else None,
+            "version": info.get("version") or _version(nc),
+            "name": info.get("server_name"),
+            "id": info.get("server_id"),
+            "jetstream": bool(info.get("jetstream")),
+            "max_payload": nc.max_payload,
+            "connected": nc.is_connected,
+        },
+    }
+
+    try:
+        t0 = time.monotonic()
+        await nc.flush(timeout=5)
+        out["server"]["rtt_ms"] = round((time.monotonic() - t0) * 1000, 2)
+        acct = await js.account_info()
+        lim = acct.limits
+        out["jetstream"] = {
+            "memory": acct.memory, "storage": acct.storage, "streams": acct.streams, "consumers": acct.consumers,
+            "domain": acct.domain,
+            "limits": {k: getattr(lim, k, None) for k in ("max_memory", "max_storage", "max_streams", "max_consumers")},
+            "api": {"total": getattr(acct.api, "total", None), "errors": getattr(acct.api, "errors", None)},
+        }
+    except Exception as e:  # noqa: BLE001 - e.g. JetStream not enabled for this account
+        out["jetstream"] = {"error": _describe(e)}
+
+    try:
+        kv = await js.key_value(s.bucket("members"))
+        members, revs, bad = await load_members(kv)
+        out["membership"] = {
+            "counts": count_states(members),
+            "members": [{**member_to_dict(members[k]), "revision": revs.get(k)} for k in sorted(members)],
+            "unreadable": bad,
+        }
+    except BucketNotFoundError:
+        out["membership"] = None
+    except Exception as e:  # noqa: BLE001
+        out["membership"] = {"error": _describe(e)}
+    if sub is not None:
+        if isinstance(out["membership"], dict) and out["membership"].get("members"):
+            try:
+                await asyncio.wait_for(leader_heard.wait(), timeout=seen_wait)
+            except asyncio.TimeoutError:
+                pass
+            out["membership"]["members"] = freshen_seen(out["membership"]["members"], heard)
+            out["ts"] = now = time.time()
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
+
+    try:
+        lkv = await js.key_value(s.bucket("lease"))
+        entry = await lkv.get(LEASE_KEY)
+        lease = parse_lease(entry.value, entry.revision)
+        out["leader"] = {"id": lease.holder, "until": lease.until, "valid": lease.until > now}
+    except (BucketNotFoundError, KeyNotFoundError):
+        out["leader"] = None
+    except Exception as e:  # noqa: BLE001
+        out["leader"] = {"error": _describe(e)}
+
+    manifest = None
+    try:
+        rkv = await js.key_value(s.bucket("run"))
+        entry = await rkv.get(MANIFEST_KEY)
+        manifest = Manifest.from_dict(loads_json(entry.value))  # type: ignore[arg-type]
+        out["manifest"] = manifest.to_dict()
+    except (BucketNotFoundError, KeyNotFoundError):
+        out["manifest"] = None
+    except Exception as e:  # noqa: BLE001 - CodecError, malformed manifest
+        out["manifest"] = {"error": _describe(e)}
+
+    if manifest is not None:
+        store = VersionedStore(js, run, GLOBAL)
+        versions: dict[str, int | None] = {}
+        for f in range(manifest.num_fragments):
+            try:
+                h = await store.head(f)
+                versions[str(f)] = None if h is None else h.version
+            except Exception:  # noqa: BLE001 - a bad head record
+                versions[str(f)] = None
+        out["versions"] = versions
+    else:
+        out["versions"] = None
+
+    try:
+        out["streams"] = await inspect_run(js, run)
+    except Exception as e:  # noqa: BLE001
+        out["streams"] = {"error": _describe(e)}
+    return out
+
+
+def render_status(st: dict[str, Any], width: int = 120) -> str:
+    """Text form of :func:`gather_status` output (deterministic given ``st``)."""
+    now = st.get("ts") or 0.0
+    lines = [f"run        {st['run']}"]
+    srv = st["server"]
+    rtt = srv.get("rtt_ms")
+    lines.append(
+        f"server     {srv.get('url')}  nats-server {srv.get('version')}"
+        + (f"  name {srv['name']}" if srv.get("name") else "")
+        + f"  max_payload {_fmt_bytes(srv.get('max_payload'))}"
+        + (f"  rtt {rtt:.1f}ms" if isinstance(rtt, (int, float)) else "")
+    )
+    js = st.get("jetstream") or {}
+    if "error" in js:
+        lines.append(f"jetstream  ERROR {js['error']}")
+    else:
+        lines.append(
+            f"jetstream  {js.get('streams')} streams, {js.get('consumers')} consumers, "
+            f"storage {_fmt_bytes(js.get('storage'))}, memory {_fmt_bytes(js.get('memory'))}"
+            + (f", domain {js['domain']}" if js.get("domain") else "")
+        )
+
+    leader = st.get("leader")
+    if leader is None:
+        lines.append("leader     none (no monitor has taken the lease)")
+    elif "error" in leader:
+        lines.append(f"leader     ERROR {leader['error']}")
+    elif leader["valid"]:
+        lines.append(f"leader     {leader['id']} (lease valid for {fmt_age(leader['until'] - now)})")
+    else:
+        lines.append(f"leader     {leader['id'] or '?'} (lease EXPIRED {fmt_age(now - leader['until'])} ago)")
+
+    ms = st.get("membership")
+    if ms is None:
+        lines.append("members    no membership bucket: the run has not been created (diloco run create)")
+    elif "error" in ms:
+        lines.append(f"members    ERROR {ms['error']}")
+    else:
+        counts = ", ".join(f"{k} {n}" for k, n in ms["counts"].items())
+        lines.append(f"members    {len(ms['members'])}: {counts}")
+        if ms["members"]:
+            rows = [("LEARNER", "REGION", "STATE", "SINCE", "SEEN", "STEP", "REASON")]
+            for m in ms["members"]:
+                rows.append((m["learner"], m["region"], m["state"], fmt_age(now - m["since"]),
+                             fmt_age(now - m["last_seen"]), str(m["step"]), m["reason"]))
+            widths = [max(len(r[i]) for r in rows) for i in range(6)]
+            for r in rows:
+                text = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]
+                lines.append(text[:width])
+        for key, why in ms.get("unreadable", {}).items():
+            lines.append(f"  unreadable record {key}: {why}"[:width])
+
+    man = st.get("manifest")
+    vers = st.get("versions")
+    if man is None:
+        lines.append("versions   no run manifest yet (the aggregator writes it when it creates version 0)")
+    elif "error" in man:
+        lines.append(f"versions   ERROR reading the manifest: {man['error']}")
+    else:
+        vals = [v for v in (vers or {}).values() if v is not None]
+        head = (f"versions   {man['num_fragments']} fragments, model {str(man['model_hash'])[:12]}, "
+                f"plan {str(man['plan_hash'])[:12]}")
+        if vals:
+            head += f", v{min(vals)}..v{max(vals)}"
+        lines.append(head)
+        cells = [f"f{f}={'-' if v is None else f'v{v}'}" for f, v in (vers or {}).items()]
+        line = " "
+        for c in cells:
+            if len(line) + len(c) + 1 > width:
+                lines.append(line)
+                line = " "
+            line += " " + c
+        if line.strip():
+            lines.append(line)
+
+    streams = st.get("streams") or {}
+    if "error" in streams:
+        lines.append(f"streams    ERROR {streams['error']}")
+    else:
+        lines.append("streams")
+        w = max([len(k) for k in streams] + [4])
+        for name, info in streams.items():
+            if info is None:
+                lines.append(f"  {name.ljust(w)}  missing")
+            else:
+                lines.append(f"  {name.ljust(w)}  {info['messages']:>9} msgs  {_fmt_bytes(info['bytes']):>9}")
+    return "\n".join(lines)
+
+
+async def _status(cfg: CommonConfig, a: argparse.Namespace) -> int:
+    nc = await open_connection(cfg, name="cli-status")
+    try:
+        st = await gather_status(nc, cfg.run, seen_wait=a.wait)
+    finally:
+        try:
+            await nc.close()
+        except Exception:
+            pass
+    if a.json:
+        print(dumps_json(st).decode())
+    else:
+        print(render_status(st, width=max(60, shutil.get_terminal_size((120, 24)).columns)))
+    return 0
+
+
+def cmd_status(argv: list[str]) -> int:
+    """``diloco status``: one snapshot of a run from JetStream and KV."""
+    p = argparse.ArgumentParser(
+        prog="diloco status",
+        description="One snapshot of a run: membership, leader, version per fragment, streams, server health.",
+    )
+    _add_common_args(p)
+    p.add_argument("--wait", type=float, default=2.5,
+                   help="seconds to wait for the leading monitor's metrics message, whose heartbeat times are "
+                        "fresher than the members bucket's (rewritten every DILOCO_KV_REFRESH); 0: the bucket "
+                        "only (default 2.5)")
+    a = p.parse_args(argv)
+    if not (a.wait >= 0 and math.isfinite(a.wait)):
+        p.error("--wait must be >= 0")
+    return _run_cli("diloco status", _status, a)
