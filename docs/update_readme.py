@@ -2,7 +2,7 @@
 
 import pathlib
 
-from bus.cli import load_role_configs
+from diloco.cli import load_role_configs
 from bus.config import markdown_table
 
 START, END = "<!-- config-table:start -->", "<!-- config-table:end -->"
