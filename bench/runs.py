@@ -80,7 +80,12 @@ class Cluster:
         self.dir = self._tmp.name
         self.srv = EmbeddedServer(store_dir=os.path.join(self.dir, "nats")).start()
         self.url = self.srv.url
-        self.nc = await connect(CommonConfig(nats_url=self.url, run=self.run), "bench-tap")
+        await self.open_tap(CommonConfig(nats_url=self.url, run=self.run))
+        return self
+
+    async def open_tap(self, cfg: CommonConfig) -> None:
+        """Connect as ``cfg`` and keep every role's newest metrics message in ``latest``."""
+        self.nc = await connect(cfg, "bench-tap")
         self.s = Subjects(self.run)
 
         async def on_metrics(m):
@@ -91,7 +96,6 @@ class Cluster:
                 pass
 
         await self.nc.subscribe(self.s.metrics_all, cb=on_metrics)
-        return self
 
     async def __aexit__(self, *exc) -> None:
         await self.stop_sampler()

@@ -27,10 +27,8 @@ from bench.netns import WanNet, in_netns
 from bench.relay import Relay
 from bench.runs import PY, Cluster
 from bus.config import CommonConfig
-from bus.conn import connect
 from bus.server import DEFAULT_MAX_PAYLOAD, _die_with_parent, find_binary, render_config
 from bus.signals import terminate_all
-from bus.subjects import Subjects
 from diloco.topology import hub_extra_config, leaf_extra_config
 
 CLIENT_PORT, HTTP_PORT, LEAF_PORT, RELAY_PORT = 4222, 8222, 7422, 7500
@@ -120,18 +118,8 @@ class WanCluster(Cluster):
             await asyncio.to_thread(self._start_servers)
             self.url = LOCAL_URL
             me = self.creds.get("metrics", {})
-            self.nc = await connect(CommonConfig(nats_url=self.url, run=self.run, nats_user=me.get("DILOCO_NATS_USER"),
-                                                 nats_password=me.get("DILOCO_NATS_PASSWORD")), "bench-tap")
-            self.s = Subjects(self.run)
-
-            async def on_metrics(m):
-                try:
-                    d = orjson.loads(m.data)
-                    self.latest[(d.get("role"), m.subject.rsplit(".", 1)[-1])] = d
-                except Exception:
-                    pass
-
-            await self.nc.subscribe(self.s.metrics_all, cb=on_metrics)
+            await self.open_tap(CommonConfig(nats_url=self.url, run=self.run, nats_user=me.get("DILOCO_NATS_USER"),
+                                             nats_password=me.get("DILOCO_NATS_PASSWORD")))
         except BaseException:
             self._stop_servers()
             self._tmp.cleanup()
