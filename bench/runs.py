@@ -104,8 +104,11 @@ class Cluster:
             await self.nc.close()
         except Exception:
             pass
-        self.srv.close()
+        self.close_servers()
         self._tmp.cleanup()
+
+    def close_servers(self) -> None:
+        self.srv.close()
 
     # -- processes ---------------------------------------------------------------------------------
 

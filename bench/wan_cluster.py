@@ -164,15 +164,8 @@ class WanCluster(Cluster):
         for r in self.relays:
             r.close()
 
-    async def __aexit__(self, *exc) -> None:
-        await self.stop_sampler()
-        self.close_procs()
-        try:
-            await self.nc.close()
-        except Exception:
-            pass
+    def close_servers(self) -> None:  # Cluster.__aexit__: after the processes and the tap
         self._stop_servers()
-        self._tmp.cleanup()
 
     # -- processes ---------------------------------------------------------------------------------------
 
