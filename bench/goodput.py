@@ -49,6 +49,7 @@ import time
 import orjson
 
 from bench.common import finish, parser, progress
+from bench.goodput_timings import mode_timings
 from bench.runs import FAST_MONITOR, Cluster
 
 M = 8
@@ -92,21 +93,30 @@ async def run_mode(mode: str, trace, T: float) -> dict:
     shared = {**MODEL, **FAST_MONITOR, **LEARNER, **lenv}
     names = [f"learner-{i}" for i in range(M)]
     steps_of: dict[tuple, int] = {}  # (learner, inc, frag, round) -> inner steps
+    arrived: dict[tuple, float] = {}  # (learner, inc, frag, round) -> wall time its first chunk reached the tap
     merges: list[tuple[float, list]] = []  # (monotonic receive time, applied keys)
+    merge_log: list[tuple[float, int, list]] = []  # (aggregator's wall time, fragment, applied keys)
     inc_steps: dict[tuple[str, str], int] = {}  # (learner, incarnation) -> newest step
+    first_hb: dict[tuple[str, str], float] = {}  # (learner, incarnation) -> wall time of its first heartbeat
+    latest_inc: dict[str, str] = {}  # learner -> incarnation of its newest heartbeat
+    transitions: list[tuple[float, str, str | None, str]] = []  # membership events (at, learner, old, new)
     async with Cluster(run, shared, metrics_interval=0.5) as c:
         async def on_grad(m):
             try:
                 h = orjson.loads(m.headers["Diloco-Chunk"])
                 if h["i"] == 0:
                     meta = h["m"]
-                    steps_of[(meta["learner"], meta["inc"], meta["frag"], meta["round"])] = meta["steps"]
+                    key = (meta["learner"], meta["inc"], meta["frag"], meta["round"])
+                    steps_of[key] = meta["steps"]
+                    arrived.setdefault(key, time.time())
             except Exception:
                 pass
 
         async def on_merge(m):
             try:
-                merges.append((time.monotonic(), orjson.loads(m.data)["applied"]))
+                d = orjson.loads(m.data)
+                merges.append((time.monotonic(), d["applied"]))
+                merge_log.append((float(d["ts"]), int(d["fragment"]), d["applied"]))
             except Exception:
                 pass
 
@@ -118,9 +128,26 @@ async def run_mode(mode: str, trace, T: float) -> dict:
             except Exception:
                 pass
 
+        async def on_heartbeat(m):
+            try:
+                d = orjson.loads(m.data)
+                first_hb.setdefault((d["learner"], d["incarnation"]), time.time())
+                latest_inc[d["learner"]] = d["incarnation"]
+            except Exception:
+                pass
+
+        async def on_membership(m):
+            try:
+                d = orjson.loads(m.data)
+                transitions.append((float(d["at"]), d["learner"], d["old"], d["new"]))
+            except Exception:
+                pass
+
         await c.nc.subscribe(c.s.grad_all, cb=on_grad, pending_bytes_limit=512 * 1024 * 1024)
         await c.nc.subscribe(c.s.event("merge"), cb=on_merge)
         await c.nc.subscribe(f"{c.s.prefix}.metrics.learner.*", cb=on_metrics)
+        await c.nc.subscribe(c.s.heartbeat_all, cb=on_heartbeat)
+        await c.nc.subscribe(c.s.event("membership"), cb=on_membership)
         c.start("monitor", "monitor", **menv)
         c.start("aggregator", "aggregator", **aenv)
         for n in names:
@@ -131,6 +158,8 @@ async def run_mode(mode: str, trace, T: float) -> dict:
         t0 = time.monotonic()
         at_t0 = dict(inc_steps)
         kills = restarts = 0
+        kill_log: list[tuple[float, str, str | None]] = []  # (wall time, learner, its incarnation)
+        start_log: list[tuple[float, str]] = []
         for t, what, i in trace:
             delay = t0 + t - time.monotonic()
             if delay > 0:
@@ -138,8 +167,10 @@ async def run_mode(mode: str, trace, T: float) -> dict:
             n = names[i]
             if what == "kill":
                 c.kill(n)
+                kill_log.append((time.time(), n, latest_inc.get(n)))
                 kills += 1
             else:
+                start_log.append((time.time(), n))
                 c.start(n, "learner", DILOCO_LEARNER_ID=n, DILOCO_NUM_LEARNERS=str(M))
                 restarts += 1
         rest = t0 + T - time.monotonic()
@@ -169,9 +200,13 @@ async def run_mode(mode: str, trace, T: float) -> dict:
            "goodput": round(credited / alloc, 4), "compute_share": round(computed / alloc, 4),
            "credited_s": round(credited, 2), "computed_s": round(computed, 2), "allocated_s": round(alloc, 2),
            "applied_contributions": applied_n, "unmatched_applied": unknown, "contributions_seen": sent,
-           "merges": agg.get("merges"), "rejected": agg.get("rejected"), "monitor_counts": mon.get("counts")}
+           "merges": agg.get("merges"), "rejected": agg.get("rejected"), "monitor_counts": mon.get("counts"),
+           "timings": mode_timings(M=M, round_s=int(lenv["DILOCO_SYNC_EVERY"]) * STEP_TIME,
+                                   lockstep=lenv["DILOCO_MODE"] == "sync", starts=start_log, kills=kill_log,
+                                   first_hb=first_hb, transitions=transitions, merges=merge_log, arrivals=arrived)}
     progress(f"{mode}: goodput {out['goodput']:.3f} (stepping {out['compute_share']:.3f} of allocated time), "
-             f"{kills} kills, {applied_n} applied contributions, rejected {agg.get('rejected')}")
+             f"{kills} kills, {applied_n} applied contributions, rejected {agg.get('rejected')}; timings "
+             + ", ".join(f"{k} {v['median']} (n={v['n']})" for k, v in out["timings"].items()))
     return out
 
 

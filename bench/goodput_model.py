@@ -248,11 +248,29 @@ class BenchSystem:
     suspect_s: float = 0.6
     static_suspect_s: float = 30.0
     warmup_s: float = 5.0  # learners run this long before the window (the bench waits for steps)
+    release_s: float | None = None  # measured kill -> out of the quorum (bench.goodput's release_s)
 
     def detect_s(self, static: bool) -> float:
-        """Kill -> out of the quorum: silence since the last heartbeat (mean half an interval), the
-        suspect threshold, the monitor's tick (every half interval: mean a quarter), the lag."""
+        """Kill -> out of the quorum: the measured ``release_s`` where a run gives it (fast
+        monitor only); else silence since the last heartbeat (mean half an interval), the suspect
+        threshold, the monitor's tick (every half interval: mean a quarter), the lag."""
+        if self.release_s is not None and not static:
+            return self.release_s
         return (self.static_suspect_s if static else self.suspect_s) + 0.75 * self.heartbeat_s + self.quorum_lag_s
+
+    def measured(self, timings: dict | None, mode: str) -> BenchSystem:
+        """This system with the timings one ``bench.goodput`` mode measured (its ``timings``;
+        bench/goodput_timings.py): start-up, the lock-step round overhead as the merge latency,
+        and the release time as the detection. A timing with no sample keeps its value here."""
+        t = {k: (v or {}).get("median") for k, v in (timings or {}).items()}
+        out = self
+        if t.get("startup_s") is not None:
+            out = replace(out, startup_s=float(t["startup_s"]))
+        if mode != "decoupled" and t.get("round_overhead_s") is not None:
+            out = replace(out, latency_s=max(0.0, float(t["round_overhead_s"])))
+        if mode in ("sync", "dp") and t.get("release_s") is not None:
+            out = replace(out, release_s=float(t["release_s"]))
+        return out
 
 
 #: bench.goodput's last full run (docs/BENCHMARKS.md, "Goodput under failures"): its parameters

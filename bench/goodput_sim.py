@@ -102,8 +102,12 @@ def bench_params(r: dict) -> dict:
             "window": float(r["window_s"])}
 
 
-def sim_modes(trace, params: dict, modes, system: BenchSystem) -> dict:
-    return {m: round(simulate_trace(m, trace, system=system, **params)["goodput"], 4) for m in modes}
+def sim_modes(trace, params: dict, modes, system: BenchSystem, timings: dict | None = None) -> dict:
+    """Simulated goodput per mode; with ``timings`` (mode -> a bench.goodput run's measured
+    timings) each mode runs on the system those timings describe."""
+    timings = timings or {}
+    return {m: round(simulate_trace(m, trace, system=system.measured(timings.get(m), m), **params)["goodput"], 4)
+            for m in modes}
 
 
 def compare(sim: dict, measured: dict) -> dict:
@@ -120,15 +124,23 @@ def against_file(path: str, system: BenchSystem) -> dict:
     trace = [tuple(e) for e in r["trace"]]
     regenerated = failure_trace(int(r["seed"]), float(r["window_s"]), float(r["mtbf_s"]), float(r["repair_s"]))
     measured = {m: float(g) for m, g in r["goodput"].items() if m in TRACE_MODES}
-    share = (r.get("modes", {}).get("decoupled") or {}).get("compute_share")
-    startup = infer_startup(trace, share, system=system, **params) if share is not None else system.startup_s
-    used = replace(system, startup_s=startup)
+    rows = r.get("modes", {})
+    timings = {m: rows[m]["timings"] for m in measured if (rows.get(m) or {}).get("timings")}
+    share = (rows.get("decoupled") or {}).get("compute_share")
+    if timings:  # the run measured its own timings: nothing is inferred or fitted
+        used, source = system, "measured per mode (bench.goodput timings)"
+    elif share is not None:  # an older run: start-up inferred from its decoupled stepping share
+        used = replace(system, startup_s=infer_startup(trace, share, system=system, **params))
+        source = "start-up inferred from the decoupled stepping share"
+    else:
+        used, source = system, "defaults"
     out = {"measured_file": path, "params": {**params, "mtbf_s": r["mtbf_s"], "repair_s": r["repair_s"],
                                              "seed": r["seed"], "failures": r.get("failures")},
            "trace_regenerated_identical": [tuple(e) for e in regenerated] == trace,
-           "startup_s": startup, "startup_from": "decoupled stepping share" if share is not None else "default",
-           "sim_vs_measured": compare(sim_modes(trace, params, measured, used), measured)}
-    out["sim_default_startup"] = sim_modes(trace, params, measured, system)
+           "system_from": source, "timings": timings or None,
+           "systems": {m: asdict(used.measured(timings.get(m), m)) for m in measured},
+           "sim_vs_measured": compare(sim_modes(trace, params, measured, used, timings), measured)}
+    out["sim_default_system"] = sim_modes(trace, params, measured, system)
     return out
 
 
@@ -226,7 +238,7 @@ def main() -> None:
     progress(f"docs' full run: max |sim - measured| {docs['max_abs_diff']}")
     if run["sim_vs_measured"] is not None:
         progress(f"{a.measured}: max |sim - measured| {run['sim_vs_measured']['max_abs_diff']} "
-                 f"(start-up {run['startup_s']} s)")
+                 f"(system: {run['system_from']})")
     if a.plot:
         make_plot(rows, a.plot, err)
     finish({"bench": "goodput_sim", "quick": a.quick, "table1_max_error": round(err, 2),

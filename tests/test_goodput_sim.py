@@ -119,3 +119,62 @@ def test_without_a_measured_file_the_comparison_is_null():
     r = default_run(True, BenchSystem())
     assert r["sim_vs_measured"] is None and r["measured_file"] is None and "no measured file" in r["measured_note"]
     assert set(r["sim"]) == {"decoupled", "sync", "dp"}
+
+
+# -- the timings bench.goodput measures (bench/goodput_timings.py) and the simulator takes ---------
+
+def test_startup_is_the_first_heartbeat_of_a_later_incarnation():
+    from bench.goodput_timings import startup_samples
+
+    first_hb = {("a", "i1"): 1.0, ("a", "i2"): 13.5, ("a", "i3"): 40.0, ("b", "j1"): 1.1}
+    assert startup_samples([(12.0, "a"), (30.0, "a"), (50.0, "b")], first_hb) == [1.5, 10.0]
+
+
+def test_suspect_is_the_first_exit_from_active_after_the_kill():
+    from bench.goodput_timings import suspect_samples
+
+    trans = [(5.0, "a", "active", "suspect"), (10.9, "a", "active", "suspect"), (11.0, "a", "suspect", "evicted"),
+             (10.7, "b", "joining", "active")]
+    assert suspect_samples([(10.0, "a"), (10.0, "b")], trans) == pytest.approx([0.9])
+
+
+def test_release_counts_only_kills_the_survivors_were_waiting_on():
+    from bench.goodput_timings import release_samples
+
+    arrivals = {("a", "1", 0, 0): 9.0, ("b", "1", 0, 0): 9.0, ("c", "1", 0, 0): 10.5, ("a", "1", 0, 1): 12.0,
+                ("b", "1", 0, 1): 13.9, ("a", "1", 0, 2): 20.0}
+    merges = [(9.5, 0, [["a", "1", 0, 0], ["b", "1", 0, 0], ["c", "1", 0, 0]]),  # before the kill
+              (12.0, 0, [["a", "1", 0, 0], ["b", "1", 0, 0]]),  # without c, everyone idle since 9.0
+              (14.0, 0, [["a", "1", 0, 1], ["b", "1", 0, 1]]),  # b arrived 0.1 s before: not waiting
+              (21.0, 0, [["c", "1", 0, 2], ["a", "1", 0, 2]])]  # holds the killed incarnation
+    kills = [(10.0, "c", "1"), (13.0, "c", "2"), (15.0, "c", "1"), (16.0, "c", None)]
+    assert release_samples(kills, merges, arrivals, idle_s=0.3) == pytest.approx([2.0])
+
+
+def test_round_overhead_uses_consecutive_full_merges_of_a_fragment():
+    from bench.goodput_timings import mode_timings, round_overhead_samples
+
+    full = [["x", "1", 0, 0]] * 2
+    merges = [(1.0, 0, full), (1.05, 1, full), (1.3, 0, full), (1.6, 0, full[:1]), (1.9, 0, full), (2.2, 0, full),
+              (2.3, 1, full)]
+    assert round_overhead_samples(merges, 2, 0.2) == pytest.approx([0.1, 0.1, 1.05])
+    t = mode_timings(M=2, round_s=0.2, lockstep=False, starts=[], kills=[], first_hb={}, transitions=[],
+                     merges=merges, arrivals={})
+    assert t["round_overhead_s"] == {"median": None, "n": 0} and t["startup_s"]["n"] == 0
+
+
+def test_measured_timings_drive_the_trace_simulation():
+    trace = failure_trace(7, 30.0, 20.0, 3.0)
+    base = BenchSystem()
+    fast = {"release_s": {"median": 0.8, "n": 3}, "round_overhead_s": {"median": 0.02, "n": 9},
+            "startup_s": {"median": 0.8, "n": 3}}
+    slow = {"release_s": {"median": 2.5, "n": 3}, "round_overhead_s": {"median": 0.2, "n": 9},
+            "startup_s": {"median": 0.8, "n": 3}}
+    assert base.measured(fast, "dp").latency_s == 0.02 and base.measured(slow, "sync").release_s == 2.5
+    assert base.measured(slow, "decoupled") == base  # start-up equal; no round or release in async mode
+    assert base.measured(slow, "dp_static").detect_s(static=True) == base.detect_s(static=True)
+    assert base.measured({"startup_s": {"median": None, "n": 0}}, "dp") == base
+    for mode in ("sync", "dp"):
+        g = [simulate_trace(mode, trace, window=30.0, system=base.measured(t, mode), **BENCH)["goodput"]
+             for t in (fast, slow)]
+        assert g[0] > g[1] + 0.03, (mode, g)

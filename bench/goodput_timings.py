@@ -1,0 +1,108 @@
+"""The system timings of one ``bench.goodput`` mode, from what its tap recorded (pure, no I/O).
+
+The goodput simulator (``bench/goodput_model.py``, :func:`simulate_trace`) models the failure
+accounting of the benchmark; the speed of the machine under it is an input, not a prediction.
+These are the timings it needs, measured per mode in the same run (wall-clock seconds, every
+process on one host):
+
+* ``startup_s``: a restarted learner's process start -> its first heartbeat (new incarnation).
+  The simulator's new incarnation heartbeats, and starts its first step, that long after start.
+* ``suspect_s``: a kill -> the monitor's transition of that learner out of ``active`` (suspect or
+  evicted), as the membership event's ``at`` says. Tells the monitor's part of detection.
+* ``release_s``: lock-step modes: a kill -> the first merge after it that leaves the killed
+  incarnation out, over the kills after which the survivors were already waiting (every key of
+  that merge had arrived ``idle_s`` before it): the time the survivors wait for the dead learner
+  to leave the quorum (monitor, members bucket, the aggregator's watch and its next look).
+* ``round_overhead_s``: lock-step modes: the period of consecutive full merges of a fragment (all
+  M learners in both) minus the round's steps: publish, merge, publish the version, apply it.
+
+Each figure is the median of its samples, with the sample count (``n``) beside it; a mode with no
+sample for a figure gives None (the simulator then keeps its default).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+
+Key = tuple[str, str, int, int]  # (learner, incarnation, fragment, round)
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return round(float(statistics.median(xs)), 4) if xs else None
+
+
+def startup_samples(starts: Iterable[tuple[float, str]],
+                    first_hb: Mapping[tuple[str, str], float]) -> list[float]:
+    """Per restart (time, learner): the first heartbeat of an incarnation of that learner first
+    heard after the start, minus the start."""
+    out = []
+    for t, learner in starts:
+        later = [hb for (name, _inc), hb in first_hb.items() if name == learner and hb > t]
+        if later:
+            out.append(min(later) - t)
+    return out
+
+
+def suspect_samples(kills: Iterable[tuple[float, str]],
+                    transitions: Iterable[tuple[float, str, str | None, str]]) -> list[float]:
+    """Per kill: the first transition of that learner from ``active`` to suspect or evicted at
+    or after the kill, minus the kill. Transitions are (at, learner, old, new)."""
+    trans = sorted(transitions)
+    out = []
+    for t, learner in kills:
+        hit = next((at for at, name, old, new in trans
+                    if name == learner and at >= t and old == "active" and new in ("suspect", "evicted")), None)
+        if hit is not None:
+            out.append(hit - t)
+    return out
+
+
+def release_samples(kills: Iterable[tuple[float, str, str | None]], merges: Sequence[tuple[float, int, list]],
+                    arrivals: Mapping[Key, float], idle_s: float) -> list[float]:
+    """Per kill (time, learner, killed incarnation or None if unknown): the first merge after the
+    kill without a key of the killed incarnation, minus the kill, when every key of that merge had
+    arrived at least ``idle_s`` before it (the survivors were waiting on the dead learner only).
+    Merges are (ts, fragment, applied keys) in time order."""
+    out = []
+    for t, learner, inc in kills:
+        if inc is None:
+            continue
+        for ts, _frag, applied in merges:
+            if ts <= t or not applied:
+                continue
+            keys = [tuple(k) for k in applied]
+            if any(k[0] == learner and k[1] == inc for k in keys):
+                continue
+            times = [arrivals.get(k) for k in keys]  # type: ignore[call-overload]
+            if all(a is not None for a in times) and max(times) <= ts - idle_s:  # type: ignore[type-var]
+                out.append(ts - t)
+            break
+    return out
+
+
+def round_overhead_samples(merges: Sequence[tuple[float, int, list]], M: int, round_s: float) -> list[float]:
+    """Consecutive merges of one fragment that both applied M contributions: their period minus
+    ``round_s`` (the round's steps)."""
+    last: dict[int, float] = {}
+    out = []
+    for ts, frag, applied in merges:
+        if len(applied) != M:
+            last.pop(frag, None)
+            continue
+        if frag in last:
+            out.append(ts - last[frag] - round_s)
+        last[frag] = ts
+    return out
+
+
+def mode_timings(*, M: int, round_s: float, lockstep: bool, starts, kills, first_hb, transitions,
+                 merges, arrivals, idle_s: float = 0.3) -> dict:
+    """The four timings of one mode (see the module's docstring), each {"median": s, "n": count}."""
+    samples = {
+        "startup_s": startup_samples(starts, first_hb),
+        "suspect_s": suspect_samples([(t, n) for t, n, _ in kills], transitions),
+        "release_s": release_samples(kills, merges, arrivals, idle_s) if lockstep else [],
+        "round_overhead_s": round_overhead_samples(merges, M, round_s) if lockstep else [],
+    }
+    return {k: {"median": _median(v), "n": len(v)} for k, v in samples.items()}
