@@ -87,7 +87,7 @@ def failure_trace(seed: int, T: float, mtbf: float, repair: float) -> list[tuple
     return sorted(ev)
 
 
-async def run_mode(mode: str, trace, T: float) -> dict:
+async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> dict:
     lenv, aenv, menv = MODES[mode]
     run = f"gp{mode.replace('_', '')}"
     shared = {**MODEL, **FAST_MONITOR, **LEARNER, **lenv}
@@ -204,19 +204,24 @@ async def run_mode(mode: str, trace, T: float) -> dict:
            "timings": mode_timings(M=M, round_s=int(lenv["DILOCO_SYNC_EVERY"]) * STEP_TIME,
                                    lockstep=lenv["DILOCO_MODE"] == "sync", starts=start_log, kills=kill_log,
                                    first_hb=first_hb, transitions=transitions, merges=merge_log, arrivals=arrived)}
+    if events is not None:  # the tap's raw records, for recomputing the timings offline
+        events[mode] = {"starts": start_log, "kills": kill_log, "transitions": transitions, "merges": merge_log,
+                        "first_hb": [[*k, v] for k, v in first_hb.items()],
+                        "arrivals": [[*k, v] for k, v in arrived.items()]}
     progress(f"{mode}: goodput {out['goodput']:.3f} (stepping {out['compute_share']:.3f} of allocated time), "
              f"{kills} kills, {applied_n} applied contributions, rejected {agg.get('rejected')}; timings "
              + ", ".join(f"{k} {v['median']} (n={v['n']})" for k, v in out["timings"].items()))
     return out
 
 
-async def main_async(quick: bool, T: float, mtbf: float, repair: float, seed: int, modes: list[str]) -> dict:
+async def main_async(quick: bool, T: float, mtbf: float, repair: float, seed: int, modes: list[str],
+                     events: dict | None = None) -> dict:
     trace = failure_trace(seed, T, mtbf, repair)
     progress(f"trace: {sum(1 for e in trace if e[1] == 'kill')} failures in {T} s over {M} learners "
              f"(MTBF {mtbf} s per learner, repair {repair} s, seed {seed})")
     rows = {}
     for mode in modes:
-        rows[mode] = await run_mode(mode, trace, T)
+        rows[mode] = await run_mode(mode, trace, T, events)
     return {"M": M, "step_time": STEP_TIME, "H": H, "P": P, "window_s": T, "mtbf_s": mtbf, "repair_s": repair,
             "seed": seed, "failures": sum(1 for e in trace if e[1] == "kill"), "trace": trace,
             "modes": rows, "goodput": {m: rows[m]["goodput"] for m in rows}}
@@ -253,11 +258,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--modes", default=None, help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--plot", default=None)
+    p.add_argument("--events", default=None, help="write the tap's raw records per mode (JSON) to this file")
     a = p.parse_args()
     T = a.window or (12.0 if a.quick else 100.0)
     mtbf = a.mtbf or 20.0
     modes = a.modes.split(",") if a.modes else (["decoupled", "sync", "dp"] if a.quick else list(MODES))
-    r = asyncio.run(main_async(a.quick, T, mtbf, a.repair, a.seed, modes))
+    events: dict | None = {} if a.events else None
+    r = asyncio.run(main_async(a.quick, T, mtbf, a.repair, a.seed, modes, events))
+    if a.events:
+        with open(a.events, "wb") as f:
+            f.write(orjson.dumps(events))
     if a.plot:
         make_plot(r, a.plot)
     finish({"bench": "goodput", "quick": a.quick, **r}, a.out)

@@ -48,7 +48,7 @@ def suspect_samples(kills: Iterable[tuple[float, str]],
                     transitions: Iterable[tuple[float, str, str | None, str]]) -> list[float]:
     """Per kill: the first transition of that learner from ``active`` to suspect or evicted at
     or after the kill, minus the kill. Transitions are (at, learner, old, new)."""
-    trans = sorted(transitions)
+    trans = sorted(transitions, key=lambda x: x[0])
     out = []
     for t, learner in kills:
         hit = next((at for at, name, old, new in trans
