@@ -98,6 +98,8 @@ async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> di
     merge_log: list[tuple[float, int, list]] = []  # (aggregator's wall time, fragment, applied keys)
     inc_steps: dict[tuple[str, str], int] = {}  # (learner, incarnation) -> newest step
     first_hb: dict[tuple[str, str], float] = {}  # (learner, incarnation) -> wall time of its first heartbeat
+    hb_step0: dict[tuple[str, str], int] = {}  # (learner, incarnation) -> the step its first heartbeat said
+    first_step: dict[tuple[str, str], float] = {}  # (learner, incarnation) -> first heartbeat with a new step
     latest_inc: dict[str, str] = {}  # learner -> incarnation of its newest heartbeat
     transitions: list[tuple[float, str, str | None, str]] = []  # membership events (at, learner, old, new)
     async with Cluster(run, shared, metrics_interval=0.5) as c:
@@ -131,7 +133,10 @@ async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> di
         async def on_heartbeat(m):
             try:
                 d = orjson.loads(m.data)
-                first_hb.setdefault((d["learner"], d["incarnation"]), time.time())
+                k, now = (d["learner"], d["incarnation"]), time.time()
+                first_hb.setdefault(k, now)
+                if hb_step0.setdefault(k, int(d["step"])) != int(d["step"]):
+                    first_step.setdefault(k, now)
                 latest_inc[d["learner"]] = d["incarnation"]
             except Exception:
                 pass
@@ -203,10 +208,13 @@ async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> di
            "merges": agg.get("merges"), "rejected": agg.get("rejected"), "monitor_counts": mon.get("counts"),
            "timings": mode_timings(M=M, round_s=int(lenv["DILOCO_SYNC_EVERY"]) * STEP_TIME,
                                    lockstep=lenv["DILOCO_MODE"] == "sync", starts=start_log, kills=kill_log,
-                                   first_hb=first_hb, transitions=transitions, merges=merge_log, arrivals=arrived)}
+                                   first_hb=first_hb, transitions=transitions, merges=merge_log, arrivals=arrived,
+                                   first_step=first_step, step_s=STEP_TIME,
+                                   heartbeat_s=float(FAST_MONITOR["DILOCO_HEARTBEAT_INTERVAL"]))}
     if events is not None:  # the tap's raw records, for recomputing the timings offline
         events[mode] = {"starts": start_log, "kills": kill_log, "transitions": transitions, "merges": merge_log,
                         "first_hb": [[*k, v] for k, v in first_hb.items()],
+                        "first_step": [[*k, v] for k, v in first_step.items()],
                         "arrivals": [[*k, v] for k, v in arrived.items()]}
     progress(f"{mode}: goodput {out['goodput']:.3f} (stepping {out['compute_share']:.3f} of allocated time), "
              f"{kills} kills, {applied_n} applied contributions, rejected {agg.get('rejected')}; timings "

@@ -249,6 +249,12 @@ class BenchSystem:
     static_suspect_s: float = 30.0
     warmup_s: float = 5.0  # learners run this long before the window (the bench waits for steps)
     release_s: float | None = None  # measured kill -> out of the quorum (bench.goodput's release_s)
+    admit_s: float | None = None  # measured start -> counted in the quorum (default: startup + a heartbeat)
+
+    def admit_after_start(self) -> float:
+        """A new incarnation's start -> the quorum counts it: measured (``admit_s``), else one
+        heartbeat after its first (``rejoining`` -> ``active``: it loaded the current versions)."""
+        return self.admit_s if self.admit_s is not None else self.startup_s + self.heartbeat_s
 
     def detect_s(self, static: bool) -> float:
         """Kill -> out of the quorum: the measured ``release_s`` where a run gives it (fast
@@ -260,16 +266,24 @@ class BenchSystem:
 
     def measured(self, timings: dict | None, mode: str) -> BenchSystem:
         """This system with the timings one ``bench.goodput`` mode measured (its ``timings``;
-        bench/goodput_timings.py): start-up, the lock-step round overhead as the merge latency,
-        and the release time as the detection. A timing with no sample keeps its value here."""
+        bench/goodput_timings.py): the first step's start (else the first heartbeat) as the
+        start-up, the admission, the lock-step round overhead as the merge latency, and the
+        release time as the detection (the monitor's suspect time where fewer than 3 kills gave
+        a release sample). A timing with no sample keeps its value here."""
         t = {k: (v or {}).get("median") for k, v in (timings or {}).items()}
         out = self
-        if t.get("startup_s") is not None:
-            out = replace(out, startup_s=float(t["startup_s"]))
+        start = t.get("first_step_s") if t.get("first_step_s") is not None else t.get("startup_s")
+        if start is not None:
+            out = replace(out, startup_s=max(0.0, float(start)))
+        if t.get("admit_s") is not None:
+            out = replace(out, admit_s=float(t["admit_s"]))
         if mode != "decoupled" and t.get("round_overhead_s") is not None:
             out = replace(out, latency_s=max(0.0, float(t["round_overhead_s"])))
-        if mode in ("sync", "dp") and t.get("release_s") is not None:
-            out = replace(out, release_s=float(t["release_s"]))
+        if mode in ("sync", "dp"):  # release needs kills the survivors waited on: few in 2 s rounds
+            n = ((timings or {}).get("release_s") or {}).get("n", 0)
+            release = t.get("release_s") if n >= 3 else t.get("suspect_s")
+            if release is not None:
+                out = replace(out, release_s=float(release))
         return out
 
 
@@ -293,11 +307,11 @@ def simulate_trace(mode: str, trace, *, M: int, step: float, H: int, P: int, win
     detect = system.detect_s(mode == "dp_static")
     t0 = -system.warmup_s
     # per learner: next step end (None: not stepping), steps since start, unsent steps per fragment,
-    # next due step per fragment, process alive, heartbeating from, killed at, blocked on a merge
+    # next due step per fragment, process alive, counted in the quorum from, killed at, blocked on a merge
     nxt = [t0 + u + step for u in rng.uniform(0.0, 1.0, M)]
     nsteps, unsent = [0] * M, [[0] * P for _ in range(M)]
     due = [[f or Hm for f in first] for _ in range(M)]
-    alive, hb_from, killed = [True] * M, [t0] * M, [-math.inf] * M
+    alive, admit_at, killed = [True] * M, [t0] * M, [-math.inf] * M
     blocked = [False] * M
     pending: list[tuple[int, int]] = []  # sync modes: (learner, steps x fragments) of this round
     credits: list[tuple[float, float]] = []  # (merge time, credited seconds)
@@ -312,7 +326,7 @@ def simulate_trace(mode: str, trace, *, M: int, step: float, H: int, P: int, win
             if kind == "kill" and alive[i]:  # the step in progress and the unsent steps are lost
                 alive[i], killed[i], nxt[i], blocked[i] = False, te, None, False
             elif kind == "start" and not alive[i]:  # a new incarnation, from the global parameters
-                alive[i], hb_from[i], nxt[i] = True, te + system.startup_s, te + system.startup_s + step
+                alive[i], admit_at[i], nxt[i] = True, te + system.admit_after_start(), te + system.startup_s + step
                 nsteps[i], unsent[i], due[i] = 0, [0] * P, [f or Hm for f in first]
         for i in range(M):
             while nxt[i] is not None and nxt[i] <= t:
@@ -334,7 +348,7 @@ def simulate_trace(mode: str, trace, *, M: int, step: float, H: int, P: int, win
                         credits.append((te + system.latency_s, unsent[i][p] * step / P))
                         unsent[i][p] = 0
         if lockstep and pending:
-            quorum = [i for i in range(M) if _counted(alive[i], t, hb_from[i], killed[i], detect, system)]
+            quorum = [i for i in range(M) if _counted(alive[i], t, admit_at[i], killed[i], detect)]
             sent = {i for i, _ in pending}
             if all(i in sent for i in quorum):
                 credits.extend((t, s * step / P) for _, s in pending)
@@ -346,12 +360,11 @@ def simulate_trace(mode: str, trace, *, M: int, step: float, H: int, P: int, win
     return {"mode": mode, "goodput": credited / (M * window), "stepping": stepped / (M * window)}
 
 
-def _counted(alive: bool, t: float, hb_from: float, killed: float, detect: float, system: BenchSystem) -> bool:
+def _counted(alive: bool, t: float, admit_at: float, killed: float, detect: float) -> bool:
     """Is the learner in the aggregator's quorum (monitor state ``active``)? A killed learner stays
     in it until it is suspect (``detect`` after the kill: the survivors wait for it until then); a
-    new incarnation counts one heartbeat after its first (``rejoining`` -> ``active``: it loaded
-    the current versions at start)."""
-    if alive and t >= hb_from + system.heartbeat_s:
+    new incarnation counts from ``admit_at`` (:meth:`BenchSystem.admit_after_start`)."""
+    if alive and t >= admit_at:
         return True
     return t - killed < detect
 

@@ -6,7 +6,12 @@ These are the timings it needs, measured per mode in the same run (wall-clock se
 process on one host):
 
 * ``startup_s``: a restarted learner's process start -> its first heartbeat (new incarnation).
-  The simulator's new incarnation heartbeats, and starts its first step, that long after start.
+* ``first_step_s``: a restart -> its first inner step begins: the first heartbeat whose step
+  differs from the incarnation's first, minus half a heartbeat interval (the step ended, on
+  average, that long before it was reported) and one step time. The simulator's new
+  incarnation steps from then.
+* ``admit_s``: a restart -> the monitor's transition of that learner to ``active``: from then
+  on the quorum of a lock-step round waits for it.
 * ``suspect_s``: a kill -> the monitor's transition of that learner out of ``active`` (suspect or
   evicted), as the membership event's ``at`` says. Tells the monitor's part of detection.
 * ``release_s``: lock-step modes: a kill -> the first merge after it that leaves the killed
@@ -41,6 +46,19 @@ def startup_samples(starts: Iterable[tuple[float, str]],
         later = [hb for (name, _inc), hb in first_hb.items() if name == learner and hb > t]
         if later:
             out.append(min(later) - t)
+    return out
+
+
+def admit_samples(starts: Iterable[tuple[float, str]],
+                  transitions: Iterable[tuple[float, str, str | None, str]]) -> list[float]:
+    """Per restart (time, learner): the first transition of that learner to ``active`` after the
+    start, minus the start."""
+    trans = sorted(transitions, key=lambda x: x[0])
+    out = []
+    for t, learner in starts:
+        hit = next((at for at, name, _old, new in trans if name == learner and at > t and new == "active"), None)
+        if hit is not None:
+            out.append(hit - t)
     return out
 
 
@@ -97,10 +115,15 @@ def round_overhead_samples(merges: Sequence[tuple[float, int, list]], M: int, ro
 
 
 def mode_timings(*, M: int, round_s: float, lockstep: bool, starts, kills, first_hb, transitions,
-                 merges, arrivals, idle_s: float = 0.3) -> dict:
-    """The four timings of one mode (see the module's docstring), each {"median": s, "n": count}."""
+                 merges, arrivals, first_step=None, step_s: float = 0.0, heartbeat_s: float = 0.0,
+                 idle_s: float = 0.3) -> dict:
+    """The timings of one mode (see the module's docstring), each {"median": s, "n": count}.
+    ``first_step``: (learner, incarnation) -> wall time of its first heartbeat with a new step."""
+    shift = heartbeat_s / 2 + step_s
     samples = {
         "startup_s": startup_samples(starts, first_hb),
+        "first_step_s": [x - shift for x in startup_samples(starts, first_step or {})],
+        "admit_s": admit_samples(starts, transitions),
         "suspect_s": suspect_samples([(t, n) for t, n, _ in kills], transitions),
         "release_s": release_samples(kills, merges, arrivals, idle_s) if lockstep else [],
         "round_overhead_s": round_overhead_samples(merges, M, round_s) if lockstep else [],
