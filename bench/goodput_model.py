@@ -235,15 +235,18 @@ def calibrate(model: ScaleModel = ScaleModel(), *, failures: int = 20_000, seed:
 
 @dataclass(frozen=True)
 class BenchSystem:
-    """Timings of the real system that ``bench.goodput``'s JSON does not carry. From bench/runs.py
+    """Timings of the real system under ``bench.goodput``. A run's JSON carries its own, measured
+    per mode (``timings``; bench/goodput_timings.py), and :meth:`measured` puts them in; nothing
+    here is fitted to a goodput. The defaults serve runs without timings: from bench/runs.py
     (FAST_MONITOR): ``heartbeat_s``, ``suspect_s``; from bench/goodput.py (dp_static):
-    ``static_suspect_s``; from the docs' full run (decoupled stepping share: "~3.8 s of repair and
-    restart" per failure): ``startup_s``. Calibrated once on the docs' full run (sync, dp and
-    dp_static goodput; :data:`DOCS_FULL_RUN`): ``latency_s``, ``quorum_lag_s``."""
+    ``static_suspect_s``; from the docs' full run (:data:`DOCS_FULL_RUN`, idle machine, rounded):
+    ``startup_s`` (first heartbeat 0.30-0.31 s after the start), ``latency_s`` (mean failure-free
+    round overhead 0.06-0.07 s) and ``quorum_lag_s`` (0: the release came 0.71 s after a kill in
+    dp, under the 0.75 s that the suspect threshold and the heartbeat give)."""
 
-    startup_s: float = 0.8  # learner process start -> first heartbeat and first step
-    latency_s: float = 0.02  # last contribution of a round -> merged version applied by the learners
-    quorum_lag_s: float = 1.4  # suspect -> the aggregator stops waiting (monitor tick, KV, polls, load)
+    startup_s: float = 0.3  # learner process start -> first heartbeat and first step
+    latency_s: float = 0.07  # last contribution of a round -> merged version applied by the learners
+    quorum_lag_s: float = 0.0  # suspect -> the aggregator stops waiting (monitor tick, KV, polls, load)
     heartbeat_s: float = 0.2
     suspect_s: float = 0.6
     static_suspect_s: float = 30.0
@@ -266,19 +269,20 @@ class BenchSystem:
 
     def measured(self, timings: dict | None, mode: str) -> BenchSystem:
         """This system with the timings one ``bench.goodput`` mode measured (its ``timings``;
-        bench/goodput_timings.py): the first step's start (else the first heartbeat) as the
-        start-up, the admission, the lock-step round overhead as the merge latency, and the
+        bench/goodput_timings.py), medians: the first heartbeat as the start-up (heartbeats begin
+        once the global parameters are loaded, and steps follow at once), the admission, and the
         release time as the detection (the monitor's suspect time where fewer than 3 kills gave
-        a release sample). A timing with no sample keeps its value here."""
+        a release sample); the mean lock-step round overhead as the merge latency. A timing with
+        no sample keeps its value here."""
         t = {k: (v or {}).get("median") for k, v in (timings or {}).items()}
         out = self
-        start = t.get("first_step_s") if t.get("first_step_s") is not None else t.get("startup_s")
-        if start is not None:
-            out = replace(out, startup_s=max(0.0, float(start)))
+        if t.get("startup_s") is not None:
+            out = replace(out, startup_s=float(t["startup_s"]))
         if t.get("admit_s") is not None:
             out = replace(out, admit_s=float(t["admit_s"]))
-        if mode != "decoupled" and t.get("round_overhead_s") is not None:
-            out = replace(out, latency_s=max(0.0, float(t["round_overhead_s"])))
+        overhead = ((timings or {}).get("round_overhead_s") or {}).get("mean")
+        if mode != "decoupled" and overhead is not None:
+            out = replace(out, latency_s=max(0.0, float(overhead)))
         if mode in ("sync", "dp"):  # release needs kills the survivors waited on: few in 2 s rounds
             n = ((timings or {}).get("release_s") or {}).get("n", 0)
             release = t.get("release_s") if n >= 3 else t.get("suspect_s")
@@ -287,10 +291,27 @@ class BenchSystem:
         return out
 
 
-#: bench.goodput's last full run (docs/BENCHMARKS.md, "Goodput under failures"): its parameters
-#: (trace = bench.goodput.failure_trace(seed, window, mtbf, repair)) and measured goodput.
-DOCS_FULL_RUN = {"M": 8, "step_time": 0.2, "H": 10, "P": 2, "window_s": 100.0, "mtbf_s": 30.0, "repair_s": 3.0,
-                 "seed": 7, "goodput": {"decoupled": 0.804, "sync": 0.531, "dp": 0.441, "dp_static": 0.270}}
+def _t(median: float | None, mean: float | None, n: int) -> dict:
+    return {"median": median, "mean": mean, "n": n}
+
+
+#: bench.goodput's full run of 2026-12-01 02:38 on an idle machine (docs/BENCHMARKS.md, "Goodput
+#: under failures"): its parameters (trace = bench.goodput.failure_trace(seed, window, mtbf,
+#: repair)), its measured goodput and the timings it measured (median, mean, samples).
+DOCS_FULL_RUN = {
+    "M": 8, "step_time": 0.2, "H": 10, "P": 2, "window_s": 100.0, "mtbf_s": 30.0, "repair_s": 3.0, "seed": 7,
+    "goodput": {"decoupled": 0.8056, "sync": 0.6075, "dp": 0.5431, "dp_static": 0.28},
+    "timings": {
+        "decoupled": {"startup_s": _t(0.314, 0.3382, 34), "admit_s": _t(0.3143, 0.338, 34),
+                      "suspect_s": _t(0.529, 0.5338, 35)},
+        "sync": {"startup_s": _t(0.3009, 0.3135, 34), "admit_s": _t(0.301, 0.3135, 34),
+                 "suspect_s": _t(0.5409, 0.5385, 35), "release_s": _t(0.7639, 1.5008, 5),
+                 "round_overhead_s": _t(0.067, 0.0656, 10)},
+        "dp": {"startup_s": _t(0.3118, 0.3173, 34), "admit_s": _t(0.3121, 0.3176, 34),
+               "suspect_s": _t(0.5737, 0.556, 35), "release_s": _t(0.7065, 0.6895, 25),
+               "round_overhead_s": _t(0.0476, 0.0718, 184)},
+        "dp_static": {"startup_s": _t(0.2987, 0.3017, 34), "admit_s": _t(0.2989, 0.3016, 34),
+                      "round_overhead_s": _t(0.0464, 0.0604, 188)}}}
 
 
 def simulate_trace(mode: str, trace, *, M: int, step: float, H: int, P: int, window: float,
@@ -367,22 +388,6 @@ def _counted(alive: bool, t: float, admit_at: float, killed: float, detect: floa
     if alive and t >= admit_at:
         return True
     return t - killed < detect
-
-
-def calibrate_bench(trace, measured: dict, *, M: int, step: float, H: int, P: int, window: float,
-                    system: BenchSystem = BenchSystem(), dt: float = 0.0025) -> BenchSystem:
-    """The one calibration of the benchmark model: minimax grid fit of ``latency_s`` and
-    ``quorum_lag_s`` to the measured sync, dp and dp_static goodput of one run (the docs' full
-    run). Decoupled goodput depends on neither and stays a prediction."""
-    modes = [m for m in ("sync", "dp", "dp_static") if m in measured]
-
-    def err(lat, lag):
-        s = replace(system, latency_s=lat, quorum_lag_s=lag)
-        return max(abs(simulate_trace(m, trace, M=M, step=step, H=H, P=P, window=window, system=s, dt=dt)["goodput"]
-                       - measured[m]) for m in modes)
-
-    _, lat, lag = min((err(lat, lag), lat, lag) for lat in np.arange(0.02, 0.085, 0.01) for lag in np.arange(0.0, 1.61, 0.2))
-    return replace(system, latency_s=round(float(lat), 3), quorum_lag_s=round(float(lag), 2))
 
 
 def infer_startup(trace, stepping: float, *, M: int, step: float, H: int, P: int, window: float,

@@ -158,22 +158,34 @@ def test_round_overhead_uses_consecutive_full_merges_of_a_fragment():
     merges = [(1.0, 0, full), (1.05, 1, full), (1.3, 0, full), (1.6, 0, full[:1]), (1.9, 0, full), (2.2, 0, full),
               (2.3, 1, full)]
     assert round_overhead_samples(merges, 2, 0.2) == pytest.approx([0.1, 0.1, 1.05])
+    assert round_overhead_samples(merges, 2, 0.2, failures=[1.2], margin=0.1) == pytest.approx([0.1])
+    assert round_overhead_samples(merges, 2, 0.2, failures=[1.35], margin=0.0) == pytest.approx([0.1, 0.1])
+    assert round_overhead_samples(merges, 2, 0.2, failures=[1.85]) == pytest.approx([0.1])  # margin 1 s
     t = mode_timings(M=2, round_s=0.2, lockstep=False, starts=[], kills=[], first_hb={}, transitions=[],
                      merges=merges, arrivals={})
-    assert t["round_overhead_s"] == {"median": None, "n": 0} and t["startup_s"]["n"] == 0
+    assert t["round_overhead_s"] == {"median": None, "mean": None, "n": 0} and t["startup_s"]["n"] == 0
+    t = mode_timings(M=2, round_s=0.2, lockstep=True, starts=[(2.25, "x")], kills=[], first_hb={},
+                     transitions=[], merges=merges, arrivals={})
+    assert t["round_overhead_s"] == {"median": 0.1, "mean": 0.1, "n": 2}
 
 
 def test_measured_timings_drive_the_trace_simulation():
     trace = failure_trace(7, 30.0, 20.0, 3.0)
     base = BenchSystem()
-    fast = {"release_s": {"median": 0.8, "n": 3}, "round_overhead_s": {"median": 0.02, "n": 9},
-            "startup_s": {"median": 0.8, "n": 3}}
-    slow = {"release_s": {"median": 2.5, "n": 3}, "round_overhead_s": {"median": 0.2, "n": 9},
-            "startup_s": {"median": 0.8, "n": 3}}
+    fast = {"release_s": {"median": 0.8, "n": 3}, "round_overhead_s": {"median": 0.01, "mean": 0.02, "n": 9},
+            "startup_s": {"median": 0.3, "n": 3}}
+    slow = {"release_s": {"median": 2.5, "n": 3}, "round_overhead_s": {"median": 0.1, "mean": 0.5, "n": 9},
+            "startup_s": {"median": 0.3, "n": 3}}
     assert base.measured(fast, "dp").latency_s == 0.02 and base.measured(slow, "sync").release_s == 2.5
     assert base.measured(slow, "decoupled") == base  # start-up equal; no round or release in async mode
     assert base.measured(slow, "dp_static").detect_s(static=True) == base.detect_s(static=True)
     assert base.measured({"startup_s": {"median": None, "n": 0}}, "dp") == base
+    thin = {"release_s": {"median": 3.0, "n": 2}, "suspect_s": {"median": 0.55, "n": 9},
+            "first_step_s": {"median": 1.25, "n": 4}, "startup_s": {"median": 0.3, "n": 4},
+            "admit_s": {"median": 0.31, "n": 4}}
+    m = base.measured(thin, "sync")  # under 3 release samples: the monitor's suspect time instead
+    assert (m.release_s, m.startup_s, m.admit_after_start()) == (0.55, 0.3, 0.31)
+    assert base.admit_after_start() == base.startup_s + base.heartbeat_s
     for mode in ("sync", "dp"):
         g = [simulate_trace(mode, trace, window=30.0, system=base.measured(t, mode), **BENCH)["goodput"]
              for t in (fast, slow)]
