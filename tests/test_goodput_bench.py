@@ -25,7 +25,9 @@ def test_a_short_dp_run_measures_every_timing():
     assert SUSPECT - HEARTBEAT <= t["suspect_s"]["median"] < SUSPECT + 2.0, t
     # the survivors of an H=1 round are waiting when a learner dies: each kill gives a release
     assert t["release_s"]["n"] >= 1 and t["release_s"]["median"] >= SUSPECT - HEARTBEAT, t
-    assert 0.0 < t["startup_s"]["median"] <= t["admit_s"]["median"] < 10.0, t
+    # the monitor admits at a heartbeat: the tap and the monitor hear the same message, each on
+    # its own clock read (the monitor's can be the earlier by a millisecond)
+    assert 0.0 < t["startup_s"]["median"] - 0.05 <= t["admit_s"]["median"] < 10.0, t
     assert 0.0 < t["first_step_s"]["median"] < 10.0, t
     # the raw records the timings came from
     ev = events["dp"]
