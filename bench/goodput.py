@@ -29,6 +29,13 @@ or never-merged contributions earn nothing. Edge effects: contributions merged e
 carry steps from before it, work of the last round is merged after it; both are < H x STEP_TIME
 per learner and roughly cancel.
 
+Timings (``timings`` per mode; bench/goodput_timings.py): the tap also hears heartbeats and the
+monitor's membership events, and notes the wall time of every kill, restart, first chunk and
+merge; from those, per mode: restart -> first heartbeat (``startup_s``) and -> admission
+(``admit_s``), kill -> suspect (``suspect_s``) and -> the survivors' release (``release_s``), and
+the failure-free round overhead. They are what ``bench.goodput_sim --measured`` runs the model on;
+``--events FILE`` writes the raw records.
+
 ``goodput`` = {decoupled, sync, dp}. Target: decoupled >= 0.88 where dp is ~0.27.
 
     python -m bench.goodput --quick --out goodput.json
