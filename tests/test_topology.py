@@ -324,14 +324,19 @@ def test_gateway_supercluster_shares_one_jetstream(tmp_path):
                                         log_file=str(tmp_path / f"{r}.log"))
             servers[r].start(timeout=30)
         code = f"""
-import asyncio, nats, nats.errors, nats.js.errors
+import asyncio, time, nats, nats.errors, nats.js.errors
 async def main():
     us = await nats.connect("{servers['us'].url}"); eu = await nats.connect("{servers['eu'].url}")
     jus, jeu = us.jetstream(timeout=10), eu.jetstream(timeout=10)
-    for _ in range(100):
+    # JetStream answers once the two clusters elected a meta leader over the gateway; until then a
+    # request goes unanswered (the first 10 s probe always timed out), so probe with short timeouts
+    pus, peu, t_end = us.jetstream(timeout=1), eu.jetstream(timeout=1), time.monotonic() + 60
+    while True:
         try:
-            await jus.account_info(); await jeu.account_info(); break
-        except Exception:
+            await pus.account_info(); await peu.account_info(); break
+        except Exception as e:
+            if time.monotonic() > t_end:
+                raise AssertionError("JetStream not ready in both clusters after 60 s: " + repr(e))
             await asyncio.sleep(0.2)
     async def from_eu(call, what):
         # a new stream's interest reaches the other cluster over the gateway shortly after
