@@ -6,7 +6,11 @@ dedupe ids, assembly), against raw ``js.publish_async`` of the same bytes in mes
 size with the same in-flight window, pulled with ``fetch`` and acked. Both run against the same
 embedded server in the same process, interleaved, so the ratio is fair on a noisy shared machine.
 
-Also encode/decode GB/s of every quantiser (``codec_gbps``, GB of float32 input per second).
+Also encode/decode GB/s of every quantiser (``codec_gbps``, GB of float32 input per second), and
+how long a polling consumer holds what arrived (``poll_delay_ms``): bursts of 16 small messages at
+random 0.2-0.3 s intervals against a loop of polls with a 0.2 s timeout, publish -> returned by the
+poll, for nats-py's ``fetch(32, timeout)`` and for :func:`bus.transport.prompt_fetch` (what
+``ChunkConsumer.poll`` uses), interleaved on one server.
 
     python bench/transport.py --quick --out transport.json
 """
@@ -31,7 +35,7 @@ from bus.conn import connect
 from bus.server import EmbeddedServer
 from bus.streams import ensure_run
 from bus.subjects import Subjects
-from bus.transport import ChunkConsumer, ChunkPublisher, ack_all
+from bus.transport import ChunkConsumer, ChunkPublisher, ack_all, prompt_fetch
 
 MiB = 1024 * 1024
 CHUNK = MiB
@@ -117,6 +121,60 @@ async def transport(quick: bool) -> dict:
     return rows
 
 
+async def _poll_delays(js, pjs, name: str, fetch, bursts: int, seed: int) -> list[float]:
+    await js.add_stream(name=name, subjects=[f"{name}.>"])
+    sub = await js.pull_subscribe(f"{name}.>", durable="d", stream=name)
+    delays: list[float] = []
+    stop = asyncio.Event()
+
+    async def consume():
+        while not stop.is_set():
+            try:
+                msgs = await fetch(sub)
+            except Exception:
+                msgs = []
+            now = time.monotonic()
+            for m in msgs:
+                delays.append(now - float(m.data.decode()))
+                await m.ack()
+
+    async def produce():
+        rng = np.random.default_rng(seed)
+        for _ in range(bursts):
+            await asyncio.sleep(0.2 + rng.uniform(0, 0.1))
+            for _ in range(16):
+                await pjs.publish(f"{name}.x", str(time.monotonic()).encode())
+        await asyncio.sleep(0.5)
+        stop.set()
+
+    await asyncio.gather(consume(), produce())
+    await js.delete_stream(name)
+    return delays
+
+
+async def poll_delay(quick: bool) -> dict:
+    """Publish -> returned by a poll, ms: nats-py's fetch(32, 0.2) against prompt_fetch(32, 0.2)."""
+    variants = {"fetch": lambda sub: sub.fetch(32, timeout=0.2), "prompt_fetch": lambda sub: prompt_fetch(sub, 32, 0.2)}
+    got: dict[str, list[float]] = {k: [] for k in variants}
+    with EmbeddedServer() as srv:
+        cfg = CommonConfig(nats_url=srv.url, run="bench")
+        nc, pn = await connect(cfg, "bench-poll"), await connect(cfg, "bench-burst")
+        js, pjs = nc.jetstream(timeout=30), pn.jetstream(timeout=30)
+        for rep in range(2 if quick else 4):
+            for name, fetch in variants.items():
+                got[name] += await _poll_delays(js, pjs, f"POLL{rep}{name.upper()}", fetch, 40, seed=rep)
+        await nc.close()
+        await pn.close()
+    out = {}
+    for name, d in got.items():
+        ms = 1000 * np.array(d)
+        out[name] = {"messages": len(d), "p50": round(float(np.percentile(ms, 50)), 2),
+                     "p99": round(float(np.percentile(ms, 99)), 2), "max": round(float(ms.max()), 2),
+                     "share_over_20ms": round(float((ms > 20).mean()), 4)}
+        progress(f"poll delay, {name}: {out[name]}")
+    return out
+
+
 def codec_speed(quick: bool) -> dict:
     n = (4 if quick else 16) * MiB
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
@@ -140,6 +198,7 @@ def codec_speed(quick: bool) -> dict:
 def main() -> None:
     a = parser(__doc__.splitlines()[0]).parse_args()
     rows = asyncio.run(transport(a.quick))
+    delays = asyncio.run(poll_delay(a.quick))
     codecs = codec_speed(a.quick)
     finish({
         "bench": "transport",
@@ -150,6 +209,7 @@ def main() -> None:
         "fragment_throughput_ratio": min(r["ratio"] for r in rows.values()),
         "codec_gbps": codecs,
         "slowest_codec_gbps": min(min(v.values()) for v in codecs.values()),
+        "poll_delay_ms": delays,
     }, a.out)
 
 

@@ -299,3 +299,28 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
     await store.put(0, 5, codec.encode_array(np.full(10, 5, np.float32)))
     await asyncio.wait_for(t, 10)
     assert sorted(seen) == [(0, 3), (0, 4), (0, 5), (1, 3)]
+
+
+async def test_prompt_fetch_takes_what_is_pending_and_no_more_than_the_batch(js):
+    """bus.transport.prompt_fetch: the first message, then exactly the ones it says are pending, up
+    to the batch; in order, each once; nothing arrived -> the timeout of fetch."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from bus.transport import prompt_fetch
+
+    await js.add_stream(name="PF", subjects=["pf.>"])
+    sub = await js.pull_subscribe("pf.>", durable="pf", stream="PF")
+    with pytest.raises((NatsTimeout, asyncio.TimeoutError)):
+        await prompt_fetch(sub, 32, 0.2)
+    for i in range(40):
+        await js.publish("pf.x", str(i).encode())
+    got = []
+    for want in (32, 8):
+        msgs = await prompt_fetch(sub, 32, 2.0)
+        assert len(msgs) == want
+        got += [int(m.data) for m in msgs]
+        for m in msgs:
+            await m.ack()
+    assert got == list(range(40))
+    await js.publish("pf.x", b"40")
+    assert [int(m.data) for m in await prompt_fetch(sub, 32, 2.0)] == [40]  # one pending: no drain
