@@ -44,6 +44,7 @@ class Contribution:
     tokens: int
     vector: np.ndarray
     period: int = 0  # the learner's sync period when it sent this (0: not declared)
+    lockstep: bool = False  # from a synchronous learner: its round's fragments merge together
 
     @property
     def round_share(self) -> float:

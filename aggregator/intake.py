@@ -75,7 +75,7 @@ class Intake:
         c = Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
                          incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
                          base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,
-                         period=meta.get("period", 0))
+                         period=meta.get("period", 0), lockstep=bool(meta.get("lockstep", 0)))
         if not self.cfg.require_membership and c.run == self.common.run:
             self.seen.add(c.learner)
         norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")

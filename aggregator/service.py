@@ -64,6 +64,8 @@ class Stats:
     contributions: Counter = field(default_factory=Counter)  # per learner, applied
     clipped: int = 0  # applied contributions scaled down to their norm cap (bounded influence)
     reference_restarts: int = 0  # norm-outlier references restarted: most learners were refused (OutlierWatch)
+    round_holds: int = 0  # lock-step fragments held for the rest of their round (aggregator.rounds)
+    round_holds_expired: int = 0  # ... and merged alone after the grace window
 
     def to_metrics(self) -> dict:
         lat = sorted(self.merge_latency[-200:])
@@ -74,6 +76,7 @@ class Stats:
             "merge_latency_max": lat[-1] if lat else None,
             "quorum_wait_s": round(self.quorum_wait, 3), "contributions": dict(self.contributions),
             "clipped": self.clipped, "reference_restarts": self.reference_restarts,
+            "round_holds": self.round_holds, "round_holds_expired": self.round_holds_expired,
         }
 
 class AggregatorService(Intake, VersionMaker):
@@ -83,6 +86,7 @@ class AggregatorService(Intake, VersionMaker):
         self.s = Subjects(common.run)
         self.plan = None
         self.buffers: dict[int, list[Pending]] = {}
+        self.held_since: dict[int, float] = {}  # lock-step fragment -> when it was first held
         # contributions whose learner the monitor has not admitted yet (aggregator/admission.py)
         self.hold = AdmissionHold(cfg.admission_wait, int(cfg.admission_hold_mb * 2**20))
         self.outliers = OutlierWatch()
@@ -310,13 +314,10 @@ class AggregatorService(Intake, VersionMaker):
                 for r in await self.consumer.poll(timeout=timeout):
                     await self._handle(r, time.monotonic())
                 self._release_held(time.monotonic())
-                wake = None
                 for p in self.owned:
                     if p in self.unpublished:
                         await self._publish_global(p)
-                    w = await self._maybe_merge(p, time.monotonic())
-                    if w is not None:
-                        wake = w if wake is None else min(wake, w)
+                wake = await self._merge_due(time.monotonic())
                 if self._audit:
                     await self._publish_audit()
                 if time.monotonic() - last_keepalive > 5:

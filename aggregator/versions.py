@@ -15,6 +15,7 @@ import orjson
 from aggregator.intake import Pending
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, decide
+from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, merge_step, participation_scale, round_work
 from bus.downlink import encode_version
 from bus.transport import VersionConflict, ack_all
@@ -29,30 +30,73 @@ class VersionMaker:
         buffers: dict[int, list[Pending]]
         states: dict[int, FragmentState]
         unpublished: set[int]
+        held_since: dict[int, float]
 
     # -- merging ----------------------------------------------------------------------------------
 
-    async def _maybe_merge(self, p: int, now: float) -> float | None:
-        """Merge fragment p if the quorum rule says so; else the time to look again (or None)."""
+    def _decide(self, p: int, now: float, active: set[str]) -> tuple[str | None, float | None, float]:
+        """Fragment p by the quorum rule: (why it merges now, or None; when to look again, or None;
+        its first buffered arrival)."""
         buf = self.buffers[p]
         if not buf:
-            return None
+            return None, None, now
         contributors: dict[str, float] = {}
         for x in buf:
             contributors[x.c.learner] = min(contributors.get(x.c.learner, x.arrived), x.arrived)
         first = min(x.arrived for x in buf)
-        d = decide(now, first, contributors, self.active(), self.cfg.quorum, self.grace, self.arrivals)
-        reason = d.reason
-        if not d.merge and not self.active():
+        d = decide(now, first, contributors, active, self.cfg.quorum, self.grace, self.arrivals)
+        if d.merge:
+            return d.reason, None, first
+        if not active:
             # nobody is active any more (all evicted while their contributions were buffered):
             # merge what we hold after the grace window rather than holding it forever
             if now < first + self.cfg.grace_seconds:
-                return first + self.cfg.grace_seconds
-            reason = "no active learner: merging what is buffered after the grace window"
-        elif not d.merge:
-            return d.wait_until
-        await self._merge(p, now, first, reason)
-        return None
+                return None, first + self.cfg.grace_seconds, first
+            return "no active learner: merging what is buffered after the grace window", None, first
+        return None, d.wait_until, first
+
+    async def _merge_due(self, now: float) -> float | None:
+        """One look at every owned fragment: decide each against the same membership, hold the
+        lock-step fragments whose round is still arriving elsewhere (:mod:`aggregator.rounds`, at
+        most the grace window), merge the others. Returns when to look again (or None)."""
+        active = set(self.active())
+        due: dict[int, tuple[str, float]] = {}
+        wake: float | None = None
+        for p in self.owned:
+            reason, w, first = self._decide(p, now, active)
+            if reason is not None:
+                due[p] = (reason, first)
+            elif w is not None:
+                wake = w if wake is None else min(wake, w)
+        held: set[int] = set()
+        missing: dict[int, set[str]] = {}
+        if due:
+            missing = {q: active - {x.c.learner for x in self.buffers[q]}
+                       for q in self.owned if q not in due and self.buffers[q]}
+            keys = {q: {(x.c.learner, x.c.incarnation, x.c.round) for x in self.buffers[q] if x.c.lockstep}
+                    for q in self.owned}
+            held = held_for_round(set(due), missing, keys,
+                                  lambda q, learner, inc: self.states[q].applied.highest_round(learner, inc, q))
+        for p in list(self.held_since):
+            if p not in held:
+                del self.held_since[p]
+        for p in sorted(due):
+            reason, first = due[p]
+            if p in held:
+                if p not in self.held_since:
+                    self.held_since[p] = now
+                    self.stats.round_holds += 1
+                until = self.held_since[p] + self.cfg.grace_seconds
+                if now < until:
+                    wake = until if wake is None else min(wake, until)
+                    continue
+                del self.held_since[p]
+                self.stats.round_holds_expired += 1
+                self.log.warning("round_hold_expired", fragment=p, held_s=round(now - until + self.cfg.grace_seconds, 3),
+                                 waiting={q: sorted(m) for q, m in missing.items() if m})
+                reason = f"{reason}; the rest of its lock-step round did not come in {self.cfg.grace_seconds}s"
+            await self._merge(p, time.monotonic(), first, reason)
+        return wake
 
     async def _merge(self, p: int, now: float, first: float, reason: str) -> None:
         items = self.buffers[p]

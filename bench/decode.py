@@ -263,6 +263,8 @@ def _old_parse_grad_meta(meta: dict) -> dict:
     if "period" in meta and (not isinstance(meta["period"], int) or isinstance(meta["period"], bool)
                              or not 1 <= meta["period"] <= 2**31):
         raise ValueError("malformed: field 'period' must be an integer in 1..2**31")
+    if "lockstep" in meta and (type(meta["lockstep"]) is not int or meta["lockstep"] != 1):
+        raise ValueError("malformed: field 'lockstep' must be 1 (or absent)")
     for k in ("frag", "round", "base", "steps", "tokens"):
         v = meta[k]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 2**62:

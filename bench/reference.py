@@ -413,7 +413,8 @@ class Reference:
         self._consider_merge(p)
 
     def _consider_merge(self, p: int) -> None:
-        """aggregator.service._maybe_merge: the quorum rule decides, a timer for the grace window."""
+        """aggregator.versions._decide: the quorum rule decides, a timer for the grace window (the
+        lock-step pairing of fragments, aggregator.rounds, is not modelled here)."""
         from aggregator.quorum import decide
 
         buf = self.buffers[p]

@@ -24,7 +24,9 @@ import msgspec
 from bus.subjects import check_token
 
 GRAD_FIELDS = ("run", "model", "learner", "inc", "frag", "round", "base", "steps", "tokens", "region")
-GRAD_OPTIONAL = ("period",)  # absent from a learner before it was added: the aggregator then counts a full round
+# absent from a learner before they were added: the aggregator then counts a full round (period) and
+# merges each fragment on its own (lockstep)
+GRAD_OPTIONAL = ("period", "lockstep")
 MANIFEST_KEY = "manifest"
 
 
@@ -33,14 +35,19 @@ def grad_obj_id(run: str, learner: str, incarnation: str, fragment: int, round_:
 
 
 def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment: int, round_: int,
-              base_version: int, inner_steps: int, tokens: int, region: str, period: int | None = None) -> dict:
+              base_version: int, inner_steps: int, tokens: int, region: str, period: int | None = None,
+              lockstep: bool = False) -> dict:
     """``period``: the learner's sync period H (inner steps) when the fragment was due; the
-    contribution holds ``steps / period`` of a round of work (0 or None: not sent)."""
+    contribution holds ``steps / period`` of a round of work (0 or None: not sent). ``lockstep``: a
+    synchronous learner (``DILOCO_MODE=sync``), which sends every fragment of a round together and
+    waits for all of them to be merged (sent as ``1``; absent otherwise)."""
     meta = {"run": run, "model": model, "learner": learner, "inc": incarnation, "frag": int(fragment),
             "round": int(round_), "base": int(base_version), "steps": int(inner_steps), "tokens": int(tokens),
             "region": region}
     if period:
         meta["period"] = int(period)
+    if lockstep:
+        meta["lockstep"] = 1
     return meta
 
 
@@ -62,11 +69,12 @@ class GradMeta(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False
     tokens: _Count
     region: _Name
     period: Annotated[int, msgspec.Meta(ge=1, le=2**31)] | msgspec.UnsetType = msgspec.UNSET
+    lockstep: Annotated[int, msgspec.Meta(ge=1, le=1)] | msgspec.UnsetType = msgspec.UNSET
 
 
 _RULES = {**{k: "must be a non-empty string" for k in ("run", "model", "learner", "inc", "region")},
           **{k: "must be an integer in 0..2**62" for k in ("frag", "round", "base", "steps", "tokens")},
-          "period": "must be an integer in 1..2**31"}
+          "period": "must be an integer in 1..2**31", "lockstep": "must be 1 (or absent)"}
 
 
 def parse_grad_meta(meta: dict) -> dict:

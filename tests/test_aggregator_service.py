@@ -339,3 +339,32 @@ async def test_a_stale_outlier_reference_restarts_when_most_learners_are_refused
     assert svc.stats.rejected["norm_outlier"] == 3
     stop.set()
     await task
+
+
+async def test_a_lock_step_round_merges_its_fragments_together_and_never_waits_past_the_grace(nats_server, js):
+    """aggregator.rounds in the service: fragment 0 of a synchronous round waits while b's fragment 1
+    is still to come, then both merge in one look; a round whose fragment 1 never comes holds
+    fragment 0 for the grace window only."""
+    svc, stop, task = await _start(nats_server, grace="fixed", grace_seconds=1.5, quorum=2)
+    await set_members(js, RUN, {"a": "active", "b": "active"})
+    await _until(lambda: len(svc.active()) == 2)
+    a, b = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2)
+    for p in (0, 1):
+        await a.send(p, base=0, lockstep=1)
+    await b.send(0, base=0, lockstep=1)
+    await _until(lambda: len(svc.buffers[0]) == 2 and len(svc.buffers[1]) == 1)
+    await asyncio.sleep(0.6)  # fragment 0 has its quorum, but b's round is not complete
+    assert svc.states[0].version == 0 and svc.stats.round_holds == 1
+    await b.send(1, base=0, lockstep=1)
+    assert await _until(lambda: svc.states[0].version == 1 and svc.states[1].version == 1)
+    assert svc.stats.round_holds_expired == 0 and not svc.held_since
+    # round 2: b's fragment 1 never comes (its publish failed): fragment 0 merges after the grace
+    t0 = time.monotonic()
+    for p in (0, 1):
+        await a.send(p, base=1, lockstep=1)
+    await b.send(0, base=1, lockstep=1)
+    assert await _until(lambda: svc.states[0].version == 2, 5)
+    assert time.monotonic() - t0 >= 1.4 and svc.stats.round_holds_expired == 1
+    assert svc.states[1].version == 1 and len(svc.buffers[1]) == 1  # still waiting for b
+    stop.set()
+    await task

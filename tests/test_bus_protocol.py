@@ -17,6 +17,18 @@ def test_period_is_sent_when_known_and_parsed():
     assert "period" not in _meta() and set(parse_grad_meta(_meta())) == set(GRAD_FIELDS)  # an older learner's
 
 
+def test_lockstep_is_sent_by_a_synchronous_learner_only():
+    m = _meta(lockstep=True)
+    assert m["lockstep"] == 1 and parse_grad_meta(m) is m
+    assert "lockstep" not in _meta(lockstep=False)
+
+
+@pytest.mark.parametrize("bad", [0, 2, True, "1", 1.0])
+def test_a_bad_lockstep_is_malformed(bad):
+    with pytest.raises(ValueError, match="malformed: field 'lockstep'"):
+        parse_grad_meta({**_meta(), "lockstep": bad})
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "24", 2**40])
 def test_a_bad_period_is_malformed(bad):
     m = {**_meta(), "period": bad}
