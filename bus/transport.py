@@ -145,7 +145,7 @@ async def prompt_fetch(sub, batch: int, timeout: float) -> list:
     Not ``sub.fetch(batch, timeout)``: when the messages land while its first pull request is in
     flight, nats-py 2.16 waits for the batch to fill until the request expires, so what arrived is
     held for up to ``timeout`` (in a loop of fetch(32, 0.2) about 1% of messages were held
-    70-190 ms, and one data-parallel round in ten in bench.goodput paid a step for it).
+    70-190 ms: a lock-step round whose last chunk is held waits that long).
     ``fetch(1)`` returns at its first message; the second fetch asks for exactly what is pending,
     so it returns as they come (``DRAIN_S`` only bounds a race, e.g. another puller on the same
     consumer). ``python -m bench.transport`` measures both (``poll_delay_ms``)."""
