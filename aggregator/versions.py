@@ -90,9 +90,9 @@ class VersionMaker:
                 if now < until:
                     wake = until if wake is None else min(wake, until)
                     continue
-                del self.held_since[p]
+                held_s = now - self.held_since.pop(p)
                 self.stats.round_holds_expired += 1
-                self.log.warning("round_hold_expired", fragment=p, held_s=round(now - until + self.cfg.grace_seconds, 3),
+                self.log.warning("round_hold_expired", fragment=p, held_s=round(held_s, 3),
                                  waiting={q: sorted(m) for q, m in missing.items() if m})
                 reason = f"{reason}; the rest of its lock-step round did not come in {self.cfg.grace_seconds}s"
             await self._merge(p, time.monotonic(), first, reason)

@@ -20,9 +20,9 @@ process on one host):
   to leave the quorum (monitor, members bucket, the aggregator's watch and its next look).
 * ``round_overhead_s``: lock-step modes: the period of consecutive full merges of a fragment (all
   M learners in both, no kill or restart from 1 s before the first) minus the round's steps:
-  publish, merge, publish the version, apply it. Its distribution has a tail (about one round
-  in ten takes a step longer: 0.23 s against 0.05 s), and every round pays it, so the simulator
-  takes its mean.
+  publish, merge, publish the version, apply it. Every round pays it, so the simulator takes its
+  mean: before the lock-step fix (aggregator/rounds.py) a run could have a tail of rounds a step
+  longer (0.23 s against 0.05 s), or all of them after a phase split; since, mean and median agree.
 
 Each figure is given as the median and the mean of its samples, with the sample count (``n``); a
 mode with no sample for a figure gives None (the simulator then keeps its default). The simulator
@@ -125,7 +125,7 @@ def round_overhead_samples(merges: Sequence[tuple[float, int, list]], M: int, ro
 def mode_timings(*, M: int, round_s: float, lockstep: bool, starts, kills, first_hb, transitions,
                  merges, arrivals, first_step=None, step_s: float = 0.0, heartbeat_s: float = 0.0,
                  idle_s: float = 0.3) -> dict:
-    """The timings of one mode (see the module's docstring), each {"median": s, "n": count}.
+    """The timings of one mode (see the module's docstring), each {"median": s, "mean": s, "n": count}.
     ``first_step``: (learner, incarnation) -> wall time of its first heartbeat with a new step."""
     shift = heartbeat_s / 2 + step_s
     samples = {
