@@ -228,17 +228,19 @@ class RoundNesterovState:
     buffer: np.ndarray
     progress: float = 0.0
     count: int = 0
+    rounds: int = 0  # momentum steps taken (rounds completed): the momentum warm-up's clock
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "round_nesterov", "momentum": self.momentum, "buffer": self.buffer,
-                "progress": float(self.progress), "count": self.count}
+                "progress": float(self.progress), "count": self.count, "rounds": self.rounds}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundNesterovState:
         if data.get("kind") != "round_nesterov":
             raise ValueError(f"not a round Nesterov state: kind={data.get('kind')!r}")
         return cls(np.asarray(data["momentum"], dtype=np.float32).copy(),
-                   np.asarray(data["buffer"], dtype=np.float32).copy(), float(data["progress"]), int(data["count"]))
+                   np.asarray(data["buffer"], dtype=np.float32).copy(), float(data["progress"]), int(data["count"]),
+                   int(data.get("rounds", 0)))
 
 
 ROUND_TOL = 1e-9
@@ -246,37 +248,67 @@ ROUND_TOL = 1e-9
 
 @dataclass(frozen=True)
 class RoundNesterov:
-    """Nesterov whose momentum advances once per *round of work*, however the work is grouped.
+    """Nesterov whose momentum advances once per *round of work*, however the work is grouped, and
+    only with closed-loop work.
 
     Each merge passes its outer gradient g (already scaled by its share of the run: contributions
-    / participants, see :func:`aggregator.step.participation_scale`) and ``work``, that share::
+    / participants, see :func:`aggregator.step.participation_scale`), the part ``m`` of g that may
+    feed the momentum (default all of it) and ``work``, the share of a round that part holds::
 
-        theta <- theta - lr * g;   B <- B + g;   w <- w + work
-        when w reaches 1:          t <- beta * t + B;   theta <- theta - lr * beta * t;
+        theta <- theta - lr * g;   B <- B + m;   w <- w + work
+        when w reaches 1:          t <- beta * t + B / floor(w);   theta <- theta - lr * beta * t;
                                    B <- 0;   w <- w - floor(w)
 
     Over one round in which each of M learners contributes once, in any number of merges, theta
     moves by -lr * (mean(g) + beta * t) with t = beta * t + mean(g): exactly one Nesterov step of
     synchronous DiLoCo on the mean outer gradient (``NesterovSGD`` with M contributions in one
     merge). Nesterov per merge instead advances the momentum once per arrival, so its step per
-    round depends on how arrivals are grouped, and under an aggregator backlog the momentum of
-    stale gradients adds to asynchrony's own implicit momentum (the chaos run's divergence).
-    A merge holding several rounds of work advances the momentum once with all of it.
+    round depends on how arrivals are grouped.
+
+    **Backlog work does not drive the momentum** (issue 24). After an outage (aggregator or server
+    down, learners training on alone) the aggregator merges seconds of *open-loop* work: rounds that
+    were computed without seeing each other's results. Its sum is sound as a plain step, but a
+    momentum fed with it extrapolates it by beta / (1 - beta) more (the chaos run's divergence, at
+    0.9). Two rules keep the momentum to what synchronous rounds would have fed it:
+
+    - the caller passes as ``m`` only the *fresh* part of a merge (contributions computed from the
+      current round's global version, :func:`aggregator.step.merge_step`); stale ones are applied
+      as plain SGD steps and count no work;
+    - when a merge completes several rounds at once (``w`` >= 2: a backlog of several rounds per
+      learner merged together), the momentum takes their mean ``B / floor(w)``, not the sum: one
+      round's worth per milestone, however much work arrived at once. (A fraction of a round carried
+      from a partial sync, ``w`` = 1.25 say, still completes one round: B / 1.)
+
+    With both, a backlog moves theta by lr x (its contributions' sum / M), as plain SGD does, plus
+    at most one ordinary round's momentum.
     """
 
     lr: float = 0.7
     momentum: float = 0.9
     block: int = DEFAULT_BLOCK
+    warmup_rounds: int = 0  # the momentum ramps linearly over the first rounds: beta x min(1, k / R)
 
     def __post_init__(self) -> None:
         _check_hparams(self.lr, self.momentum)
+        if self.warmup_rounds < 0:
+            raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
+
+    def beta(self, rounds: int) -> float:
+        """The momentum of the round after ``rounds`` completed ones (the warm-up's ramp)."""
+        if self.warmup_rounds <= 0:
+            return self.momentum
+        return self.momentum * min(1.0, (rounds + 1) / self.warmup_rounds)
 
     def init(self, params: np.ndarray) -> RoundNesterovState:
         _check_float32("params", params)
         return RoundNesterovState(np.zeros_like(params), np.zeros_like(params), 0.0, 0)
 
     def step(self, params: np.ndarray, outer_grad: np.ndarray, state: RoundNesterovState, *,
-             inplace: bool = False, work: float = 1.0) -> tuple[np.ndarray, RoundNesterovState]:
+             inplace: bool = False, work: float = 1.0,
+             momentum_grad: np.ndarray | float | None = None) -> tuple[np.ndarray, RoundNesterovState]:
+        """One merge. ``momentum_grad``: what of ``outer_grad`` feeds the momentum buffer: None (all
+        of it), a factor f (f x outer_grad; 0: none) or an array; ``work``: the share of a round it
+        holds (see the class docstring)."""
         _check_float32("params", params)
         n = params.size
         _check_float32("outer_grad", outer_grad, n)
@@ -284,32 +316,53 @@ class RoundNesterov:
         _check_float32("buffer", state.buffer, n)
         if not (math.isfinite(work) and work >= 0):
             raise ValueError(f"work must be finite and >= 0, got {work}")
+        mfac = np.float32(1.0)
+        marr: np.ndarray | None = None
+        if momentum_grad is None:
+            pass
+        elif isinstance(momentum_grad, np.ndarray):
+            _check_float32("momentum_grad", momentum_grad, n)
+            marr = momentum_grad
+        else:
+            if not (math.isfinite(float(momentum_grad)) and float(momentum_grad) >= 0):
+                raise ValueError(f"momentum_grad factor must be finite and >= 0, got {momentum_grad}")
+            mfac = np.float32(momentum_grad)
         p = params if inplace else params.copy()
         t = state.momentum if inplace else state.momentum.copy()
         buf = state.buffer if inplace else state.buffer.copy()
         progress = state.progress + float(work)
         milestone = progress >= 1.0 - ROUND_TOL
-        beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
+        # a milestone that completes several rounds at once takes their mean (class docstring)
+        per_round = np.float32(1.0 / max(1.0, math.floor(progress + ROUND_TOL)))
+        beta, neg_lr = np.float32(self.beta(state.rounds)), np.float32(-self.lr)
         scratch = np.empty(min(self.block, max(n, 1)), dtype=np.float32)
         for sl in block_slices(n, self.block):
             g, tb, pb, bb = outer_grad[sl], t[sl], p[sl], buf[sl]
             s = scratch[: pb.size]
-            np.add(bb, g, out=bb)                 # B = B + g
+            if marr is not None:
+                np.add(bb, marr[sl], out=bb)      # B = B + m
+            elif mfac == 1.0:
+                np.add(bb, g, out=bb)             # B = B + g
+            elif mfac != 0.0:
+                np.multiply(g, mfac, out=s)
+                np.add(bb, s, out=bb)             # B = B + f * g
             np.multiply(g, neg_lr, out=s)
             np.add(pb, s, out=pb)                 # theta = theta - lr * g
             if milestone:
                 np.multiply(tb, beta, out=tb)
-                np.add(tb, bb, out=tb)            # t = beta * t + B
+                if per_round != 1.0:
+                    np.multiply(bb, per_round, out=bb)
+                np.add(tb, bb, out=tb)            # t = beta * t + B / w
                 bb[...] = 0.0                     # B = 0
                 np.multiply(tb, beta * neg_lr, out=s)
                 np.add(pb, s, out=pb)             # theta = theta - lr * beta * t
         if milestone:
             progress = max(0.0, progress - math.floor(progress + ROUND_TOL))
-        return p, RoundNesterovState(t, buf, progress, state.count + 1)
+        return p, RoundNesterovState(t, buf, progress, state.count + 1, state.rounds + int(milestone))
 
 
 def make_outer_optimizer(
-    kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1
+    kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1, warmup_rounds: int = 0
 ) -> NesterovSGD | DelayedNesterov | RoundNesterov:
     """"nesterov" -> NesterovSGD(lr, momentum); "delayed_nesterov" (or "delayed") ->
     DelayedNesterov(lr, momentum, period)."""
@@ -318,5 +371,5 @@ def make_outer_optimizer(
     if kind in ("delayed_nesterov", "delayed"):
         return DelayedNesterov(lr, momentum, period)
     if kind in ("round_nesterov", "rounds"):
-        return RoundNesterov(lr, momentum)
+        return RoundNesterov(lr, momentum, warmup_rounds=warmup_rounds)
     raise ValueError(f"unknown outer optimizer {kind!r}, expected nesterov, delayed_nesterov or rounds")

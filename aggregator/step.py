@@ -47,9 +47,15 @@ class MergeSettings:
     reference_steps: int = 24
     max_inner_lr: float | None = None
     max_weight_ratio: float = 4.0
+    # the ``rounds`` momentum takes only contributions whose learner had seen the merge of all but at
+    # most this many of its own earlier contributions to the fragment (open-loop backlog work moves
+    # the parameters by plain SGD; momentum_part, aggregator.outer_opt.RoundNesterov)
+    momentum_open_rounds: int = 1
+    momentum_warmup_rounds: int = 0  # the rounds momentum ramps from 0 to its value over (RoundNesterov)
 
     def make_optimizer(self):
-        return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n)
+        return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n,
+                                    warmup_rounds=self.momentum_warmup_rounds)
 
     @classmethod
     def from_config(cls, cfg) -> "MergeSettings":  # AggregatorConfig
@@ -59,7 +65,7 @@ class MergeSettings:
                    optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                    delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink_quantiser,
                    clip_factor=cfg.clip_factor, reference_steps=cfg.clip_reference_steps,
-                   max_weight_ratio=cfg.max_weight_ratio)
+                   max_weight_ratio=cfg.max_weight_ratio, momentum_open_rounds=cfg.momentum_open_rounds)
 
 
 @dataclass
@@ -75,6 +81,9 @@ class FragmentState:
     last_per_round: int = 1
     applied_norms: NormHistory = field(default_factory=NormHistory)  # the clip reference (whole rounds)
     last_clipped: int = 0  # contributions of the newest merge scaled down to their cap
+    # per learner, the newest versions (at most RECENT_KEPT) whose merge held one of its contributions:
+    # how many of its own rounds a contribution's base had not seen (open_rounds)
+    recent: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def initial(cls, fragment: int, version: int, params: np.ndarray, settings: MergeSettings) -> "FragmentState":
@@ -91,6 +100,7 @@ class FragmentState:
             "applied": self.applied.to_dict(), "norms": self.norms.to_dict(),
             "last": [list(k) for k in self.last_merge], "scale": self.last_scale, "per_round": self.last_per_round,
             "anorms": self.applied_norms.to_dict(), "clipped": self.last_clipped,
+            "recent": self.recent,
         }, use_bin_type=True)
 
     @classmethod
@@ -104,7 +114,8 @@ class FragmentState:
                    AppliedSet.from_dict(d["applied"]), NormHistory.from_dict(d["norms"]),
                    [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)), int(d.get("per_round", 1)),
                    NormHistory.from_dict(d["anorms"]) if "anorms" in d else NormHistory(),
-                   int(d.get("clipped", 0)))
+                   int(d.get("clipped", 0)),
+                   {str(k): [int(x) for x in v] for k, v in d.get("recent", {}).items()})
 
 
 def round_work(contribs: list[Contribution]) -> float:
@@ -136,6 +147,45 @@ def participation_scale(merged: float, participants: int) -> float:
     """
     n = float(merged) if merged > 0 else 1.0
     return n / max(1, int(participants))
+
+
+RECENT_KEPT = 8
+
+
+def open_rounds(state: FragmentState, c: Contribution) -> int:
+    """How many of its learner's own earlier contributions to this fragment were merged into versions
+    newer than ``c``'s base: 0 when the learner trained from the result of its previous round, 1 when
+    it ran one round ahead (an out-of-step learner, the last of a round), n for the n-th round of
+    work it did alone (learners training on while the aggregator or the server was down)."""
+    return sum(1 for u in state.recent.get(c.learner, ()) if u > c.base_version)
+
+
+def momentum_part(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
+                  g: np.ndarray, w: np.ndarray, norms: list[float], caps: np.ndarray, total: float,
+                  scale: float) -> tuple[np.ndarray | float | None, float]:
+    """What of a merge's outer gradient ``g`` feeds the ``rounds`` momentum, and the share of a round
+    it holds: the *closed-loop* contributions only, whose :func:`open_rounds` is at most
+    ``settings.momentum_open_rounds``. Open-loop work (rounds a learner computed without seeing the
+    merge of its earlier ones: an outage's backlog) is applied as plain SGD and counts no work.
+
+    Returns (None, scale) when every contribution is closed-loop (the usual case), (0.0, 0.0) when
+    none is, else the closed-loop part exactly for the linear merge (mean without a robust mode:
+    the same weights, caps and discount on the subset) or ``g`` times its weight share otherwise.
+    """
+    fresh = [open_rounds(state, c) <= settings.momentum_open_rounds for c in contribs]
+    if all(fresh):
+        return None, scale
+    if not any(fresh):
+        return 0.0, 0.0
+    idx = [i for i, f in enumerate(fresh) if f]
+    share = float(sum(contribs[i].round_share for i in idx)) / max(round_work(contribs), 1e-12)
+    wa = np.asarray(w, dtype=np.float64)
+    wf = float(wa[idx].sum())
+    if settings.method == "mean" and settings.robust is None and wf > 0:
+        part = merge([contribs[i].vector for i in idx], wa[idx], "mean", None,
+                     norms=np.asarray(norms, dtype=np.float64)[idx], caps=np.asarray(caps)[idx])
+        return (part * np.float32(total * wf / float(wa.sum()))).astype(np.float32, copy=False), scale * share
+    return wf / float(wa.sum()), scale * share
 
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
@@ -173,8 +223,9 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         g = g * np.float32(total)
     optimizer = settings.make_optimizer()
     if isinstance(optimizer, RoundNesterov):
-        # momentum once per round of work (scale = the share of a round this merge holds)
-        params, opt = optimizer.step(state.params, g, state.opt, work=scale)
+        # momentum once per round of fresh work (scale = the share of a round this merge holds)
+        mg, work = momentum_part(state, contribs, settings, g, w, norms, caps, total, scale)
+        params, opt = optimizer.step(state.params, g, state.opt, work=work, momentum_grad=mg)
     else:
         params, opt = optimizer.step(state.params, g, state.opt)
     applied = state.applied.copy()
@@ -193,5 +244,8 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         n = min(float(n), float(cap))  # the outlier reference: as applied
         hist.add(state.fragment, n / max(1, c.inner_steps))  # norm per inner step
     clipped = int(np.sum(np.asarray(norms, dtype=np.float64) > caps))
+    recent = {k: list(v) for k, v in state.recent.items()}
+    for learner in sorted({c.learner for c in contribs}):
+        recent[learner] = (recent.get(learner, []) + [state.version + 1])[-RECENT_KEPT:]
     return FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
-                         float(scale), max(1, int(per_round)), anorms, clipped)
+                         float(scale), max(1, int(per_round)), anorms, clipped, recent)

@@ -28,7 +28,8 @@ Modes (``RefConfig.mode``):
   fragment is downloaded ``fetch_delay`` steps after the learner's sync and rebased in;
 - ``decoupled``: like ``streaming`` with any quorum K, grace window, per-learner step times,
   upload/download delays and failures (learner down from t0 to t1, then it rejoins from the newest
-  global versions, as a resync).
+  global versions, as a resync), and aggregator outages (``agg_outages``: down from t0 to t1, the
+  learners train on alone, and the backlog that waited in the stream arrives at t1, in order).
 
 Time is virtual (seconds of ``step_times``, 1.0 per step by default); the inner steps run for real
 in the order the clock gives. Events at the same virtual time are taken in a fixed order
@@ -165,7 +166,9 @@ class Reference:
                                                                                   cfg.staleness_b),
                                       optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                       delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
-                                      clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr)
+                                      clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr,
+                                      momentum_open_rounds=cfg.momentum_open_rounds,
+                                      momentum_warmup_rounds=cfg.momentum_warmup_rounds)
         v0 = s.v0_fragments()
         self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(self.P)]
         self.buffers: list[list[_Pending]] = [[] for _ in range(self.P)]
@@ -192,6 +195,9 @@ class Reference:
         for m, down, back in cfg.failures:
             self._at(down, 3, self._fail, m)
             self._at(back, 3, self._return, m)
+        self.agg_backlog: list = []
+        for down, back in cfg.agg_outages:
+            self._at(back, 1, self._agg_back)
         for ln in self.learners:
             self._start_step(ln)
         self.marks = self._eval_marks()
@@ -381,11 +387,27 @@ class Reference:
 
     # -- the aggregator -----------------------------------------------------------------------------
 
+    def _agg_down(self) -> bool:
+        return any(down <= self.now < back for down, back in self.cfg.agg_outages)
+
+    def _agg_back(self) -> None:
+        """The aggregator is back: the contributions that waited in the stream arrive in order."""
+        if self._agg_down():
+            return
+        backlog, self.agg_backlog = self.agg_backlog, []
+        for c in backlog:
+            self._arrive(c)
+        for p in range(self.P):
+            self._consider_merge(p)
+
     def _arrive(self, c) -> None:
         """aggregator.service._consider: validate, then buffer (or reject by reason)."""
         from aggregator.merge import l2_norm
         from aggregator.validate import Reason, ValidationContext, validate
 
+        if self._agg_down():
+            self.agg_backlog.append(c)
+            return
         s, p = self.setup, c.fragment
         st = self.states[p]
         alive = self._alive()
@@ -418,7 +440,7 @@ class Reference:
         from aggregator.quorum import decide
 
         buf = self.buffers[p]
-        if not buf:
+        if not buf or self._agg_down():
             return
         contributors: dict[str, float] = {}
         for x in buf:
@@ -487,7 +509,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in RefConfig.__dataclass_fields__.values():
-        if f.name in ("model", "step_times", "failures"):
+        if f.name in ("model", "step_times", "failures", "agg_outages"):
             continue
         default = getattr(RefConfig(), f.name)
         typ = type(default) if default is not None else int
@@ -496,9 +518,12 @@ def main() -> None:
         else:
             p.add_argument(f"--{f.name}", type=typ, default=default)
     p.add_argument("--step_times", type=str, default="", help="comma-separated virtual seconds per step")
+    p.add_argument("--agg_outages", type=str, default="", help="aggregator down: comma-separated DOWN-BACK virtual seconds")
     a = vars(p.parse_args())
-    st = a.pop("step_times")
-    cfg = RefConfig(**a, step_times=tuple(float(x) for x in st.split(",")) if st else None)
+    st, ao = a.pop("step_times"), a.pop("agg_outages")
+    outages = tuple(tuple(float(x) for x in w.split("-")) for w in ao.split(",")) if ao else ()
+    cfg = RefConfig(**a, step_times=tuple(float(x) for x in st.split(",")) if st else None,
+                    agg_outages=outages)  # type: ignore[arg-type]
     r = run_reference(cfg, progress=lambda m: print(m, flush=True))
     r.pop("train_losses", None)
     print(orjson.dumps({**r, "config": {k: v for k, v in asdict(cfg).items()}}).decode())

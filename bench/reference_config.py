@@ -56,7 +56,7 @@ class RefConfig:
     incarnations: tuple[str, ...] | None = None
     # inner (AdamW, learner.inner): the learner's defaults
     lr: float = _L("inner_lr")
-    warmup: int = _L("warmup_steps")
+    warmup: int = _L("warmup_steps")  # -1: the learner's DILOCO_WARMUP_FRACTION of the schedule
     total_steps: int | None = None  # cosine schedule length (None: steps)
     weight_decay: float = _L("weight_decay")
     clip_norm: float = _L("clip_norm")
@@ -87,6 +87,8 @@ class RefConfig:
     norm_min_history: int = _A("norm_min_history")
     scale_by_participation: bool = _A("scale_by_participation")
     clip_factor: float = _A("clip_factor")
+    momentum_open_rounds: int = _A("momentum_open_rounds")
+    momentum_warmup_rounds: int = 0
     downlink: str = _A("downlink_quantiser")
     keyframe_every: int = _A("keyframe_every")
     # timing (virtual seconds) and faults
@@ -94,6 +96,9 @@ class RefConfig:
     up_delay: float = 0.0  # a contribution's send -> arrival at the aggregator
     down_delay: float = 0.0  # a merge -> the version at every learner (download included)
     failures: tuple[tuple[int, float, float], ...] = ()  # (learner, down at, back at)
+    # the aggregator down (down at, back at): contributions wait in the stream, no version is
+    # published, learners train on alone; at ``back at`` the backlog arrives in order
+    agg_outages: tuple[tuple[float, float], ...] = ()
     # evaluation
     eval_points: int = 8  # held-out loss of the global model at this many points (and the end)
     eval_batches: int = 8

@@ -264,3 +264,24 @@ def test_round_nesterov_state_round_trips_and_carries_a_partial_round():
     assert s3.progress == pytest.approx(1 / 3) and not s3.buffer.any()  # round done, the rest carried
     with pytest.raises(ValueError):
         opt.step(p, np.zeros(4, np.float32), s, work=float("nan"))
+
+
+def test_round_nesterov_takes_one_mean_round_into_the_momentum_from_a_backlog_merge():
+    """A merge that completes 20 rounds at once (a backlog) moves theta by all of them (plain SGD) but
+    feeds the momentum their mean round, not their sum (issue 24: no extrapolation of a backlog)."""
+    opt = RoundNesterov(1.0, 0.9)
+    p = np.zeros(8, np.float32)
+    s = opt.init(p)
+    g = np.full(8, 0.01, np.float32)
+    p1, s1 = opt.step(p, g * 20, s, work=20.0)
+    np.testing.assert_allclose(s1.momentum, g, rtol=1e-6)
+    np.testing.assert_allclose(p1, -(20 * g + 0.9 * g), rtol=1e-6)
+    # the part fed to the momentum can be given: a factor, or an array
+    _, s2 = opt.step(p, g, s, work=1.0, momentum_grad=0.0)
+    assert not s2.momentum.any()
+    _, s3 = opt.step(p, g, s, work=1.0, momentum_grad=g / 2)
+    np.testing.assert_allclose(s3.momentum, g / 2, rtol=1e-6)
+    _, s4 = opt.step(p, g, s, work=1.0, momentum_grad=0.25)
+    np.testing.assert_allclose(s4.momentum, g / 4, rtol=1e-6)
+    with pytest.raises(ValueError):
+        opt.step(p, g, s, momentum_grad=-1.0)

@@ -10,10 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregator.contribution import Contribution
-from aggregator.step import FragmentState, MergeSettings, merge_step, participation_scale, round_work
+from aggregator.merge import l2_norm
+from aggregator.outer_opt import NesterovSGD
+from aggregator.step import (FragmentState, MergeSettings, merge_step, momentum_part, open_rounds, participation_scale,
+                             round_work)
 from aggregator.weights import StalenessPolicy
 
 M, N = 3, 24
+
+
+#: the grouping tests build every contribution on version 0 (open-loop by construction); they check how
+#: the momentum groups work, so they count it all as closed-loop (the open-loop rule: tests below)
+CLOSED = 10**6
 
 
 def _contribs(rounds: int, seed: int = 0) -> list[Contribution]:
@@ -59,7 +67,8 @@ def test_without_momentum_any_grouping_makes_the_synchronous_progress(sizes):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.sampled_from([[1, 1, 1], [2, 1], [1, 2], [3]]), min_size=4, max_size=4))
 def test_with_momentum_any_grouping_within_rounds_makes_the_synchronous_progress(splits):
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.9)
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.9,
+                      momentum_open_rounds=CLOSED)
     cs = _contribs(4)
     synchronous = _apply([cs[j:j + M] for j in range(0, len(cs), M)], s)
     got = _apply(_grouped(cs, [k for split in splits for k in split]), s)
@@ -67,7 +76,8 @@ def test_with_momentum_any_grouping_within_rounds_makes_the_synchronous_progress
 
 
 def test_per_arrival_merges_with_momentum_equal_synchronous_rounds():
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.9)
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.9,
+                      momentum_open_rounds=CLOSED)
     cs = _contribs(5, seed=3)
     per_arrival = _apply([[c] for c in cs], s)
     synchronous = _apply([cs[j:j + M] for j in range(0, len(cs), M)], s)
@@ -110,3 +120,92 @@ def test_a_short_final_sync_neither_inflates_the_step_nor_takes_a_momentum_step(
     # a final sync alone: a twelfth of a round, so no momentum step
     st3 = merge_step(st2, [_c("b", 2, 2, 24, tail)], s, scale=participation_scale(1 / 12, 2), per_round=2)
     np.testing.assert_allclose(st2.params - st3.params, tail / 24, rtol=1e-3, atol=1e-8)  # float32 params
+
+
+# -- the momentum is fed by closed-loop work only (issue 24) ----------------------------------------
+
+
+def _cb(learner: str, rnd: int, base: int, vec: np.ndarray) -> Contribution:
+    return Contribution("r", "h", learner, "inc", 0, rnd, base, 24, 24 * 64, vec, period=24)
+
+
+def _outage(momentum: float, open_rounds: int = 1, backlog: int = 20, groups: int = 1):
+    """Two learners in step for 10 rounds (each round's base is the version before it), then the
+    aggregator is down while both train on alone for ``backlog`` rounds on the same base; the backlog is
+    merged ``groups`` rounds per merge. Returns the distance moved during the backlog, per round."""
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=momentum,
+                      momentum_open_rounds=open_rounds)
+    d = np.full(N, 0.01, np.float32)
+    st_ = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
+    for r in range(10):
+        cs = [_cb("a", r, st_.version, d), _cb("b", r, st_.version, d)]
+        st_ = merge_step(st_, cs, s, scale=participation_scale(2, 2), per_round=2)
+    before, base = st_.params.copy(), st_.version
+    for r in range(10, 10 + backlog, groups):
+        cs = [_cb(x, k, base, d) for k in range(r, min(r + groups, 10 + backlog)) for x in "ab"]
+        st_ = merge_step(st_, cs, s, scale=participation_scale(len(cs), 2), per_round=2)
+    return float(np.mean(st_.params - before)) * -1 / backlog / 0.01 / s.lr, st_
+
+
+@pytest.mark.parametrize("groups", [1, 4, 20])
+def test_an_outage_backlog_is_not_extrapolated_by_the_momentum(groups):
+    """The case that had made momentum 0 the default (docs/RELIABILITY.md, issue 12): a backlog of
+    open-loop rounds, merged after an outage, moved the model lr/(1-beta) x its work. Now it moves it
+    by about the work itself (plain SGD) whatever the grouping; without the rule it moves 2x (0.5) or
+    10x (0.9) the work, which is what the momentum would make of closed-loop rounds."""
+    for beta in (0.5, 0.9):
+        per_round, st_ = _outage(beta, groups=groups)
+        # the work itself (1.0 per round) plus what the momentum of the closed-loop rounds before the
+        # outage and of the first open round adds: a constant, spread over 20 rounds
+        assert 1.0 <= per_round < 1.0 + (beta / (1 - beta)) * 2 / 20 + 1e-6, (beta, groups, per_round)
+        unguarded, _ = _outage(beta, open_rounds=CLOSED, groups=groups)
+        if groups == 1:  # one round per merge: the momentum compounds as for closed-loop rounds
+            assert unguarded > 1.0 + 0.6 * beta / (1 - beta), (beta, unguarded)
+        if groups < 20:  # (the whole backlog in one merge is closed-loop by the rule: the mean round bounds it)
+            assert unguarded > per_round
+
+
+def test_closed_loop_rounds_keep_the_momentum_and_open_rounds_counts_the_learners_own_rounds():
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.5, lr=1.0)
+    d = np.full(N, 0.01, np.float32)
+    st_ = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
+    ref, rs = NesterovSGD(1.0, 0.5), None
+    q = np.zeros(N, np.float32)
+    rs = ref.init(q)
+    for r in range(6):  # in step: each round from the previous round's version = synchronous Nesterov
+        st_ = merge_step(st_, [_cb("a", r, st_.version, d), _cb("b", r, st_.version, d)], s,
+                         scale=participation_scale(2, 2), per_round=2)
+        q, rs = ref.step(q, d, rs)
+    np.testing.assert_allclose(st_.params, q, rtol=1e-5)
+    assert st_.recent["a"] == [1, 2, 3, 4, 5, 6]
+    assert open_rounds(st_, _cb("a", 6, 6, d)) == 0
+    assert open_rounds(st_, _cb("a", 6, 5, d)) == 1  # one round ahead: still closed-loop (default 1)
+    assert open_rounds(st_, _cb("a", 6, 3, d)) == 3
+    assert open_rounds(st_, _cb("c", 0, 0, d)) == 0  # a learner new to the fragment
+    assert FragmentState.from_bytes(st_.to_bytes()).recent == st_.recent
+
+
+def test_a_mixed_merge_feeds_the_momentum_exactly_its_closed_loop_part():
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.5, lr=1.0)
+    a, b = np.full(N, 0.01, np.float32), np.full(N, 0.03, np.float32)
+    st_ = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
+    for r in range(3):
+        st_ = merge_step(st_, [_cb("a", r, st_.version, a), _cb("b", r, st_.version, b)], s,
+                         scale=participation_scale(2, 2), per_round=2)
+    t0 = st_.opt.momentum.copy()
+    # a is closed-loop, b sends its third round on version 0 (open for 3 rounds)
+    cs = [_cb("a", 3, st_.version, a), _cb("b", 3, 0, b)]
+    g = (a + b) / 2  # equal token weights, scale 2/2
+    assert open_rounds(st_, cs[1]) == 3
+    mg, work = momentum_part(st_, cs, s, g, np.array([0.5, 0.5]), [l2_norm(a), l2_norm(b)],
+                             np.array([np.inf, np.inf]), 1.0, 1.0)
+    np.testing.assert_allclose(mg, a / 2, rtol=1e-6)  # a's share of the mean
+    assert work == pytest.approx(0.5)
+    st2 = merge_step(st_, cs, s, scale=participation_scale(2, 2), per_round=2)
+    np.testing.assert_allclose(st2.opt.buffer, a / 2, rtol=1e-6)  # half a round of closed-loop work waits
+    np.testing.assert_allclose(st2.opt.momentum, t0)  # no milestone yet
+    np.testing.assert_allclose(st_.params - st2.params, g, rtol=1e-5)  # the whole merge as plain SGD
+    # a merge with only open-loop work takes no work and leaves the momentum alone
+    st3 = merge_step(st2, [_cb("b", 4, 0, b)], s, scale=participation_scale(1, 2), per_round=2)
+    np.testing.assert_allclose(st3.opt.buffer, st2.opt.buffer)
+    assert st3.opt.progress == pytest.approx(st2.opt.progress)
