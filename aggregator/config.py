@@ -32,12 +32,24 @@ def parse_fragments(spec: str, num_fragments: int) -> range:
     return range(lo, hi + 1)
 
 
+def quorum_value(s: str) -> int:
+    """'all' (0: every active learner) or an integer K >= 1."""
+    if s.strip().lower() == "all":
+        return 0
+    try:
+        return integer(1, 100_000)(s)
+    except ValueError:
+        raise ValueError("expected 'all' or an integer K with 1 <= K <= 100000") from None
+
+
 @register("aggregator")
 @dataclass(frozen=True)
 class AggregatorConfig:
     aggregator_id: str = var("agg-0", token(), "this aggregator's id (metrics, consumer name)")
     agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
-    quorum: int = var(1, integer(1, 100_000), "K: merge a fragment once K active learners contributed")
+    quorum: int = var(0, quorum_value, "K: merge a fragment once K active learners contributed; all: once every "
+                      "active learner did (one merge per round; an evicted learner is not waited for)",
+                      show=lambda k: k or "all")
     grace: str = var("adaptive", choice("fixed", "adaptive"), "how long to wait for more after the quorum")
     grace_seconds: float = var(1.0, number(0.0, 3600), "fixed grace window, and the cap of the adaptive one")
     grace_gamma: float = var(0.5, number(0.0, 0.999), "adaptive grace = min(cap, gamma x slack)")
@@ -56,7 +68,11 @@ class AggregatorConfig:
                                       "scale even while the monitor calls them evicted")
     trim_fraction: float = var(0.1, number(0.0, 0.49), "fraction trimmed at each end (robust=trim)")
     outer_lr: float = var(0.7, number(0.0, 100.0, lo_open=True), "outer Nesterov learning rate")
-    outer_momentum: float = var(0.0, number(0.0, 0.999), "outer Nesterov momentum")
+    outer_momentum: float = var(0.5, number(0.0, 0.999), "outer Nesterov momentum")
+    momentum_open_rounds: int = var(1, integer(0, 1_000_000),
+                                    "rounds outer optimizer: a contribution feeds the momentum only if its learner "
+                                    "had seen the merge of all but at most this many of its own earlier rounds "
+                                    "(open-loop backlog work is applied as plain SGD)")
     outer_optimizer: str = var("rounds", choice("rounds", "nesterov", "delayed"),
                                "rounds: Nesterov whose momentum advances once per round of work (M contributions), "
                                "however arrivals group; nesterov: once per merge; delayed: every N-th merge")

@@ -14,7 +14,8 @@ sync_time the usual time from merge decision to published version (both observed
 :class:`ArrivalStats`). The rules of :func:`decide`:
 
 - only ACTIVE learners count; an evicted learner is never waited for;
-- K is capped at the number of active learners, so evictions never deadlock a fragment;
+- K is capped at the number of active learners, so evictions never deadlock a fragment; K = 0
+  (``DILOCO_QUORUM=all``, the default) is every active learner;
 - all active learners contributed -> merge now;
 - fewer than K -> wait (no deadline: nothing to merge yet);
 - quorum reached -> merge when the grace window, started at the moment quorum was reached,
@@ -167,11 +168,11 @@ def decide(
     the window starts at ``first_arrival`` (earlier, so never longer). ``first_arrival`` is the
     arrival time of the first buffered contribution, active or not.
     """
-    if K < 1:
-        raise ValueError(f"K must be >= 1, got {K}")
+    if K < 0:
+        raise ValueError(f"K must be >= 1, or 0 for every active learner, got {K}")
     counted = [c for c in contributors if c in active]
     n, n_active = len(counted), len(active)
-    k_eff = min(K, n_active)
+    k_eff = n_active if K == 0 else min(K, n_active)
     if n_active > 0 and n == n_active:
         return Decision(True, None, f"all {n_active} active contributed")
     if n == 0 or n < k_eff:
@@ -184,7 +185,7 @@ def decide(
     quorum_at = max(quorum_at, first_arrival)
     window = grace_window(grace, stats, quorum_at - first_arrival, active)
     deadline = quorum_at + window
-    head = f"quorum {n}/{n_active} reached (K={K})"
+    head = f"quorum {n}/{n_active} reached (K={K or 'all'})"
     if now >= deadline:
         return Decision(True, None, f"{head}, grace {window:.1f}s expired", window)
     return Decision(False, deadline, f"{head}, grace {deadline - now:.1f}s left", window)

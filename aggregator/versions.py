@@ -126,7 +126,7 @@ class VersionMaker:
         self.stats.merges += 1
         self.stats.merge_latency.append(time.monotonic() - first)
         firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
-        self.stats.quorum_wait += firsts[min(self.cfg.quorum, len(firsts)) - 1] - first
+        self.stats.quorum_wait += firsts[min(self.cfg.quorum or len(firsts), len(firsts)) - 1] - first
         self.stats.clipped += new.last_clipped
         for x in items:
             self.stats.staleness[st.version - x.c.base_version] += 1  # in versions

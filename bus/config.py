@@ -125,9 +125,11 @@ def nats_urls() -> Callable[[str], str]:
     return parse
 
 
-def var(default: Any, parse: Callable[[str], Any], help: str, secret: bool = False) -> Any:
-    """A config field: its default (already typed), its parser, one line of help."""
-    return field(default=default, metadata={"parse": parse, "help": help, "secret": secret})
+def var(default: Any, parse: Callable[[str], Any], help: str, secret: bool = False,
+        show: Callable[[Any], Any] | None = None) -> Any:
+    """A config field: its default (already typed), its parser, one line of help; ``show``: how
+    ``diloco config`` prints a value (e.g. 0 as ``all``), if not as it is."""
+    return field(default=default, metadata={"parse": parse, "help": help, "secret": secret, "show": show})
 
 
 # -- the settings ----------------------------------------------------------------------------------
@@ -255,6 +257,8 @@ def sources(cls: type, environ: Mapping[str, str] | None = None) -> list[tuple[s
     for f in _fields(cls):
         name = env_name(f.name)
         value = getattr(cfg, f.name)
+        if f.metadata.get("show") is not None:
+            value = f.metadata["show"](value)
         if f.metadata.get("secret") and value:
             value = "***"
         out.append((name, value, "env" if name in env else "file" if name in filed else "default"))
@@ -273,7 +277,8 @@ def all_variables() -> list[tuple[str, str, Any, str]]:
             if name in seen:
                 continue
             seen.add(name)
-            rows.append((name, role, f.default, f.metadata["help"]))
+            show = f.metadata.get("show")
+            rows.append((name, role, f.default if show is None else show(f.default), f.metadata["help"]))
     return rows
 
 

@@ -117,8 +117,6 @@ def test_grace_policy_validation():
         GracePolicy(max_grace=float("inf"))
     with pytest.raises(ValueError):
         GracePolicy(tau=0)
-    with pytest.raises(ValueError):
-        decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=0, grace=FIXED1)
 
 
 def test_arrival_stats_ema_and_restarts():
@@ -173,3 +171,25 @@ def test_decision_invariants(active, arrivals, evicted_extra, K, grace, dt):
     both = {**evicted_extra, **arrivals}
     d2 = decide(now, min(both.values(), default=first), both, active, K, pol)
     assert (d2.merge, d2.wait_until) == (d.merge, d.wait_until)
+
+
+def test_quorum_all_waits_for_every_active_learner_and_only_those():
+    """K = 0 (DILOCO_QUORUM=all, the default): one merge per round of every active learner; an
+    evicted learner is not waited for, and one that joins is (the quorum follows the membership)."""
+    d = decide(9.0, 0.0, {"a": 0.0, "b": 0.1, "c": 0.2}, ACTIVE4, K=0, grace=FIXED1)
+    assert not d.merge and d.wait_until is None and "3/4" in d.reason
+    assert decide(9.0, 0.0, {"a": 0.0, "b": 0.1, "c": 0.2}, {"a", "b", "c"}, K=0, grace=FIXED1).merge
+    assert decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=0, grace=FIXED1).merge
+    with pytest.raises(ValueError):
+        decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=-1, grace=FIXED1)
+
+
+def test_quorum_setting_reads_all_or_a_count():
+    from aggregator.config import AggregatorConfig, quorum_value
+    from bus.config import from_env
+
+    assert quorum_value("all") == 0 and quorum_value(" ALL ") == 0 and quorum_value("3") == 3
+    assert from_env(AggregatorConfig, {}).quorum == 0
+    for bad in ("0", "-1", "many", ""):
+        with pytest.raises(ValueError, match="'all' or an integer"):
+            quorum_value(bad)
