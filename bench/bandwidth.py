@@ -1,9 +1,10 @@
 """Bandwidth: bytes through the broker per learner (the server's own /connz counters) against
 data-parallel ring all-reduce in bf16, for outer-gradient precisions x H, each with its held-out loss.
 
-Every configuration is a fresh run: embedded server, one aggregator (K = M with the adaptive grace
-as ``diloco up`` runs it, RDA, outer Nesterov; ``DILOCO_DOWNLINK_QUANTISER`` int8, i.e. int8 deltas
-against fp32 keyframes, or fp32 whole versions), M=4 real JAX learners
+Every configuration is a fresh run: embedded server, one aggregator (its defaults, as ``diloco up``
+runs it: K = every active learner, mean merge, outer Nesterov 0.7/0.5 once per round;
+``DILOCO_DOWNLINK_QUANTISER`` int8, i.e. int8 deltas against fp32 keyframes, or fp32 whole
+versions), M=4 real JAX learners
 (defaults: one download per fragment and own sync, rebase on arrival, final sync) of a small model (``SMALL_MODEL``: d_model 64,
 2 layers, seq 64, ~0.12M parameters; batch 8) that run ``steps`` inner steps with P=8 staggered
 fragments and exit, then ``diloco eval --once``. A learner's traffic is what the server counts for
@@ -45,15 +46,15 @@ M = 4
 def configs(quick: bool) -> list[tuple[str, int, str, str]]:
     """(uplink quantiser, H, downlink quantiser, aggregator variant)."""
     if quick:
-        return [("int8", 25, "int8", "quorum"), ("e3m0", 100, "int8", "quorum")]
-    out = [(q, h, "int8", "quorum") for h in (25, 100, 250) for q in ("fp32", "bf16", "int8", "e3m0")]
-    out += [("e3m0", 100, "fp32", "quorum")]  # the same with whole fp32 versions on the downlink
+        return [("int8", 25, "int8", "defaults"), ("e3m0", 100, "int8", "defaults")]
+    out = [(q, h, "int8", "defaults") for h in (25, 100, 250) for q in ("fp32", "bf16", "int8", "e3m0")]
+    out += [("e3m0", 100, "fp32", "defaults")]  # the same with whole fp32 versions on the downlink
     return out
 
 
 async def main_async(quick: bool, steps: int, plot: str | None) -> dict:
     env = dict(SMALL_MODEL, DILOCO_BATCH_SIZE="8", DILOCO_METRICS_INTERVAL="1.0", DILOCO_TOTAL_STEPS=str(steps),
-               DILOCO_WARMUP_STEPS=str(max(5, min(50, steps // 10))), DILOCO_EVAL_BATCHES="8",
+               DILOCO_EVAL_BATCHES="8",
                DILOCO_EVAL_BATCH_SIZE="16")
     n = count_params(model_config(env).spec())
     dp_step_bytes = 2 * (M - 1) / M * n * 2

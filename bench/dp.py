@@ -33,22 +33,25 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     from learner.model import to_jax
     from learner.spec import count_params, init_params
 
-    g = lambda k, d: env.get(k, d)  # noqa: E731
+    from bus.config import from_env
+    from learner.config import EvalConfig, LearnerConfig
+
+    # the learners' own settings and defaults (never a copy of them)
+    lc = from_env(LearnerConfig, {k: v for k, v in env.items() if k.startswith("DILOCO_")})
+    ec = from_env(EvalConfig, {k: v for k, v in env.items() if k.startswith("DILOCO_")})
     model = model_config(env)
     spec = model.spec()
-    b = int(g("DILOCO_BATCH_SIZE", 16))
-    lr, warm = float(g("DILOCO_INNER_LR", 1e-3)), int(g("DILOCO_WARMUP_STEPS", 50))
-    total = int(g("DILOCO_TOTAL_STEPS", 1000))
-    corpus = load_corpus(g("DILOCO_DATA", "") or None, max_bytes=int(g("DILOCO_DATA_MAX_BYTES", 8 * 1024 * 1024)))
-    seed = int(g("DILOCO_DATA_SEED", 0))
+    b = lc.batch_size
+    corpus = load_corpus(lc.data or None, max_bytes=lc.data_max_bytes)
+    seed = lc.data_seed
     shards = [corpus.shard(i, M, spec.seq_len, seed * 1_000_003 + i) for i in range(M)]
-    opt = make_optimizer(lr, warm, total, weight_decay=float(g("DILOCO_WEIGHT_DECAY", 0.1)),
-                         clip_norm=float(g("DILOCO_CLIP_NORM", 1.0)) or None)
+    lr = lc.lr_for(spec.d_model)
+    opt = make_optimizer(lr, lc.warmup, lc.total_steps, weight_decay=lc.weight_decay,
+                         clip_norm=lc.clip_norm or None)
     step = make_train_step(spec, opt, donate=True)
     params = to_jax(init_params(spec, model.seed))
     state = opt.init(params)
-    heldout = corpus.heldout_batches(spec.seq_len, int(g("DILOCO_EVAL_BATCH_SIZE", 16)),
-                                     int(g("DILOCO_EVAL_BATCHES", 4)))
+    heldout = corpus.heldout_batches(spec.seq_len, ec.eval_batch_size, ec.eval_batches)
     evalf = make_eval_fn(spec)
     t0 = time.monotonic()
     loss = float("nan")
@@ -60,7 +63,7 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     loss = float(loss)
     train_s = time.monotonic() - t0
     ev = float(np.mean([float(evalf(params, hb)) for hb in heldout]))
-    return {"eval_loss": ev, "train_loss": loss, "steps": steps, "M": M, "batch": M * b,
+    return {"eval_loss": ev, "train_loss": loss, "steps": steps, "M": M, "batch": M * b, "lr": lr,
             "tokens": steps * M * b * spec.seq_len, "params": count_params(spec), "train_seconds": round(train_s, 2),
             "step_seconds": round(train_s / max(steps, 1), 4)}
 

@@ -96,7 +96,7 @@ async def main_async(quick: bool, window: float, steps: int, dynamic_h: bool = F
     slow_ratio = het["rates"][f"learner-{SLOW}"] / fast["rates"][f"learner-{SLOW}"]
     progress(f"fast_throughput_ratio {ratio:.3f} (slow learner at {slow_ratio:.2f} of its all-fast rate)")
     env = dict(SMALL_MODEL, DILOCO_BATCH_SIZE="8", DILOCO_TOTAL_STEPS=str(steps),
-               DILOCO_WARMUP_STEPS=str(max(5, min(50, steps // 10))), DILOCO_EVAL_BATCHES="8",
+               DILOCO_EVAL_BATCHES="8",
                DILOCO_EVAL_BATCH_SIZE="16")
     q_fast = await run_learners(env, M, steps, label="jax all-fast")
     q_het = await run_learners(env, M, steps, label="jax one-slow", per_learner={SLOW: {"DILOCO_SLOWDOWN": "2"}})

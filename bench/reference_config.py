@@ -49,13 +49,14 @@ class RefConfig:
     # model: the built-in transformer (learner.config.ModelConfig fields), or ``island`` (below)
     model: dict = field(default_factory=lambda: dict(SMALL_MODEL))
     seed: int = 0  # version 0
+    corpus: str = ""  # DILOCO_DATA: empty = the Python standard library's sources; a text file or folder
     data_seed: int = 0
     # the learners' incarnations: given, each samples its batches as a ``diloco learner`` process of
     # that incarnation does (``learner.loop.batch_seed``), so a system run can be replayed
     # (bench.fidelity); None: bench.dp's samplers, the same as data-parallel's
     incarnations: tuple[str, ...] | None = None
     # inner (AdamW, learner.inner): the learner's defaults
-    lr: float = _L("inner_lr")
+    lr: float = _L("inner_lr")  # 0: the learner's default by the model's width (learner.config.auto_inner_lr)
     warmup: int = _L("warmup_steps")  # -1: the learner's DILOCO_WARMUP_FRACTION of the schedule
     total_steps: int | None = None  # cosine schedule length (None: steps)
     weight_decay: float = _L("weight_decay")

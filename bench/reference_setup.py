@@ -25,15 +25,19 @@ class Setup:
         self.cfg = cfg
         # the run declares its peak inner learning rate (the norm bound of early contributions), as
         # DILOCO_MAX_INNER_LR asks a user to
-        self.model = ModelConfig(**{"max_inner_lr": max(0.01, cfg.lr), **cfg.model, "num_fragments": cfg.P,
+        from learner.config import auto_inner_lr
+
+        d_model = int(cfg.model.get("d_model", ModelConfig.__dataclass_fields__["d_model"].default))
+        self.lr = cfg.lr or auto_inner_lr(d_model)  # 0: the learner's default, by the model's width
+        self.model = ModelConfig(**{"max_inner_lr": max(0.01, self.lr), **cfg.model, "num_fragments": cfg.P,
                                     "seed": cfg.seed})
         self.spec = self.model.spec()
         self.plan = make_plan(self.spec, cfg.P, self.model.max_imbalance)
         self.params = count_params(self.spec)
         self.v0 = init_params(self.spec, cfg.seed)
-        self.corpus = load_corpus(None)
+        self.corpus = load_corpus(cfg.corpus or None)
         total = cfg.total_steps or cfg.steps
-        self.optimizer = make_optimizer(cfg.lr, min(cfg.warmup, total - 1), total,
+        self.optimizer = make_optimizer(self.lr, min(resolved_warmup(cfg), total - 1), total,
                                         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
         self.train_step = make_train_step(self.spec, self.optimizer, donate=True)
         self.heldout = self.corpus.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)
@@ -80,6 +84,13 @@ class Setup:
             out.append(np.concatenate([self.v0[s.path].reshape(-1)[s.start:s.stop] for s in frag.slices])
                        .astype(np.float32))
         return out
+
+
+def resolved_warmup(cfg: RefConfig) -> int:
+    """The warm-up in force: ``cfg.warmup``, or (-1, the learner's default) its share of the schedule."""
+    from learner.config import LearnerConfig, warmup_for
+
+    return warmup_for(cfg.warmup, cfg.total_steps or cfg.steps, LearnerConfig.__dataclass_fields__["warmup_fraction"].default)
 
 
 class TreeSetup:

@@ -271,16 +271,22 @@ class Cluster:
 #: ``k1``: the aggregator's own defaults, K = 1 (every arrival its own merge, Nesterov per merge,
 #: participation scale); ``k1dn``: K = 1 with Delayed Nesterov, N = M, no participation scale
 #: (DN already averages over N merges).
-AGG_VARIANTS = ("quorum", "k1", "k1dn")
+#: aggregator variants of the end-to-end benchmarks: ``defaults`` (the aggregator's own: K = every
+#: active learner), ``quorum`` (K = M, given explicitly), ``k1`` (K = 1: a merge per arrival, the grace
+#: window for more), ``k1dn`` (K = 1 with Delayed Nesterov, N = M, no participation scale)
+AGG_VARIANTS = ("defaults", "quorum", "k1", "k1dn")
 
 
 def aggregator_settings(variant: str, M: int) -> dict:
+    if variant == "defaults":
+        return {}
     if variant == "quorum":
         return {"DILOCO_QUORUM": str(M)}
     if variant == "k1":
-        return {}
+        return {"DILOCO_QUORUM": "1"}
     if variant == "k1dn":
-        return {"DILOCO_OUTER_OPTIMIZER": "delayed", "DILOCO_DELAY_N": str(M), "DILOCO_SCALE_BY_PARTICIPATION": "false"}
+        return {"DILOCO_QUORUM": "1", "DILOCO_OUTER_OPTIMIZER": "delayed", "DILOCO_DELAY_N": str(M),
+                "DILOCO_SCALE_BY_PARTICIPATION": "false"}
     raise ValueError(f"unknown aggregator variant {variant!r}, expected one of {AGG_VARIANTS}")
 
 
@@ -288,7 +294,7 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
                        learner: dict | None = None, per_learner: dict[int, dict] | None = None,
                        sample_connz: bool = False, evaluate: bool = True, timeout: float = 900.0,
                        label: str = "", monitor: bool = False) -> dict:
-    """An aggregator (variant ``quorum`` unless ``agg`` says otherwise) and M learners
+    """An aggregator (its defaults unless ``agg`` says otherwise) and M learners
     ``learner-<i>`` that each run ``steps`` inner steps and exit; then the held-out loss of the
     global model. No monitor (DILOCO_REQUIRE_MEMBERSHIP=false) unless ``monitor``: then one with
     heartbeats every 0.5 s and KV refreshes every second (what DILOCO_DYNAMIC_H reads).
@@ -298,7 +304,7 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
     """
     per_learner = per_learner or {}
     names = [f"learner-{i}" for i in range(M)]
-    agg = {**aggregator_settings("quorum", M), **(agg or {})}
+    agg = dict(agg or {})  # the aggregator's defaults unless told
     hb = {"DILOCO_HEARTBEAT_INTERVAL": "0.5"} if monitor else {}
     async with Cluster(run, env) as c:
         c.start("aggregator", "aggregator", DILOCO_REQUIRE_MEMBERSHIP="true" if monitor else "false", **agg)

@@ -201,7 +201,7 @@ class SyntheticBackend:
 
     def __init__(self, plan: FragmentPlan, cfg: LearnerConfig, seed: int, cancel: threading.Event):
         self.plan = plan
-        self.lr = cfg.inner_lr
+        self.lr = cfg.inner_lr or 1e-3  # the synthetic step's size (no model: no width to derive it from)
         self.step_seconds = cfg.step_time * cfg.slowdown
         self.cancel = cancel
         self.directions = lp.synthetic_directions(plan.sizes, seed)

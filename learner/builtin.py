@@ -56,7 +56,7 @@ def builtin_backend(spec: ModelSpec, plan: FragmentPlan, cfg, shard):
     from learner.loop import params_from_fragments
     from learner.model import to_jax
 
-    optimizer = make_optimizer(cfg.inner_lr, cfg.warmup_steps, cfg.total_steps,
+    optimizer = make_optimizer(cfg.lr_for(spec.d_model), cfg.warmup, cfg.total_steps,
                                weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
 
     def batches():

@@ -8,6 +8,24 @@ from bus import quant
 from bus.config import boolean, choice, integer, number, register, text, token, var
 
 
+#: the built-in model's peak inner learning rate at d_model 64 (measured: docs/learner.md, "Defaults")
+AUTO_LR_AT_64 = 0.008
+
+
+def auto_inner_lr(d_model: int) -> float:
+    """The built-in model's default peak AdamW learning rate: 0.008 at d_model <= 64, then 1/width
+    (0.004 at 128, the default model). Measured at 64 and 128 (data-parallel sweeps, docs/learner.md);
+    wider models follow the 1/width rule of Adam on transformers, not a measurement here."""
+    return AUTO_LR_AT_64 * min(1.0, 64.0 / max(1, int(d_model)))
+
+
+def warmup_for(warmup_steps: int, total_steps: int, fraction: float) -> int:
+    """``warmup_steps`` if >= 0, else ``fraction`` of ``total_steps`` (rounded down, below the total)."""
+    if warmup_steps >= 0:
+        return warmup_steps
+    return max(0, min(int(fraction * total_steps), total_steps - 1))
+
+
 @register("model")
 @dataclass(frozen=True)
 class ModelConfig:
@@ -61,7 +79,7 @@ class LearnerConfig:
     compute: str = var("model", choice("model", "synthetic"),
                        "model: the JAX transformer; synthetic: sleep DILOCO_STEP_TIME per step with pseudo-gradients "
                        "(any mode; DILOCO_MODE=synthetic is async + synthetic)")
-    sync_every: int = var(24, integer(1, 1_000_000), "H: inner steps between two syncs of the same fragment")
+    sync_every: int = var(12, integer(1, 1_000_000), "H: inner steps between two syncs of the same fragment")
     on_arrival: str = var("rebase", choice("rebase", "mix"),
                           "rebase: theta <- global + (theta - base), keeping local progress since the last sync; "
                           "mix: theta <- a*theta + (1-a)*global (DILOCO_MIX_ALPHA)")
@@ -77,8 +95,12 @@ class LearnerConfig:
     quantiser: str = var("int8", choice(*quant.QUANTISERS), "outer-gradient quantiser")
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
     batch_size: int = var(16, integer(1, 1 << 20), "sequences per inner step")
-    inner_lr: float = var(1e-3, number(0.0, 10.0, lo_open=True), "peak AdamW learning rate")
-    warmup_steps: int = var(50, integer(0), "linear warm-up steps")
+    inner_lr: float = var(0.0, number(0.0, 10.0), "peak AdamW learning rate of the built-in model (0: by its width, "
+                          "0.008 x 64 / DILOCO_D_MODEL, at most 0.008; an island's optimizer is its own)",
+                          show=lambda v: v or "auto")
+    warmup_steps: int = var(-1, integer(-1), "linear warm-up steps (-1: DILOCO_WARMUP_FRACTION of DILOCO_TOTAL_STEPS)")
+    warmup_fraction: float = var(0.1, number(0.0, 0.9), "warm-up as a share of the schedule, when DILOCO_WARMUP_STEPS "
+                                 "is -1 (DiLoCo needs a longer one than data-parallel: docs/learner.md)")
     total_steps: int = var(1000, integer(1), "steps of the cosine schedule (and the run, unless DILOCO_MAX_STEPS)")
     max_steps: int = var(0, integer(0), "stop after this many inner steps (0: DILOCO_TOTAL_STEPS)")
     weight_decay: float = var(0.1, number(0.0, 10.0), "AdamW weight decay")
@@ -104,11 +126,23 @@ class LearnerConfig:
                            "(`diloco auth init` writes false into learners' env files)")
 
     def __post_init__(self) -> None:
-        if not self.synthetic and self.warmup_steps >= self.total_steps:
+        if not self.synthetic and self.warmup >= self.total_steps:
             raise ValueError(f"DILOCO_WARMUP_STEPS={self.warmup_steps} must be < DILOCO_TOTAL_STEPS={self.total_steps}")
         if self.dynamic_h and self.mode == "sync":
             raise ValueError("DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async or synthetic "
                              "(synchronous rounds wait for every learner anyway)")
+
+    def lr_for(self, d_model: int | None) -> float:
+        """The peak inner learning rate in force: DILOCO_INNER_LR, or (0) the built-in model's by its
+        width (:func:`auto_inner_lr`); 0 when there is no built-in model (an island: its own optimizer)."""
+        if self.inner_lr > 0:
+            return self.inner_lr
+        return auto_inner_lr(d_model) if d_model else 0.0
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps in force: DILOCO_WARMUP_STEPS, or DILOCO_WARMUP_FRACTION of the schedule."""
+        return warmup_for(self.warmup_steps, self.total_steps, self.warmup_fraction)
 
     @property
     def synthetic(self) -> bool:

@@ -37,9 +37,9 @@ def test_aggregator_variants_of_the_jax_benchmarks():
     from bench.runs import AGG_VARIANTS, aggregator_settings
 
     assert aggregator_settings("quorum", 4) == {"DILOCO_QUORUM": "4"}
-    assert aggregator_settings("k1", 4) == {}
+    assert aggregator_settings("k1", 4) == {"DILOCO_QUORUM": "1"} and aggregator_settings("defaults", 4) == {}
     assert aggregator_settings("k1dn", 4)["DILOCO_DELAY_N"] == "4"
-    assert set(AGG_VARIANTS) == {"quorum", "k1", "k1dn"}
+    assert set(AGG_VARIANTS) == {"defaults", "quorum", "k1", "k1dn"}
     with pytest.raises(ValueError):
         aggregator_settings("k2", 4)
 

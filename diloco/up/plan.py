@@ -19,11 +19,9 @@ from bus.config import CommonConfig, ConfigError, from_env
 PRESETS: dict[str, dict[str, str]] = {
     "tiny": {"DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "2", "DILOCO_D_FF": "64",
              "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "8",
-             "DILOCO_EVAL_BATCH_SIZE": "16", "DILOCO_SYNC_EVERY": "12", "DILOCO_INNER_LR": "0.003"},
+             "DILOCO_EVAL_BATCH_SIZE": "16"},
     "small": {"DILOCO_D_MODEL": "64", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "4", "DILOCO_D_FF": "256",
-              "DILOCO_SEQ_LEN": "64", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "16",
-              # inner lr: the best of the data-parallel and DiLoCo sweeps of bench.algorithm at this size
-              "DILOCO_SYNC_EVERY": "16", "DILOCO_INNER_LR": "0.008"},
+              "DILOCO_SEQ_LEN": "64", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "16"},
     "default": {},
 }
 
@@ -45,10 +43,6 @@ RUN_DEFAULTS: dict[str, str] = {
     "DILOCO_NORM_OUTLIER_FACTOR": "1000",
     # int8 deltas against fp32 keyframes: a quarter of the downlink, no measured loss (docs/BENCHMARKS.md)
     "DILOCO_DOWNLINK_QUANTISER": "int8",
-    # with every learner in every merge (the quorum below), outer momentum 0.5 at lr 0.7: 4.4% lower
-    # held-out loss than momentum 0 and 4.9% lower than 0.9 in the in-process reference (bench.algorithm,
-    # small preset, M=2, 20 tokens per parameter; docs/BENCHMARKS.md "Quality of the algorithm")
-    "DILOCO_OUTER_MOMENTUM": "0.5",
 }
 
 #: DILOCO_REGION of the aggregator, monitor and evaluator (they connect to the hub server).
@@ -110,8 +104,6 @@ def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: boo
     then the explicit step count. Non-DILOCO variables (PATH, JAX_*, XLA_FLAGS...) pass through."""
     env = dict(environ)
     defaults = dict(RUN_DEFAULTS)
-    # every learner in every merge: one merge per round (see docs/deploy.md, "Tuning")
-    defaults["DILOCO_QUORUM"] = str(n_learners)
     defaults.update(PRESETS[preset])
     if quick:
         defaults["DILOCO_EVAL_INTERVAL"] = "2.0"
@@ -122,17 +114,15 @@ def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: boo
     total = (environ.get("DILOCO_TOTAL_STEPS") or "").strip()
     if steps is not None or not (total.isdigit() and int(total) >= n):
         env["DILOCO_TOTAL_STEPS"] = str(n)  # the cosine schedule ends with the run
-    if "DILOCO_WARMUP_STEPS" not in environ:
-        env["DILOCO_WARMUP_STEPS"] = str(max(0, min(50, int(env["DILOCO_TOTAL_STEPS"]) // 10)))
     # the run declares its peak inner learning rate (it bounds one outer gradient's norm): the
-    # learners' own, unless the caller declares a higher one
-    lr = env.get("DILOCO_INNER_LR", "0.001")
+    # learners' own when the caller sets one (the width-based default is below DILOCO_MAX_INNER_LR's)
+    lr = env.get("DILOCO_INNER_LR")
     try:
-        float(lr)
+        ok = lr is not None and float(lr) > 0
     except ValueError:
-        lr = None  # a bad DILOCO_INNER_LR is reported under its own name
-    if lr is not None:
-        env.setdefault("DILOCO_MAX_INNER_LR", lr)
+        ok = False  # a bad DILOCO_INNER_LR is reported under its own name
+    if ok:
+        env.setdefault("DILOCO_MAX_INNER_LR", str(lr))
     cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     if "XLA_FLAGS" not in environ and n_learners + 1 > cpus:
         env["XLA_FLAGS"] = SINGLE_THREAD_XLA
