@@ -327,6 +327,7 @@ class Reference:
         if not ln.up or ln.done:
             return
         fetch_all = self.cfg.fetch == "every" or self.cfg.mode == "sync"
+        ln.book.on_applied(p, lp.applied_rounds({"applied": applied}, ln.name, ln.incarnation, p), v)
         if fetch_all:
             if ln.book.wants(p, v):
                 self._download(ln, p, v, vec)

@@ -71,7 +71,7 @@ MODEL = {"DILOCO_D_MODEL": "128", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "4",
 LEARNER = {"DILOCO_COMPUTE": "synthetic", "DILOCO_STEP_TIME": str(STEP_TIME), "DILOCO_TOTAL_STEPS": "100000000",
            "DILOCO_WARMUP_STEPS": "0", "DILOCO_QUANTISER": "int8", "DILOCO_SYNC_EVERY": str(H),
            "DILOCO_MODE": "async", "DILOCO_SYNC_TIMEOUT": "60"}
-AGG = {"DILOCO_DOWNLINK_QUANTISER": "int8", "DILOCO_NORM_OUTLIER_FACTOR": "1000"}
+AGG = {"DILOCO_DOWNLINK_QUANTISER": "int8"}  # as diloco up runs it
 
 
 def dp_comm_seconds(params: int, M: int, rate_mbit: float, one_way_ms: float, bytes_per_value: int = 4) -> float:

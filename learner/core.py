@@ -303,6 +303,8 @@ class IslandCore:
                 # refused already: the watch and a step boundary's fetch of the same candidate can
                 # both hand it here (test_hostile counted a forged head twice, about 1 run in 10)
                 return
+            # which of our rounds this version's merge held (the fetch policy waits for our own)
+            self.book.on_applied(p, lp.applied_rounds(head.meta, self.id, self.incarnation, p), head.version)
             if self._fetch_all:
                 due = self.book.wants(p, head.version)
             else:

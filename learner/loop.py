@@ -83,6 +83,8 @@ class FragmentBook:
     known_version: int = -1  # newest global version seen (head), downloaded or not
     last_contrib_base: int | None = None  # base version of the last contribution sent
     armed: bool = False  # fetch policy "round": one download is due since the last sync
+    merged_round: int = -1  # highest round of ours a global head listed as merged
+    merged_version: int = -1  # the version whose merge held it
     sent: int = 0
     skipped: int = 0
     failed: int = 0
@@ -212,12 +214,28 @@ class Bookkeeper:
         """Fetch policy ``round``: download version ``version`` of p now?
 
         At most one download per fragment per round of this learner: ``delay`` inner steps after a
-        sync of p (armed), the newest version there is. The delay lets the other learners' outer
+        sync of p (armed), the newest version there is, once it holds this learner's own round
+        just sent (a head listed it: :meth:`on_applied`). The delay lets the other learners' outer
         gradients of the same round be merged first (Streaming DiLoCo's overlap tau); the local
-        steps meanwhile are kept (rebase) and sent with the next outer gradient.
+        steps meanwhile are kept (rebase) and sent with the next outer gradient. Waiting for the own
+        round (issue 24): a learner ahead of the others by more than the delay took the version
+        before its round's merge and so ran a whole round behind the merges; now it waits for
+        that merge, until the step before its next sync, when it takes the newest version anyway
+        (its round was rejected, or the merges lag by a round).
         """
         f = self.frags[p]
-        return f.armed and self.wants(p, version) and f.steps >= max(0, int(delay))
+        if not (f.armed and self.wants(p, version) and f.steps >= max(0, int(delay))):
+            return False
+        mine = f.next_round - 1  # the round sent at the last sync
+        holds_mine = f.merged_round >= mine and version >= f.merged_version
+        return holds_mine or f.steps >= max(int(delay), self.period - 1)
+
+    def on_applied(self, p: int, rounds: list[int], version: int) -> None:
+        """A global head of p lists our ``rounds`` as merged into ``version``."""
+        f = self.frags[p]
+        for r in rounds:
+            if r > f.merged_round:
+                f.merged_round, f.merged_version = int(r), int(version)
 
     def on_downloaded(self, p: int, version: int) -> None:
         f = self.frags[p]

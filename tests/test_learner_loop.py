@@ -173,6 +173,37 @@ def test_extra_sleep_rate_meter_and_memory_formula():
     assert lp.rss_mib(2048) == 2.0
 
 
+def test_fetch_round_waits_for_the_version_holding_its_own_round_until_the_next_sync():
+    """A learner ahead of the others: at the delay the newest version is the merge before its
+    round's; it waits for its round's merge (issue 24), and takes the newest anyway one step before
+    its next sync (its round rejected, or the merges a round behind)."""
+    b = lp.Bookkeeper(1, H=8, tokens_per_step=1)
+    b.on_merged(0, 4)
+    for _ in range(8):
+        b.on_step()
+    c = b.begin_sync(0)
+    b.end_sync(c, ok=True)
+    b.on_applied(0, [c.round - 1] if c.round else [], 5)  # an older round of ours in version 5
+    for _ in range(2):
+        b.on_step()
+    assert not b.fetch_due(0, 5, delay=2)  # version 5 does not hold the round just sent
+    b.on_applied(0, [], 6)  # another learner's merge: nothing of ours
+    b.on_applied(0, [c.round], 7)
+    assert not b.fetch_due(0, 6, delay=2) and b.fetch_due(0, 7, delay=2)
+    # a round nobody merges: taken anyway at the step before the next sync
+    b.on_downloaded(0, 7)
+    b.on_merged(0, 7)
+    for _ in range(8 - 2):
+        b.on_step()
+    c = b.begin_sync(0)
+    assert c is not None
+    for _ in range(6):
+        b.on_step()
+        assert not b.fetch_due(0, 9, delay=2)
+    b.on_step()  # 7 = H - 1 steps since the sync
+    assert b.fetch_due(0, 9, delay=2)
+
+
 def test_fetch_round_once_per_sync_after_the_delay():
     b = lp.Bookkeeper(2, H=8, tokens_per_step=1)
     b.on_merged(0, 0)
@@ -182,6 +213,8 @@ def test_fetch_round_once_per_sync_after_the_delay():
     assert not b.fetch_due(0, 3, delay=0)  # no sync of fragment 0 yet: nothing is due
     c = b.begin_sync(0)
     assert c is not None and b.frags[0].armed and not b.frags[1].armed
+    assert not b.fetch_due(0, 1, delay=0)  # armed, but no version holds our round yet
+    b.on_applied(0, [c.round], 1)
     assert b.fetch_due(0, 1, delay=0)
     assert not b.fetch_due(0, 1, delay=2)  # armed, but the delay has not passed
     b.on_step()
@@ -194,7 +227,8 @@ def test_fetch_round_once_per_sync_after_the_delay():
     b.end_sync(c, ok=True)
     b.on_merged(0, 2)
     assert not b.fetch_due(0, 5, delay=0)
-    b.begin_sync(0)
+    c2 = b.begin_sync(0)
+    b.on_applied(0, [c2.round], 5)
     assert b.fetch_due(0, 5, delay=0) and not b.fetch_due(0, 2, delay=0)
     b.on_resync({0: 6, 1: 6})
     assert not b.frags[0].armed

@@ -38,9 +38,6 @@ RUN_DEFAULTS: dict[str, str] = {
     "DILOCO_SUSPECT_AFTER": "6.0",
     "DILOCO_EVICT_AFTER": "20.0",
     "DILOCO_MANIFEST_TIMEOUT": "120.0",
-    # a fragment's first sync covers only its offset's few warm-up steps, so "10 x the median norm"
-    # rejects honest later deltas, and a rejected fragment's base never moves again: see docs/deploy.md
-    "DILOCO_NORM_OUTLIER_FACTOR": "1000",
     # int8 deltas against fp32 keyframes: a quarter of the downlink, no measured loss (docs/BENCHMARKS.md)
     "DILOCO_DOWNLINK_QUANTISER": "int8",
 }
