@@ -16,6 +16,9 @@ them is the *tuned* data-parallel baseline (the learners keep their own learning
 ``loss_gap`` = (decoupled - best data-parallel) / best data-parallel held-out loss, of the first
 variant. Targets: <= 1% at M=2, <= 3% at M=4 (about 20 tokens per parameter).
 ``--corpus PATH`` trains on another corpus (``DILOCO_DATA``: a text file or a folder of them).
+``--slowdown X`` stretches each learner step X times (``DILOCO_SLOWDOWN``): the small model's steps
+take about 17 ms here, so a merge's round trip through the bus is several steps long, which a
+model whose steps take seconds never sees.
 
     python -m bench.quality --quick --out quality.json     (small model, 80 steps, ~40 s)
     python -m bench.quality --quick --M 2 --steps 2400     (small model, 20 tokens per parameter)
@@ -64,12 +67,13 @@ def reuse(path: str | None, env: dict, M: int, steps: int) -> dict | None:
 
 async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = None,
                      variants: tuple[str, ...] = ("defaults", "k1"), corpus: str | None = None,
-                     dp_lrs: tuple[float, ...] = ()) -> dict:
+                     dp_lrs: tuple[float, ...] = (), slowdown: float = 1.0) -> dict:
     env = settings(quick, steps, corpus)
     runs = {}
+    slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
     for v in variants:
-        progress(f"decoupled ({v}): M={M} learners x {steps} steps, settings {env}")
-        dec = await run_learners(env, M, steps, label=f"decoupled {v}", agg=aggregator_settings(v, M))
+        progress(f"decoupled ({v}): M={M} learners x {steps} steps, settings {env} {slow}")
+        dec = await run_learners(env, M, steps, label=f"decoupled {v}", agg=aggregator_settings(v, M), learner=slow)
         progress(f"decoupled ({v}) eval {dec['eval']['eval_loss']:.4f} ({dec['wall_s']} s)")
         agg = dec["aggregator"]
         runs[v] = {"loss": dec["eval"]["eval_loss"], "aggregator": aggregator_settings(v, M),
@@ -93,7 +97,8 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
         r["loss_gap"] = (r["loss"] - b) / b
         r["loss_gap_same_lr"] = (r["loss"] - dp["eval_loss"]) / dp["eval_loss"]
     d = runs[variants[0]]["loss"]
-    return {"M": M, "steps": steps, "settings": env, "corpus": corpus or "(stdlib)", "params": dp["params"],
+    return {"M": M, "steps": steps, "settings": env, "slowdown": slowdown, "corpus": corpus or "(stdlib)",
+            "params": dp["params"],
             "tokens": dp["tokens"], "tokens_per_param": round(dp["tokens"] / dp["params"], 2),
             "variant": variants[0], "decoupled_loss": d, "dp_loss": b, "dp_best_lr": float(best_lr),
             "dp_sweep": sweep, "loss_gap": (d - b) / b, "decoupled": runs, "dp": dp}
@@ -108,6 +113,9 @@ def main() -> None:
     p.add_argument("--variants", default="defaults,k1",
                    help="comma-separated aggregator variants, the first gives loss_gap: " + ",".join(AGG_VARIANTS))
     p.add_argument("--corpus", default=None, help="DILOCO_DATA for every process: a text file or a folder of them")
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="DILOCO_SLOWDOWN of the learners: steps this many times longer, so that the bus's round "
+                        "trip is a smaller share of a step (as with a real model's steps)")
     p.add_argument("--dp-lrs", default="", help="comma-separated peak learning rates for data-parallel too; the best "
                                                 "is the baseline of loss_gap")
     a = p.parse_args()
@@ -118,7 +126,8 @@ def main() -> None:
         if not os.path.exists(a.corpus):
             p.error(f"--corpus {a.corpus}: no such file or folder")
     lrs = tuple(float(x) for x in a.dp_lrs.split(",") if x.strip())
-    r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(a.variants.split(",")), a.corpus, lrs))
+    r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(a.variants.split(",")), a.corpus, lrs,
+                               a.slowdown))
     finish({"bench": "quality", "quick": a.quick, **r}, a.out)
 
 

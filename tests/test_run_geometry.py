@@ -34,6 +34,9 @@ def test_a_learner_above_the_declared_geometry_refuses_to_start_with_one_line():
 
 
 def test_diloco_up_declares_the_learners_learning_rate():
-    assert base_env({}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.003"
+    # the learners' width-based default (tiny: d_model 32 -> 0.008; the default model: 0.004), or theirs
+    assert base_env({}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.008"
+    assert base_env({}, "default", None, False)["DILOCO_MAX_INNER_LR"] == "0.004"
+    assert base_env({"DILOCO_INNER_LR": "0.003"}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.003"
     assert base_env({"DILOCO_MAX_INNER_LR": "0.1"}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.1"
     assert "DILOCO_MAX_INNER_LR" not in base_env({"DILOCO_INNER_LR": "fast"}, "tiny", None, True)

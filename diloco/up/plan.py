@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bus.config import CommonConfig, ConfigError, from_env
+from learner.config import ModelConfig, auto_inner_lr
 
 # -- presets and defaults (pure) --------------------------------------------------------------------
 
@@ -112,14 +113,15 @@ def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: boo
     if steps is not None or not (total.isdigit() and int(total) >= n):
         env["DILOCO_TOTAL_STEPS"] = str(n)  # the cosine schedule ends with the run
     # the run declares its peak inner learning rate (it bounds one outer gradient's norm): the
-    # learners' own when the caller sets one (the width-based default is below DILOCO_MAX_INNER_LR's)
-    lr = env.get("DILOCO_INNER_LR")
+    # learners' own (DILOCO_INNER_LR, or the built-in model's width-based default), unless the caller
+    # declares one
     try:
-        ok = lr is not None and float(lr) > 0
+        lr = float(env.get("DILOCO_INNER_LR") or 0)
+        if lr <= 0:
+            lr = auto_inner_lr(int(env.get("DILOCO_D_MODEL") or ModelConfig.__dataclass_fields__["d_model"].default))
+        env.setdefault("DILOCO_MAX_INNER_LR", repr(lr))
     except ValueError:
-        ok = False  # a bad DILOCO_INNER_LR is reported under its own name
-    if ok:
-        env.setdefault("DILOCO_MAX_INNER_LR", str(lr))
+        pass  # a bad DILOCO_INNER_LR or DILOCO_D_MODEL is reported under its own name
     cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     if "XLA_FLAGS" not in environ and n_learners + 1 > cpus:
         env["XLA_FLAGS"] = SINGLE_THREAD_XLA
