@@ -218,6 +218,24 @@ def test_diloco_services(compose, auth_dir):
     assert len(models) == 1  # every process of the run agrees on the model
 
 
+def test_compose_runs_the_roles_defaults_and_its_learners_fit_the_declared_geometry(compose):
+    """Issue 24: compose sets none of the algorithm's settings (the roles' defaults are the tuned
+    ones), and the learners' inner learning rate in force (their own default, by the model's width)
+    is within the run's declared DILOCO_MAX_INNER_LR, or they would refuse to start (compose's old
+    declared 0.001 with the learners' own default for this width, 0.004, is such a run)."""
+    from bus.config import from_env
+    from learner.config import LearnerConfig, ModelConfig
+
+    algorithm = {"DILOCO_QUORUM", "DILOCO_OUTER_MOMENTUM", "DILOCO_OUTER_LR", "DILOCO_MERGE", "DILOCO_SYNC_EVERY",
+                 "DILOCO_INNER_LR", "DILOCO_WARMUP_STEPS", "DILOCO_NORM_OUTLIER_FACTOR"}
+    for name, svc in diloco_services(compose, include_profiles=True).items():
+        env = {k: v for k, v in svc["environment"].items() if k != "DILOCO_ENV_FILE"}  # (credentials only)
+        assert not algorithm & set(env), (name, algorithm & set(env))
+        if role_of(svc) == "learner":
+            model, cfg = from_env(ModelConfig, env), from_env(LearnerConfig, env)
+            assert 0 < cfg.lr_for(model.d_model) <= model.max_inner_lr, name
+
+
 def test_learners_in_two_regions_with_disjoint_shards(compose):
     learners = [s["environment"] for s in diloco_services(compose).values() if role_of(s) == "learner"]
     assert len({e["DILOCO_REGION"] for e in learners}) >= 2
