@@ -6,7 +6,8 @@ K = every active learner, mean merge, outer Nesterov once per round; the learner
 fragments, int8 outer gradients with error feedback, rebase on arrival, one download per fragment
 and round, a final sync at the step budget); then ``diloco eval --once`` on the final global model.
 ``--variants`` (comma-separated, ``bench.runs.AGG_VARIANTS``) runs the aggregator variants one after
-the other, by default ``defaults`` (K = M: every learner) and ``k1`` (K = 1 and the grace window).
+the other, by default ``defaults`` (K = M: every learner) and ``k1`` (K = 1 and the grace window;
+``--quick`` without ``--steps``: ``defaults`` only, to stay under a minute).
 Data-parallel: one process, the same model, the same version-0 parameters (same seed), the same
 AdamW settings and schedule, batches of M x b (b from each of the M shards) for the same number
 of steps, so both saw the same number of tokens (``bench/dp.py``); the same held-out batches.
@@ -110,8 +111,9 @@ def main() -> None:
     p.add_argument("--M", type=int, default=4)
     p.add_argument("--reuse-dp", default=None, help="take the data-parallel result from this earlier quality JSON "
                                                      "if its settings are the same")
-    p.add_argument("--variants", default="defaults,k1",
-                   help="comma-separated aggregator variants, the first gives loss_gap: " + ",".join(AGG_VARIANTS))
+    p.add_argument("--variants", default=None,
+                   help="comma-separated aggregator variants, the first gives loss_gap (default defaults,k1; "
+                        "--quick: defaults): " + ",".join(AGG_VARIANTS))
     p.add_argument("--corpus", default=None, help="DILOCO_DATA for every process: a text file or a folder of them")
     p.add_argument("--slowdown", type=float, default=1.0,
                    help="DILOCO_SLOWDOWN of the learners: steps this many times longer, so that the bus's round "
@@ -126,7 +128,8 @@ def main() -> None:
         if not os.path.exists(a.corpus):
             p.error(f"--corpus {a.corpus}: no such file or folder")
     lrs = tuple(float(x) for x in a.dp_lrs.split(",") if x.strip())
-    r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(a.variants.split(",")), a.corpus, lrs,
+    variants = a.variants or ("defaults" if a.quick and a.steps is None else "defaults,k1")
+    r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(variants.split(",")), a.corpus, lrs,
                                a.slowdown))
     finish({"bench": "quality", "quick": a.quick, **r}, a.out)
 
