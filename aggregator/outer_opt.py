@@ -228,19 +228,17 @@ class RoundNesterovState:
     buffer: np.ndarray
     progress: float = 0.0
     count: int = 0
-    rounds: int = 0  # momentum steps taken (rounds completed): the momentum warm-up's clock
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "round_nesterov", "momentum": self.momentum, "buffer": self.buffer,
-                "progress": float(self.progress), "count": self.count, "rounds": self.rounds}
+                "progress": float(self.progress), "count": self.count}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundNesterovState:
         if data.get("kind") != "round_nesterov":
             raise ValueError(f"not a round Nesterov state: kind={data.get('kind')!r}")
         return cls(np.asarray(data["momentum"], dtype=np.float32).copy(),
-                   np.asarray(data["buffer"], dtype=np.float32).copy(), float(data["progress"]), int(data["count"]),
-                   int(data.get("rounds", 0)))
+                   np.asarray(data["buffer"], dtype=np.float32).copy(), float(data["progress"]), int(data["count"]))
 
 
 ROUND_TOL = 1e-9
@@ -271,9 +269,9 @@ class RoundNesterov:
     momentum fed with it extrapolates it by beta / (1 - beta) more (the chaos run's divergence, at
     0.9). Two rules keep the momentum to what synchronous rounds would have fed it:
 
-    - the caller passes as ``m`` only the *fresh* part of a merge (contributions computed from the
-      current round's global version, :func:`aggregator.step.merge_step`); stale ones are applied
-      as plain SGD steps and count no work;
+    - the caller passes as ``m`` only the *closed-loop* part of a merge (contributions whose base had
+      seen all but at most one of their learner's own earlier rounds, :func:`aggregator.step.momentum_part`);
+      the others are applied as plain SGD steps and count no work;
     - when a merge completes several rounds at once (``w`` >= 2: a backlog of several rounds per
       learner merged together), the momentum takes their mean ``B / floor(w)``, not the sum: one
       round's worth per milestone, however much work arrived at once. (A fraction of a round carried
@@ -286,18 +284,9 @@ class RoundNesterov:
     lr: float = 0.7
     momentum: float = 0.9
     block: int = DEFAULT_BLOCK
-    warmup_rounds: int = 0  # the momentum ramps linearly over the first rounds: beta x min(1, k / R)
 
     def __post_init__(self) -> None:
         _check_hparams(self.lr, self.momentum)
-        if self.warmup_rounds < 0:
-            raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
-
-    def beta(self, rounds: int) -> float:
-        """The momentum of the round after ``rounds`` completed ones (the warm-up's ramp)."""
-        if self.warmup_rounds <= 0:
-            return self.momentum
-        return self.momentum * min(1.0, (rounds + 1) / self.warmup_rounds)
 
     def init(self, params: np.ndarray) -> RoundNesterovState:
         _check_float32("params", params)
@@ -334,7 +323,7 @@ class RoundNesterov:
         milestone = progress >= 1.0 - ROUND_TOL
         # a milestone that completes several rounds at once takes their mean (class docstring)
         per_round = np.float32(1.0 / max(1.0, math.floor(progress + ROUND_TOL)))
-        beta, neg_lr = np.float32(self.beta(state.rounds)), np.float32(-self.lr)
+        beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
         scratch = np.empty(min(self.block, max(n, 1)), dtype=np.float32)
         for sl in block_slices(n, self.block):
             g, tb, pb, bb = outer_grad[sl], t[sl], p[sl], buf[sl]
@@ -358,11 +347,11 @@ class RoundNesterov:
                 np.add(pb, s, out=pb)             # theta = theta - lr * beta * t
         if milestone:
             progress = max(0.0, progress - math.floor(progress + ROUND_TOL))
-        return p, RoundNesterovState(t, buf, progress, state.count + 1, state.rounds + int(milestone))
+        return p, RoundNesterovState(t, buf, progress, state.count + 1)
 
 
 def make_outer_optimizer(
-    kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1, warmup_rounds: int = 0
+    kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1
 ) -> NesterovSGD | DelayedNesterov | RoundNesterov:
     """"nesterov" -> NesterovSGD(lr, momentum); "delayed_nesterov" (or "delayed") ->
     DelayedNesterov(lr, momentum, period)."""
@@ -371,5 +360,5 @@ def make_outer_optimizer(
     if kind in ("delayed_nesterov", "delayed"):
         return DelayedNesterov(lr, momentum, period)
     if kind in ("round_nesterov", "rounds"):
-        return RoundNesterov(lr, momentum, warmup_rounds=warmup_rounds)
+        return RoundNesterov(lr, momentum)
     raise ValueError(f"unknown outer optimizer {kind!r}, expected nesterov, delayed_nesterov or rounds")

@@ -51,11 +51,9 @@ class MergeSettings:
     # most this many of its own earlier contributions to the fragment (open-loop backlog work moves
     # the parameters by plain SGD; momentum_part, aggregator.outer_opt.RoundNesterov)
     momentum_open_rounds: int = 1
-    momentum_warmup_rounds: int = 0  # the rounds momentum ramps from 0 to its value over (RoundNesterov)
 
     def make_optimizer(self):
-        return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n,
-                                    warmup_rounds=self.momentum_warmup_rounds)
+        return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n)
 
     @classmethod
     def from_config(cls, cfg) -> "MergeSettings":  # AggregatorConfig
@@ -223,7 +221,7 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         g = g * np.float32(total)
     optimizer = settings.make_optimizer()
     if isinstance(optimizer, RoundNesterov):
-        # momentum once per round of fresh work (scale = the share of a round this merge holds)
+        # momentum once per round of closed-loop work (scale = the share of a round this merge holds)
         mg, work = momentum_part(state, contribs, settings, g, w, norms, caps, total, scale)
         params, opt = optimizer.step(state.params, g, state.opt, work=work, momentum_grad=mg)
     else:

@@ -167,8 +167,7 @@ class Reference:
                                       optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                       delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
                                       clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr,
-                                      momentum_open_rounds=cfg.momentum_open_rounds,
-                                      momentum_warmup_rounds=cfg.momentum_warmup_rounds)
+                                      momentum_open_rounds=cfg.momentum_open_rounds)
         v0 = s.v0_fragments()
         self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(self.P)]
         self.buffers: list[list[_Pending]] = [[] for _ in range(self.P)]

@@ -89,7 +89,6 @@ class RefConfig:
     scale_by_participation: bool = _A("scale_by_participation")
     clip_factor: float = _A("clip_factor")
     momentum_open_rounds: int = _A("momentum_open_rounds")
-    momentum_warmup_rounds: int = 0
     downlink: str = _A("downlink_quantiser")
     keyframe_every: int = _A("keyframe_every")
     # timing (virtual seconds) and faults

@@ -200,8 +200,8 @@ class Learner(IslandCore, Presence):
             if self.run_model.model_hash != self.model_hash:
                 self.model_hash = self.run_model.model_hash
                 self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
-        builtin_spec = getattr(self.run_model, "spec", None) if isinstance(self.run_model, BuiltinModel) else None
-        check_geometry(manifest, self.cfg.lr_for(getattr(builtin_spec, "d_model", None)), self.tokens_per_step)
+        d_model = self.run_model.spec.d_model if isinstance(self.run_model, BuiltinModel) else None
+        check_geometry(manifest, self.cfg.lr_for(d_model), self.tokens_per_step)
         self.store.local = self.run_model.initial_blob(manifest)
         try:
             vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
