@@ -37,8 +37,8 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     from learner.config import EvalConfig, LearnerConfig
 
     # the learners' own settings and defaults (never a copy of them)
-    lc = from_env(LearnerConfig, {k: v for k, v in env.items() if k.startswith("DILOCO_")})
-    ec = from_env(EvalConfig, {k: v for k, v in env.items() if k.startswith("DILOCO_")})
+    diloco = {k: v for k, v in env.items() if k.startswith("DILOCO_")}
+    lc, ec = from_env(LearnerConfig, diloco), from_env(EvalConfig, diloco)
     model = model_config(env)
     spec = model.spec()
     b = lc.batch_size
