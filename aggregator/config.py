@@ -98,6 +98,12 @@ class AggregatorConfig:
                                 "the members bucket, joining, rejoining or suspect) before it is rejected (0: reject at once)")
     admission_hold_mb: float = var(256.0, number(0.0),
                                    "MiB of contributions held for learners not admitted yet; beyond it they are rejected at once")
+    checkpoint_every: int = var(32, integer(1, 100_000),
+                                "versions of a fragment between two checkpoints of its whole state (in between, "
+                                "each merge writes a small merge-log record; a restart replays at most this many)")
+    checkpoint_seconds: float = var(60.0, number(1.0, 86400),
+                                    "seconds after which a fragment with merges since its newest checkpoint is "
+                                    "checkpointed (DILOCO_STREAM_MAX_AGE must be at least 4x this)")
     ack_wait: float = var(30.0, number(1.0), "seconds before JetStream redelivers an unacked chunk (crash recovery time)")
     provision: bool = var(True, boolean(),
                           "create missing streams and apply the limits sized from the run at start (false: the "

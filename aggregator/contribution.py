@@ -63,3 +63,18 @@ class Contribution:
     def staleness(self, current_version: int) -> int:
         """d = current_version - base_version (negative means the base is from the future)."""
         return current_version - self.base_version
+
+
+def from_grad_message(meta: dict, blob) -> Contribution:
+    """The contribution of a gradient object (its chunk metadata and assembled blob), as intake and
+    a replay of the merge log both build it. Raises ValueError (malformed metadata) or
+    ``bus.codec.CodecError`` (a blob that does not decode)."""
+    from bus import codec
+    from bus.protocol import parse_grad_meta
+
+    meta = parse_grad_meta(meta)
+    vec = np.asarray(codec.decode_array(blob))  # its shape is checked, never mended
+    return Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
+                        incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
+                        base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,
+                        period=meta.get("period", 0), lockstep=bool(meta.get("lockstep", 0)))

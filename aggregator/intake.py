@@ -8,6 +8,7 @@ A mixin of ``aggregator.service.AggregatorService``; the checks themselves are
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,14 +16,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from aggregator.contribution import Contribution
+from aggregator.contribution import Contribution, from_grad_message
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats
 from aggregator.step import FragmentState
 from aggregator.validate import Reason, ValidationContext, validate
 from bus import codec
 from bus.chunks import Assembled, Dropped
-from bus.protocol import parse_grad_meta
 from bus.transport import term_all
 
 _AUDIT = ("learner", "incarnation", "fragment", "round", "base", "obj", "subject", "claimed", "detail")
@@ -34,6 +34,21 @@ class Pending:
     norm: float
     tokens: list
     arrived: float
+    seqs: tuple[int, ...] = ()  # its chunks' GRAD stream sequences, in chunk order (the merge log's pointer)
+    nbytes: int = 0  # its blob's bytes
+
+
+def chunk_seqs(tokens: list) -> tuple[int, ...]:
+    """The GRAD stream sequence of each chunk of an object, in chunk order, from its message handles
+    (redeliveries of a chunk share its sequence; ``Nats-Msg-Id`` is ``<object id>.<index>``)."""
+    by_index: dict[int, int] = {}
+    for m in tokens:
+        try:
+            idx = int(str((m.headers or {}).get("Nats-Msg-Id", "")).rpartition(".")[2])
+            by_index.setdefault(idx, int(m.metadata.sequence.stream))
+        except Exception:  # not a JetStream message (a test's token): no pointer, no replay
+            continue
+    return tuple(by_index[i] for i in sorted(by_index))
 
 
 class Intake:
@@ -60,26 +75,22 @@ class Intake:
             self._reject(f"transport_{r.reason}", r.tokens, obj=r.obj_id, detail=r.detail)
             return
         try:
-            meta = parse_grad_meta(r.meta)
-            vec = np.asarray(codec.decode_array(r.blob))  # its shape is checked, never mended
+            c = from_grad_message(r.meta, r.blob)
         except (ValueError, codec.CodecError) as e:
             self._reject("malformed", r.tokens, obj=r.obj_id, detail=str(e)[:200])
             return
+        vec = c.vector
         subject = getattr(r.tokens[0], "subject", "") if r.tokens else ""
         parts = subject.split(".")
-        if len(parts) == 5 and (parts[4] != meta["learner"] or parts[3] != str(meta["frag"])):
+        if len(parts) == 5 and (parts[4] != c.learner or parts[3] != str(c.fragment)):
             # the subject is what NATS permissions bind to a learner's credentials: metadata that
             # names another learner or fragment than the subject it came on is forged
-            self._reject("forged_subject", r.tokens, obj=r.obj_id, subject=subject, claimed=meta["learner"])
+            self._reject("forged_subject", r.tokens, obj=r.obj_id, subject=subject, claimed=c.learner)
             return
-        c = Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
-                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
-                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,
-                         period=meta.get("period", 0), lockstep=bool(meta.get("lockstep", 0)))
         if not self.cfg.require_membership and c.run == self.common.run:
             self.seen.add(c.learner)
         norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
-        self._consider(Pending(c, norm, r.tokens, now), now)
+        self._consider(Pending(c, norm, r.tokens, now, chunk_seqs(r.tokens), len(r.blob)), now)
 
     def _consider(self, x: Pending, now: float, since: float | None = None) -> None:
         """Validate a contribution: buffer it for the merge, hold it until its learner is admitted,
@@ -117,7 +128,7 @@ class Intake:
         if since is not None:
             self.log.info("contribution_admitted", learner=c.learner, fragment=p, round=c.round,
                           held_s=round(now - since, 3))
-        self.buffers[p].append(Pending(c, x.norm, x.tokens, now))
+        self.buffers[p].append(dataclasses.replace(x, arrived=now))
         self.recent[c.learner] = now
         self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps)
         self.stats.accepted += 1
@@ -126,7 +137,9 @@ class Intake:
         """Most learners refused as outliers on a fragment: its norm reference is stale (OutlierWatch)."""
         restart = self.outliers.refused(st.fragment, c.learner, norm / max(1, c.inner_steps), self.active())
         if restart is not None:
-            st.norms.restart(st.fragment, restart)  # persisted with the fragment's next merge
+            st.norms.restart(st.fragment, restart)  # logged with the fragment's next merge (replayed)
+            if st.fragment in self.logpos:
+                self.logpos[st.fragment].restarts.append([float(x) for x in restart])
             self.stats.reference_restarts += 1
             self.log.warning("norm_reference_restarted", fragment=st.fragment, refused_learners=len(restart),
                              norms=[round(x, 6) for x in restart])

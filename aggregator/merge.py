@@ -180,15 +180,16 @@ def weighted_mean(
     *,
     out: np.ndarray | None = None,
     block: int = DEFAULT_BLOCK,
+    gain: float = 1.0,
 ) -> np.ndarray:
-    """mean = sum_i w_i v_i / W, accumulated in float32 into ``out`` (allocated if None).
+    """mean = gain x sum_i w_i v_i / W, accumulated in float32 into ``out`` (allocated if None).
 
     Weights need not be normalised. Memory: ``out`` plus one scratch block; inputs are not copied.
     """
     rows, n = _as_rows(vectors)
     wt = _check_weights(w, len(rows))
     buf = _out_buffer(out, n, rows)
-    _combine(rows, wt / wt.sum(), buf, block)
+    _combine(rows, wt * float(gain) / wt.sum(), buf, block)
     return buf
 
 
@@ -335,9 +336,11 @@ def merge(
     caps: np.ndarray | Sequence[float] | None = None,
     out: np.ndarray | None = None,
     block: int = DEFAULT_BLOCK,
+    gain: float = 1.0,
 ) -> np.ndarray:
     """Merge one fragment's contributions: ``method`` in {"mean", "rda"}, ``robust`` in
-    {None, "clip", "trim"} ("none" is accepted for None).
+    {None, "clip", "trim"} ("none" is accepted for None). ``gain`` multiplies the result, folded
+    into the coefficients of the one streaming pass (no second pass, no temporary).
 
     ``caps`` (one per vector, inf = none): every vector is first scaled down to at most its cap
     (bounded influence, :mod:`aggregator.influence`), folded into the weights like "clip".
@@ -361,23 +364,32 @@ def merge(
         robust = None
     if robust == "trim" and method != "mean":
         raise ValueError("robust='trim' is only defined for method='mean'")
+    gain = float(gain)
+    if not (math.isfinite(gain) and gain >= 0):
+        raise ValueError(f"gain must be finite and >= 0, got {gain}")
     capped = caps is not None and bool(np.any(np.isfinite(np.asarray(caps, dtype=np.float64))))
     if not capped:
         if robust == "trim":
-            return trimmed_mean(vectors, w, trim_fraction, out=out)
+            return _gained(trimmed_mean(vectors, w, trim_fraction, out=out), gain)
         if robust is None and method == "mean":
-            return weighted_mean(vectors, w, out=out, block=block)
+            return weighted_mean(vectors, w, out=out, block=block, gain=gain)
     rows, n = _as_rows(vectors)
     wt = _check_weights(w, len(rows))
     nrm = _norms(rows, norms)  # needed by RDA, clipping and caps
     scales = cap_scales(nrm, np.asarray(caps, dtype=np.float64)) if capped else np.ones(len(rows))
     if robust == "trim":  # coordinate-wise: scale the capped vectors themselves (copies)
         rows = [v if s >= 1.0 else v * np.float32(s) for v, s in zip(rows, scales)]
-        return trimmed_mean(rows, wt, trim_fraction, out=out)
+        return _gained(trimmed_mean(rows, wt, trim_fraction, out=out), gain)
     if robust == "clip":
         scales = scales * clip_scales(nrm * scales)
     buf = _out_buffer(out, n, rows)
     if method == "mean":
-        _combine(rows, wt * scales / wt.sum(), buf, block)
+        _combine(rows, wt * scales * gain / wt.sum(), buf, block)
         return buf
-    return _rda(rows, wt, nrm, nrm * scales, buf, block)
+    return _rda(rows, wt, nrm, nrm * scales * gain, buf, block)
+
+
+def _gained(buf: np.ndarray, gain: float) -> np.ndarray:
+    if gain != 1.0:
+        np.multiply(buf, np.float32(gain), out=buf)
+    return buf

@@ -3,16 +3,20 @@
 Order of a merge of fragment p (what makes a kill -9 at any instant safe):
 
 1. ``merge_step`` (pure) computes state v+1;
-2. the state record v+1 is committed to the STATE stream (write-ahead: params, optimizer state,
-   applied-set);
+2. its merge-log record (contribution keys and GRAD sequences, norms, scale, settings: a few
+   hundred bytes) is committed to the STATE stream (write-ahead, ``aggregator.durability``);
 3. the contributions' chunk messages are acknowledged;
 4. global version v+1 is published (chunks, then head), and a ``merge`` event records which
-   contributions it holds.
+   contributions it holds;
+5. every ``DILOCO_CHECKPOINT_EVERY`` versions (or ``DILOCO_CHECKPOINT_SECONDS``) the whole state
+   v+1 (params, optimizer state, applied-set) is checkpointed.
 
 A crash before 2 leaves everything unacked: JetStream redelivers and the merge is redone. A crash
-after 2 is finished on restart: the state (v+1) is ahead of the global head (v), so version v+1 is
-republished from the state; redelivered contributions are already in the applied-set and are
-rejected as ``duplicate``. Nothing acknowledged is lost, nothing is applied twice.
+after 2 is finished on restart: the newest checkpoint is loaded and the records after it are
+replayed from the contributions the GRAD stream still holds, giving state v+1 bit for bit; it is
+ahead of the global head (v), so version v+1 is republished; redelivered contributions are already
+in the applied-set and are rejected as ``duplicate``. Nothing acknowledged is lost, nothing is
+applied twice.
 
 Several aggregators can share a run, each owning a disjoint fragment range
 (``DILOCO_AGG_FRAGMENTS``), each with its own durable consumer.
@@ -37,7 +41,9 @@ import orjson
 from bus.runs import RunMismatch, read_manifest, run_tree
 from aggregator.admission import AdmissionHold
 from aggregator.config import AggregatorConfig, parse_fragments
+from aggregator.durability import Durability
 from aggregator.intake import Intake, Pending
+from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy
 from aggregator.step import FragmentState, MergeSettings
 from aggregator.validate import OutlierWatch
@@ -66,6 +72,13 @@ class Stats:
     reference_restarts: int = 0  # norm-outlier references restarted: most learners were refused (OutlierWatch)
     round_holds: int = 0  # lock-step fragments held for the rest of their round (aggregator.rounds)
     round_holds_expired: int = 0  # ... and merged alone after the grace window
+    log_bytes: int = 0  # merge-log records written (aggregator.durability)
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    checkpoint_s: float = 0.0
+    replayed: int = 0  # merges replayed from the log at start
+    replay_lost: int = 0  # logged merges whose contributions the GRAD stream no longer held
+    recovery_s: float = 0.0
 
     def to_metrics(self) -> dict:
         lat = sorted(self.merge_latency[-200:])
@@ -77,9 +90,12 @@ class Stats:
             "quorum_wait_s": round(self.quorum_wait, 3), "contributions": dict(self.contributions),
             "clipped": self.clipped, "reference_restarts": self.reference_restarts,
             "round_holds": self.round_holds, "round_holds_expired": self.round_holds_expired,
+            "log_bytes": self.log_bytes, "checkpoints": self.checkpoints, "checkpoint_bytes": self.checkpoint_bytes,
+            "checkpoint_s": round(self.checkpoint_s, 3), "replayed": self.replayed, "replay_lost": self.replay_lost,
+            "recovery_s": round(self.recovery_s, 3),
         }
 
-class AggregatorService(Intake, VersionMaker):
+class AggregatorService(Intake, VersionMaker, Durability):
     def __init__(self, common: CommonConfig, cfg: AggregatorConfig):
         """The aggregator knows no model: it merges the tree the run's manifest describes."""
         self.common, self.cfg = common, cfg
@@ -99,6 +115,8 @@ class AggregatorService(Intake, VersionMaker):
         # keyframe subjects while current (see _recover_keyframe)
         self.keys: dict[int, Keyframe] = {}
         self.unpublished: set[int] = set()
+        self.logpos: dict[int, LogPosition] = {}  # per fragment: newest checkpoint, log beyond it
+        self.uncommitted: dict[int, tuple] = {}  # fragment -> a merge whose log record is not stored yet
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
         self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived
@@ -188,34 +206,6 @@ class AggregatorService(Intake, VersionMaker):
 
     # -- start-up and recovery --------------------------------------------------------------------
 
-    async def _recover(self, js) -> None:
-        gstore, sstore = self.gstore, self.sstore
-        for p in self.owned:
-            got = await sstore.get(p)
-            gh = await gstore.head(p)
-            if got is None:
-                if gh is None:
-                    raise RuntimeError(f"fragment {p} has neither state nor global version (the run's creator writes version 0 before the manifest)")
-                gh, blob = await gstore.get(p)
-                if "ref" in gh.meta:
-                    raise RunMismatch(f"fragment {p}: no aggregator state, and global version {gh.version} is a "
-                                      "delta against a keyframe: the state stream was lost")
-                st = FragmentState.initial(p, gh.version, np.array(codec.decode_array(blob)), self.settings)
-                await sstore.put(p, st.version, st.to_bytes(), {"model": self.model_hash})
-                self.log.info("fragment_initialised", fragment=p, version=st.version)
-            else:
-                st = FragmentState.from_bytes(got[1])
-                if gh is not None and gh.version > st.version:
-                    raise RunMismatch(f"fragment {p}: global version {gh.version} is ahead of our state "
-                                      f"{st.version}: is another aggregator owning it?")
-                # republish what a crash may have cut short: the global version (if behind) and
-                # the merge event of the newest version (deduplicated by its message id)
-                self.unpublished.add(p)
-                self.log.info("fragment_recovered", fragment=p, version=st.version,
-                              global_behind=gh is None or gh.version < st.version)
-            self.states[p] = st
-            await self._recover_keyframe(p, st)
-
     async def _recover_keyframe(self, p: int, st: FragmentState) -> None:
         """Quantised downlink: the keyframe deltas refer to after a (re)start. The newest one on the
         keyframe subjects while it is still current; else, for a fresh fragment, version 0 (every
@@ -276,6 +266,11 @@ class AggregatorService(Intake, VersionMaker):
             return
         # streams sized from the run's parameters (LimitsTooSmall: an explicit limit cannot hold them)
         limits = Limits.for_run(self.common, self.plan.sizes, self.common.run)
+        if self.common.stream_max_age < 4 * self.cfg.checkpoint_seconds:
+            raise LimitsTooSmall(
+                f"DILOCO_STREAM_MAX_AGE={self.common.stream_max_age:g} is too short for "
+                f"DILOCO_CHECKPOINT_SECONDS={self.cfg.checkpoint_seconds:g}: the GRAD stream must keep merged "
+                f"contributions for a replay of the merge log; set it to at least {4 * self.cfg.checkpoint_seconds:g}")
         if self.cfg.provision:
             await ensure_run(js, self.common.run, limits, update=True)
         elif missing := await missing_parts(js, self.common.run):
@@ -286,6 +281,8 @@ class AggregatorService(Intake, VersionMaker):
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
         self.settings = dataclasses.replace(self.settings, max_inner_lr=self.manifest.max_inner_lr)
+        self.settings_dict = settings_to_dict(self.settings)
+        self.limits = limits
         await self._recover(js)
         lo, hi = self.owned.start, self.owned.stop - 1
         self.consumer = ChunkConsumer(
@@ -314,15 +311,19 @@ class AggregatorService(Intake, VersionMaker):
                 for r in await self.consumer.poll(timeout=timeout):
                     await self._handle(r, time.monotonic())
                 self._release_held(time.monotonic())
+                for p in list(self.uncommitted):
+                    await self._commit(p)
                 for p in self.owned:
                     if p in self.unpublished:
                         await self._publish_global(p)
                 wake = await self._merge_due(time.monotonic())
+                await self._checkpoints_due(time.monotonic())
                 if self._audit:
                     await self._publish_audit()
                 if time.monotonic() - last_keepalive > 5:
                     await self._keep_alive_held()
                     last_keepalive = time.monotonic()
+            await self._checkpoint_all()  # a clean stop leaves nothing to replay
         finally:
             for t in tasks:
                 t.cancel()

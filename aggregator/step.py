@@ -82,6 +82,7 @@ class FragmentState:
     # per learner, the newest versions (at most RECENT_KEPT) whose merge held one of its contributions:
     # how many of its own rounds a contribution's base had not seen (open_rounds)
     recent: dict[str, list[int]] = field(default_factory=dict)
+    last_grad_norm: float = 0.0  # |outer gradient applied| of the newest merge (scaled, before momentum); not persisted
 
     @classmethod
     def initial(cls, fragment: int, version: int, params: np.ndarray, settings: MergeSettings) -> "FragmentState":
@@ -181,14 +182,15 @@ def momentum_part(state: FragmentState, contribs: list[Contribution], settings: 
     wf = float(wa[idx].sum())
     if settings.method == "mean" and settings.robust is None and wf > 0:
         part = merge([contribs[i].vector for i in idx], wa[idx], "mean", None,
-                     norms=np.asarray(norms, dtype=np.float64)[idx], caps=np.asarray(caps)[idx])
-        return (part * np.float32(total * wf / float(wa.sum()))).astype(np.float32, copy=False), scale * share
+                     norms=np.asarray(norms, dtype=np.float64)[idx], caps=np.asarray(caps)[idx],
+                     gain=total * wf / float(wa.sum()))
+        return part, scale * share
     return wf / float(wa.sum()), scale * share
 
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
                norms: list[float] | None = None, scale: float = 1.0,
-               per_round: int = 1) -> FragmentState:
+               per_round: int = 1, inplace: bool = False) -> FragmentState:
     """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step. The global version
     is encoded for the downlink when it is published (:func:`bus.downlink.encode_version`).
     ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
@@ -196,7 +198,9 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     The merged outer gradient is multiplied by ``scale`` and by the token-weighted mean staleness
     factor of the contributions; staleness is counted in rounds of ``per_round`` versions (the
     active learners; see :func:`aggregator.weights.rounds_behind`). Returns the new state; ``state``
-    is not modified. ``contribs`` must already be validated (and not duplicates).
+    is not modified, unless ``inplace``: then its arrays and sets become the new state's (no copy of
+    the parameters or the optimizer state: the service's merge, and a replay), with bitwise the same
+    result. ``contribs`` must already be validated (and not duplicates).
     """
     if not contribs:
         raise ValueError("merge_step needs at least one contribution")
@@ -216,19 +220,18 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
                      min_history=settings.clip_min_history, max_inner_lr=settings.max_inner_lr,
                      reference_steps=settings.reference_steps)
     g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
-              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps)
-    if total != 1.0:
-        g = g * np.float32(total)
+              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps, gain=total)
+    grad_norm = l2_norm(g)
     optimizer = settings.make_optimizer()
     if isinstance(optimizer, RoundNesterov):
         # momentum once per round of closed-loop work (scale = the share of a round this merge holds)
         mg, work = momentum_part(state, contribs, settings, g, w, norms, caps, total, scale)
-        params, opt = optimizer.step(state.params, g, state.opt, work=work, momentum_grad=mg)
+        params, opt = optimizer.step(state.params, g, state.opt, work=work, momentum_grad=mg, inplace=inplace)
     else:
-        params, opt = optimizer.step(state.params, g, state.opt)
-    applied = state.applied.copy()
-    hist = NormHistory.from_dict(state.norms.to_dict())
-    anorms = NormHistory.from_dict(state.applied_norms.to_dict())
+        params, opt = optimizer.step(state.params, g, state.opt, inplace=inplace)
+    applied = state.applied if inplace else state.applied.copy()
+    hist = state.norms if inplace else NormHistory.from_dict(state.norms.to_dict())
+    anorms = state.applied_norms if inplace else NormHistory.from_dict(state.applied_norms.to_dict())
     for c, n, cap in zip(contribs, norms, caps):
         applied.record(c)
         # the clip reference: whole rounds only, each norm as sent (it passed the bound and the
@@ -246,4 +249,4 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     for learner in sorted({c.learner for c in contribs}):
         recent[learner] = (recent.get(learner, []) + [state.version + 1])[-RECENT_KEPT:]
     return FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
-                         float(scale), max(1, int(per_round)), anorms, clipped, recent)
+                         float(scale), max(1, int(per_round)), anorms, clipped, recent, grad_norm)

@@ -1,6 +1,7 @@
 """The aggregator's production of global versions: the quorum decision, the write-ahead merge
-(state v+1 committed before the contributions are acknowledged), publishing version v+1 (whole,
-or a quantised delta against a keyframe) and its merge event.
+(its merge-log record committed before the contributions are acknowledged:
+``aggregator.durability``), publishing version v+1 (whole, or a quantised delta against a
+keyframe) and its merge event.
 
 A mixin of ``aggregator.service.AggregatorService``; the merge itself is ``aggregator.step``.
 """
@@ -13,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from aggregator.intake import Pending
+from aggregator.mlog import LoggedContribution, MergeRecord
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, decide
 from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, merge_step, participation_scale, round_work
 from bus.downlink import encode_version
-from bus.transport import VersionConflict, ack_all
+from bus.transport import ack_all
 
 
 class VersionMaker:
@@ -63,6 +65,8 @@ class VersionMaker:
         due: dict[int, tuple[str, float]] = {}
         wake: float | None = None
         for p in self.owned:
+            if self._log_blocked(p):  # its record is not stored yet, or its checkpoint is behind
+                continue
             reason, w, first = self._decide(p, now, active)
             if reason is not None:
                 due[p] = (reason, first)
@@ -108,20 +112,42 @@ class VersionMaker:
         scale = (participation_scale(round_work([x.c for x in items]), len(participants))
                  if self.cfg.scale_by_participation else 1.0)
         per_round = max(1, len(participants))
-        new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round)
-        try:
-            await self.sstore.put(p, new.version, new.to_bytes(), {"model": self.model_hash})
-        except VersionConflict as e:
-            await self._adopt_committed_state(p, items, e)
-            return
-        except Exception as e:  # state not committed: keep the contributions, try again later
-            self.log.error("state_persist_failed", fragment=p, error=repr(e))
-            self.buffers[p] = items + self.buffers[p]
-            return
+        pos = self.logpos[p]
+        restarts = tuple(tuple(r) for r in pos.restarts)
+        pos.restarts = []
+        # in place: the parameters and optimizer arrays are updated where they are (no copy of the
+        # fragment); the record is retried as it is until stored, so the old state is never needed
+        new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round,
+                         inplace=True)
+        rec = MergeRecord(p, new.version, tuple(
+            LoggedContribution(x.c.learner, x.c.incarnation, x.c.fragment, x.c.round, x.c.base_version, x.seqs,
+                               float(x.norm), x.nbytes) for x in items),
+            float(scale), int(per_round), self.settings_dict, restarts, time.time())
         self.states[p] = new
+        self.uncommitted[p] = (st.version, rec, items, first, reason, t0)
+        await self._commit(p)
+
+    async def _commit(self, p: int) -> None:
+        """Write-ahead: the merge's record, then the contributions' acks, the global version and its
+        merge event. A record not stored is retried as it is on the next pass (aggregator.durability)."""
+        before, rec, items, first, reason, t0 = self.uncommitted[p]
+        try:
+            other = await self._log_put(rec)
+            if other is not None:
+                items = await self._adopt(p, other, items)
+        except Exception as e:  # not committed: nothing acked; the same record is retried
+            self.log.error("merge_log_failed", fragment=p, version=rec.version, error=repr(e))
+            return
+        del self.uncommitted[p]
+        new = self.states[p]
+        pos = self.logpos[p]
+        pos.versions_since += 1
+        pos.bytes_since += sum(x.nbytes for x in items)
         for x in items:
             await ack_all(x.tokens)
         await self._publish_global(p, fresh=True)
+        if self._policy().due(pos.versions_since, time.monotonic() - pos.checkpoint_time, pos.bytes_since):
+            await self._checkpoint(p)
         self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
         self.stats.merges += 1
         self.stats.merge_latency.append(time.monotonic() - first)
@@ -129,35 +155,13 @@ class VersionMaker:
         self.stats.quorum_wait += firsts[min(self.cfg.quorum or len(firsts), len(firsts)) - 1] - first
         self.stats.clipped += new.last_clipped
         for x in items:
-            self.stats.staleness[st.version - x.c.base_version] += 1  # in versions
+            self.stats.staleness[before - x.c.base_version] += 1  # in versions
             self.stats.contributions[x.c.learner] += 1
         self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
-                      learners=sorted({x.c.learner for x in items}), scale=round(scale, 4), clipped=new.last_clipped,
-                      stale=[st.version - x.c.base_version for x in items],
+                      learners=sorted({x.c.learner for x in items}), scale=round(rec.scale, 4), clipped=new.last_clipped,
+                      stale=[before - x.c.base_version for x in items],
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
-                      step_norm=round(l2_norm(new.params - st.params), 5), param_norm=round(l2_norm(new.params), 3))
-
-    async def _adopt_committed_state(self, p: int, items: list[Pending], e: VersionConflict) -> None:
-        """The state store already holds version v+1 (or newer) of fragment p: an earlier put whose
-        head was stored although it reported a failure, or another writer. Take that state as
-        ours; contributions it applied are done (acked), the others wait for the next merge."""
-        self.log.error("state_conflict", fragment=p, committed=e.committed.version, error=str(e))
-        got = await self.sstore.get(p)
-        if got is None:  # cannot happen after a conflict; keep everything and retry later
-            self.buffers[p] = items + self.buffers[p]
-            return
-        st = FragmentState.from_bytes(got[1])
-        self.states[p] = st
-        self.unpublished.add(p)
-        keep = []
-        for x in items:
-            if st.applied.is_duplicate(x.c):
-                await ack_all(x.tokens)
-            else:
-                keep.append(x)
-        self.buffers[p] = keep + self.buffers[p]
-        self.log.warning("state_adopted", fragment=p, version=st.version, applied=len(items) - len(keep),
-                         kept=len(keep))
+                      outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3))
 
     async def _publish_global(self, p: int, fresh: bool = False) -> None:
         """Publish the global version of the state and its merge event. ``fresh``: just merged, so

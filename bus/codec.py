@@ -121,6 +121,38 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     return out, sent, new_res, err
 
 
+def encode_delta(x: np.ndarray, ref: np.ndarray, q: str, block: int = quant.DEFAULT_BLOCK,
+                 chunk: int = 1 << 16) -> bytearray:
+    """``encode_array(x - ref, q)``, bitwise, without a temporary of the vectors' size: the
+    difference is taken and quantised chunk by chunk (whole quantiser blocks) straight into the
+    blob, so it stays in cache (a quantised downlink delta against its keyframe)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    ref = np.asarray(ref, dtype=np.float32).reshape(-1)
+    if x.shape != ref.shape:
+        raise CodecError(f"delta of {x.size} values against a reference of {ref.size}")
+    n = x.size
+    header = msgpack.packb({"v": VERSION, "q": q, "b": block, "dt": np.dtype(np.float32).str, "sh": [n]})
+    specs = quant.part_specs(q, n, block)
+    out = bytearray(4 + len(header) + sum(d.itemsize * c for d, c in specs))
+    struct.pack_into("<I", out, 0, len(header))
+    out[4:4 + len(header)] = header
+    views, off = [], 4 + len(header)
+    for d, c in specs:
+        views.append(np.frombuffer(out, dtype=d, count=c, offset=off))
+        off += d.itemsize * c
+    step = max(block, chunk - chunk % block)
+    scratch = np.empty((2, min(step, max(n, 1))), dtype=np.float32)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        d = scratch[0, : e - s]
+        np.subtract(x[s:e], ref[s:e], out=d)
+        if q == "int8" and (e - s) % block == 0:  # the fast path: straight into the blob's parts
+            quant.quantise_int8_into(d, views[0][s // block:e // block], views[1][s:e], scratch[1], block)
+        else:
+            _place(views, quant.quantise(d, q, block), q, s, block)
+    return out
+
+
 def _place(views: list[np.ndarray], parts: list[np.ndarray], q: str, start: int, block: int) -> None:
     """Write a chunk's wire parts (the chunk starts at value ``start``, a multiple of ``block``)."""
     if q in ("fp32", "bf16"):

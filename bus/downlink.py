@@ -64,7 +64,7 @@ def encode_version(params: np.ndarray, version: int, key: Keyframe | None, quant
         return codec.encode_array(p), {"key": int(version)}, Keyframe(int(version), p.copy())
     if key.params.shape != p.shape:
         raise ValueError(f"keyframe has {key.params.size} values, the parameters {p.size}")
-    return codec.encode_array(p - key.params, quantiser), {"ref": key.version}, None
+    return codec.encode_delta(p, key.params, quantiser), {"ref": key.version}, None
 
 
 def decode_version(blob, meta: dict, key: Keyframe | None) -> np.ndarray:

@@ -4,7 +4,9 @@ Every stream is bounded (``max_bytes``, and ``max_age`` or messages per subject)
 cannot fill the disk:
 
 * GRAD: outer-gradient chunks, limits retention, ``max_age`` = ``DILOCO_STREAM_MAX_AGE``, dedupe
-  window 2 min (a retried chunk with the same ``Nats-Msg-Id`` is stored once).
+  window 2 min (a retried chunk with the same ``Nats-Msg-Id`` is stored once). Acknowledged chunks
+  stay until their age or the byte limit: a restarted aggregator replays its merge log from them
+  (direct get enabled; :mod:`aggregator.mlog`).
 * GLOBAL and STATE: versioned objects. Chunks alternate between two slots (sets of subjects), each
   keeping ``ceil(global_history / 2)`` messages: at least the committed version and the one being
   written are held, so a reader of v is not raced by the writer of v+1, and no write that dies
@@ -133,6 +135,7 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
             max_age=lim.max_age,
             duplicate_window=120.0,
             discard=DiscardPolicy.OLD,
+            allow_direct=True,  # a restarted aggregator reads merged contributions back (aggregator.mlog)
             **common,
         ),
         StreamConfig(

@@ -9,7 +9,8 @@ subject                              carried by       what
 ``diloco.R.global.<frag>.c<i>.<slot>`` stream GLOBAL  chunk i of the newest global versions of a fragment
 ``diloco.R.global.<frag>.head``      stream GLOBAL    commit record of a global version (version, seqs)
 ``diloco.R.global.<frag>.kc<i>.<slot>/khead``        keyframes of a quantised downlink (``bus.downlink``)
-``diloco.R.state.<frag>.c<i>.<slot>/head`` STATE     aggregator's durable state (params, momentum, set)
+``diloco.R.state.<frag>.c<i>.<slot>/head`` STATE     aggregator's checkpoints (params, momentum, set)
+``diloco.R.state.<frag>.log.<slot>`` stream STATE     merge log: how each version was made (``aggregator.mlog``)
 ``diloco.R.hb.<learner>``            core NATS        heartbeats, learner -> monitor (1 s)
 ``diloco.R.metrics.<role>.<id>``     core NATS        metrics of every process -> ``diloco metrics``
 ``diloco.R.events.<kind>``           stream EVENTS    membership transitions and other run events
@@ -73,6 +74,13 @@ class Subjects:
 
     def versioned_all(self, kind: str) -> str:
         return f"{self.prefix}.{kind}.>"
+
+    # the aggregator's merge log (aggregator.mlog): in the STATE stream, one subject per slot
+    def merge_log(self, fragment: int, slot: int) -> str:
+        return f"{self.prefix}.{STATE}.{int(fragment)}.log.{int(slot)}"
+
+    def merge_log_filter(self, fragment: int) -> str:
+        return f"{self.prefix}.{STATE}.{int(fragment)}.log.*"
 
     # liveness, metrics, events
     def heartbeat(self, learner: str) -> str:

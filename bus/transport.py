@@ -38,6 +38,35 @@ from bus.chunks import Assembled, Assembler, Chunk, Dropped, checksum, chunk_hea
 from bus.subjects import Subjects
 
 
+async def fetch_object(js: JetStreamContext, stream: str, seqs: Iterable[int], parallel: int = 8) -> Assembled:
+    """An object published by :class:`ChunkPublisher`, read back by its chunks' stream sequences
+    (direct get; the stream needs ``allow_direct``), checked as the :class:`Assembler` checks it:
+    one object id, indexes 0..n-1, sizes and crc32. Raises NotFoundError if a chunk is gone (expired,
+    evicted at the byte limit, or the sequence now holds another message), TransportError if the
+    chunks do not form one whole object. ``tokens`` is empty: nothing is acknowledged."""
+    sem = asyncio.Semaphore(parallel)
+
+    async def one(seq: int) -> Chunk:
+        async with sem:
+            m = await js.get_msg(stream, seq=int(seq), direct=True)
+            try:
+                return parse_chunk(m.headers, m.data or b"")
+            except ValueError as e:
+                raise TransportError(f"sequence {seq} of {stream} is not a chunk: {e}") from None
+
+    chunks = await asyncio.gather(*(one(q) for q in seqs))
+    if not chunks:
+        raise TransportError("no chunk sequences")
+    first = chunks[0]
+    if (len(chunks) != first.count or any(c.obj_id != first.obj_id or c.index != i or c.crc != first.crc
+                                          for i, c in enumerate(chunks))):
+        raise NotFoundError  # the sequences no longer hold this object's chunks
+    blob = b"".join(c.data for c in chunks)
+    if len(blob) != first.size or checksum(blob) != first.crc:
+        raise TransportError(f"{first.obj_id}: assembled blob fails its size or crc32 check")
+    return Assembled(first.obj_id, first.meta, blob, [])
+
+
 class VersionLost(RuntimeError):
     """A committed version's chunks are no longer in its stream (dropped at the byte limit)."""
 

@@ -29,7 +29,7 @@ LEAF_CONF_NAME = "nats-auth-leaf.conf"
 SERVER_CONF_NAME = "nats-server.conf"
 ENV_HEADER = "# diloco auth init:"
 #: Event kinds (``diloco.<run>.events.<kind>``) the aggregator publishes; the monitor owns ``membership``.
-AGGREGATOR_EVENTS = ("merge", "reject")
+AGGREGATOR_EVENTS = ("merge", "reject", "recovered")
 
 
 class AuthError(RuntimeError):
@@ -199,6 +199,7 @@ def aggregator_permissions(run: str, provision: bool = True) -> Permissions:
         *(_provision(s) if provision else []),
         *_direct_get(s.stream(GLOBAL)),
         *_direct_get(s.stream(STATE)),
+        *_direct_get(grad),  # replaying the merge log reads merged contributions back
         *_kv_read(s, "run"),
         *_kv_read(s, "members"),
         *_watch(kv_stream(s, "members")),

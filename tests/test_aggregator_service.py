@@ -194,26 +194,32 @@ async def test_two_aggregators_own_disjoint_fragments(nats_server, js):
         await task
 
 
-async def test_a_state_version_committed_behind_our_back_is_adopted_not_overwritten(nats_server, js):
-    """The state store holds version v+1 that this process does not know about (a put whose head
-    was stored although it reported a failure): the next merge of v+1 conflicts, the aggregator
-    adopts the committed state, acks the contributions it applied and merges the rest after it."""
+async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritten(nats_server, js):
+    """The STATE stream holds a merge record of version v+1 that this process does not know about
+    (a publish that was stored although it reported a failure): the aggregator's own record of v+1
+    is deduplicated, so it reads the stored one back, adopts that merge, acks the contributions it
+    applied and merges the rest after it. A restart replays the same state, bit for bit."""
     from aggregator.contribution import Contribution
+    from aggregator.mlog import LoggedContribution, MergeRecord
     from aggregator.step import merge_step
-    from bus.subjects import STATE
 
     svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
                                    grace_seconds=0.05, max_staleness=100)
+    S = Subjects(RUN)
     try:
         learner = FakeLearner(js, RUN, "a", 1)
         st0 = svc.states[0]
-        # what an earlier attempt committed: version 1 holding round 1 of learner "a"
+        # what an earlier attempt committed: version 1 holding round 1 of learner "a", at scale 0.5
         vec = (np.random.default_rng(3).standard_normal(PLAN.sizes[0]) * 1e-3).astype(np.float32)
         c1 = Contribution(RUN, svc.model_hash, "a", learner.inc, 0, 1, 0, 10, 640, vec)
-        ahead = merge_step(st0, [c1], svc.settings, [float(np.linalg.norm(vec))], 0.5, 1)  # not what we'd compute
-        await VersionedStore(js, RUN, STATE).put(0, 1, ahead.to_bytes(), {"model": svc.model_hash})
+        norm = float(np.sqrt(np.dot(vec, vec)))
+        seq = (await js.stream_info(S.stream("grad"))).state.last_seq + 1  # where round 1's one chunk will land
+        rec = MergeRecord(0, 1, (LoggedContribution("a", learner.inc, 0, 1, 0, (seq,), norm, 0),), 0.5, 1,
+                          svc.settings_dict)
+        await js.publish(S.merge_log(0, 1 % svc._slots()), rec.to_bytes(), headers={"Nats-Msg-Id": f"{RUN}.mlog.0.1"})
+        ahead = merge_step(st0, [c1], svc.settings, [norm], 0.5, 1)  # not what the service would compute
         assert svc.states[0].version == 0
-        # round 1 arrives (redelivered, say) and round 2 after it
+        # round 1 arrives and round 2 after it
         await learner.send(0, base=0, vector=vec)
         await learner.send(0, base=0)
         assert await _until(lambda: svc.states[0].version == 2, 15)
@@ -221,7 +227,7 @@ async def test_a_state_version_committed_behind_our_back_is_adopted_not_overwrit
         head = await VersionedStore(js, RUN, GLOBAL).head(0)
         assert head.version == 2
         # version 1 is the committed one (its merge event says so), version 2 holds round 2 only
-        sub = await js.subscribe(Subjects(RUN).event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        sub = await js.subscribe(S.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         events = {}
         while len(events) < 2:
             e = orjson.loads((await sub.next_msg(timeout=5)).data)
@@ -229,13 +235,55 @@ async def test_a_state_version_committed_behind_our_back_is_adopted_not_overwrit
                 events[e["version"]] = e
         assert events[1]["scale"] == 0.5 and [k[3] for k in events[1]["applied"]] == [1]
         assert [k[3] for k in events[2]["applied"]] == [2]
+        live = svc.states[0]
+        assert not np.array_equal(live.params, ahead.params)  # version 2 was applied on top of it
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
-    # a restart reads exactly that state back
+    # a restart: the stop checkpointed version 2; replaying the log from version 0 gives it too
     svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1)
     try:
         assert svc2.states[0].version == 2 and svc2.states[0].applied.is_duplicate(c1)
+        assert np.array_equal(svc2.states[0].params, live.params)
+    finally:
+        stop2.set()
+        await asyncio.wait_for(task2, 15)
+
+
+async def test_a_record_stored_despite_a_failed_publish_is_retried_as_it_is(nats_server, js):
+    """A merge-log publish that stores the record and then reports a failure (a lost ack): the
+    same record is retried (deduplicated), nothing is acked before it, nothing merged twice, and a
+    restart from the version-0 checkpoint replays the merges to the same parameters."""
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
+                                   grace_seconds=0.05, max_staleness=100, checkpoint_every=1000)
+    real = svc.js.publish
+    lost = {"n": 0}
+
+    async def publish(subject, payload, **kw):
+        ack = await real(subject, payload, **kw)
+        if ".log." in subject and lost["n"] < 2:
+            lost["n"] += 1
+            raise TimeoutError("the ack was lost")
+        return ack
+
+    svc.js.publish = publish
+    try:
+        learner = FakeLearner(js, RUN, "a", 1)
+        for r in range(3):
+            await learner.send(0, base=r)
+            assert await _until(lambda: svc.states[0].version == r + 1, 15)
+        assert lost["n"] == 2 and svc.stats.merges == 3 and svc.states[0].version == 3
+        live = svc.states[0]
+    finally:
+        svc.js.publish = real
+        task.cancel()  # no clean stop: nothing checkpointed since version 0
+        await asyncio.gather(task, return_exceptions=True)
+        await svc.nc.close()
+    svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1)
+    try:
+        assert svc2.states[0].version == 3 and svc2.stats.replayed == 3 and svc2.stats.replay_lost == 0
+        assert np.array_equal(svc2.states[0].params, live.params)
+        assert svc2.states[0].to_bytes() == live.to_bytes()
     finally:
         stop2.set()
         await asyncio.wait_for(task2, 15)

@@ -125,7 +125,8 @@ PUBLISH_MATRIX = [
     ("$JS.API.CONSUMER.DURABLE.CREATE.DILOCO_sec_GRAD.agg_0_1", {"aggregator"}),
     ("$JS.API.CONSUMER.MSG.NEXT.DILOCO_sec_GRAD.agg_0_1", {"aggregator"}),
     ("$JS.ACK.DILOCO_sec_GRAD.agg_0_1.1.5.5.0.0", {"aggregator"}),
-    ("$JS.API.DIRECT.GET.DILOCO_sec_GRAD", set()),
+    # learners must not read each other's gradients; the aggregator reads merged ones back for a replay
+    ("$JS.API.DIRECT.GET.DILOCO_sec_GRAD", {"aggregator"}),
     ("$JS.API.DIRECT.GET.DILOCO_sec_GLOBAL", {"aggregator", "monitor", "evaluator", "metrics", "learner"}),
     ("$JS.API.DIRECT.GET.DILOCO_sec_STATE", {"aggregator"}),
     ("$JS.API.DIRECT.GET.KV_diloco_sec_members.$KV.diloco_sec_members.us-0",

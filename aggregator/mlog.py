@@ -1,0 +1,178 @@
+"""The merge log: what a merge did, written ahead instead of the fragment's whole state (pure).
+
+A global version v+1 of fragment p is made durable by a small :class:`MergeRecord` (a few hundred
+bytes plus about 100 per contribution): the keys of the contributions merged, where their chunks
+lie in the GRAD stream (stream sequences), the norms, participation scale and round size the merge
+used, the merge settings, and the outlier-reference restarts made since the previous merge. The
+fragment's whole state (parameters, optimizer arrays, applied set: 12 bytes per value with the
+``rounds`` optimizer) is written only as a periodic **checkpoint** (:class:`CheckpointPolicy`).
+
+A restarted aggregator loads the newest checkpoint of each fragment and replays the records newer
+than it (:func:`replay_one`), reading each contribution back from the GRAD stream, which keeps
+every gradient chunk for ``DILOCO_STREAM_MAX_AGE`` whether acknowledged or not (limits retention).
+``merge_step`` is deterministic, so the replayed state is the lost one, bit for bit.
+
+Records go to ``diloco.<run>.state.<frag>.log.<slot>`` (``bus.subjects.Subjects.merge_log``),
+slot = version mod :func:`log_slots`: the STATE stream keeps the newest messages of each subject,
+so the newest ``log_slots`` records of a fragment are always held, and a checkpoint is forced
+before the log since the newest one could outgrow them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgpack
+
+from aggregator.contribution import Contribution
+from aggregator.step import FragmentState, MergeSettings, merge_step
+from aggregator.weights import StalenessPolicy
+
+LOG_FORMAT = 1
+
+
+def log_slots(checkpoint_every: int) -> int:
+    """Log subjects per fragment: twice the versions a checkpoint may lag behind, plus room for a
+    checkpoint that is being written while merges go on."""
+    return 2 * int(checkpoint_every) + 4
+
+
+def settings_to_dict(s: MergeSettings) -> dict:
+    d = dataclasses.asdict(s)
+    d["staleness"] = dataclasses.asdict(s.staleness)
+    return d
+
+
+def settings_from_dict(d: dict) -> MergeSettings:
+    d = dict(d)
+    d["staleness"] = StalenessPolicy(**d["staleness"])
+    names = {f.name for f in dataclasses.fields(MergeSettings)}
+    return MergeSettings(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class LoggedContribution:
+    """One merged contribution: its key, its GRAD chunks' stream sequences (in chunk order) and the
+    norm the merge used."""
+
+    learner: str
+    incarnation: str
+    fragment: int
+    round: int
+    base: int
+    seqs: tuple[int, ...]
+    norm: float
+    nbytes: int = 0  # bytes of its chunks' payload (the GRAD bytes a replay reads)
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.learner, self.incarnation, self.fragment, self.round)
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    """How version ``version`` of ``fragment`` was made from version ``version - 1``."""
+
+    fragment: int
+    version: int
+    contribs: tuple[LoggedContribution, ...]
+    scale: float
+    per_round: int
+    settings: dict  # settings_to_dict(MergeSettings)
+    restarts: tuple[tuple[float, ...], ...] = ()  # outlier-reference restarts, in order, before the merge
+    ts: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb({
+            "fmt": LOG_FORMAT, "f": self.fragment, "v": self.version,
+            "c": [[c.learner, c.incarnation, c.fragment, c.round, c.base, list(c.seqs), c.norm, c.nbytes]
+                  for c in self.contribs],
+            "scale": self.scale, "per_round": self.per_round, "settings": self.settings,
+            "restarts": [list(r) for r in self.restarts], "ts": self.ts,
+        }, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "MergeRecord":
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if d.get("fmt") != LOG_FORMAT:
+            raise ValueError(f"merge record format {d.get('fmt')!r}, expected {LOG_FORMAT}")
+        return cls(int(d["f"]), int(d["v"]),
+                   tuple(LoggedContribution(str(a), str(b), int(c), int(r), int(v), tuple(int(x) for x in s), float(n),
+                                            int(nb)) for a, b, c, r, v, s, n, nb in d["c"]),
+                   float(d["scale"]), int(d["per_round"]), dict(d["settings"]),
+                   tuple(tuple(float(x) for x in r) for r in d.get("restarts", ())), float(d.get("ts", 0.0)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.contribs)
+
+
+def replay_one(state: FragmentState, record: MergeRecord, contribs: list[Contribution],
+               inplace: bool = False) -> FragmentState:
+    """The state after ``record``, from the state before it and its contributions (in record order):
+    exactly what the merge computed (same inputs to the deterministic :func:`merge_step`; ``inplace``
+    as there: ``state``'s arrays become the result's)."""
+    if record.version != state.version + 1 or record.fragment != state.fragment:
+        raise ValueError(f"record f{record.fragment} v{record.version} does not follow state "
+                         f"f{state.fragment} v{state.version}")
+    if [c.key for c in contribs] != [c.key for c in record.contribs]:
+        raise ValueError(f"contributions of f{record.fragment} v{record.version} do not match its record")
+    for r in record.restarts:
+        state.norms.restart(state.fragment, list(r))
+    return merge_step(state, contribs, settings_from_dict(record.settings), [c.norm for c in record.contribs],
+                      record.scale, record.per_round, inplace=inplace)
+
+
+def applied_without_replay(state: FragmentState, record: MergeRecord) -> FragmentState:
+    """A record whose contributions are gone from the GRAD stream (expired or evicted past its
+    limits): the version advances and its keys count as applied (they were acknowledged: they must
+    not be merged again), the parameters stay as they are. The work is lost, loudly (the caller
+    logs and counts it)."""
+    applied = state.applied.copy()
+    for c in record.contribs:
+        if not applied.is_duplicate(k := _KeyOnly(*c.key, c.base)):  # type: ignore[arg-type]
+            applied.record(k)  # type: ignore[arg-type]
+    return dataclasses.replace(state, version=record.version, applied=applied,
+                               last_merge=[c.key for c in record.contribs], last_scale=record.scale,
+                               last_per_round=record.per_round, last_clipped=0)
+
+
+@dataclass(frozen=True)
+class _KeyOnly:
+    learner: str
+    incarnation: str
+    fragment: int
+    round: int
+    base_version: int
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.learner, self.incarnation, self.fragment, self.round)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a fragment's whole state is written: after ``every`` versions since its newest
+    checkpoint, after ``seconds`` with any version since, or once the contributions its log refers
+    to reach ``max_bytes`` (a share of the GRAD stream's byte limit: a replay must find them all)."""
+
+    every: int = 32
+    seconds: float = 60.0
+    max_bytes: int = 1 << 62
+
+    def due(self, versions_since: int, seconds_since: float, bytes_since: int) -> bool:
+        if versions_since <= 0:
+            return False
+        return versions_since >= self.every or seconds_since >= self.seconds or bytes_since >= self.max_bytes
+
+
+@dataclass
+class LogPosition:
+    """Per fragment: the newest checkpoint, and what the log holds beyond it."""
+
+    checkpoint_version: int
+    checkpoint_time: float
+    versions_since: int = 0
+    bytes_since: int = 0
+    restarts: list = field(default_factory=list)  # outlier-reference restarts since the newest merge

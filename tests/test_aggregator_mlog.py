@@ -1,0 +1,125 @@
+"""The merge log (aggregator.mlog): records, replay, the checkpoint policy. Pure: no server."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from aggregator.contribution import Contribution
+from aggregator.mlog import (CheckpointPolicy, LoggedContribution, MergeRecord, applied_without_replay, log_slots,
+                             replay_one, settings_from_dict, settings_to_dict)
+from aggregator.step import FragmentState, MergeSettings, merge_step
+from aggregator.weights import StalenessPolicy
+
+N = 1000
+
+
+def _contrib(learner: str, rnd: int, base: int, seed: int, steps: int = 12) -> Contribution:
+    vec = (np.random.default_rng(seed).standard_normal(N) * 1e-2).astype(np.float32)
+    return Contribution("r", "h", learner, "inc", 0, rnd, base, steps, steps * 64, vec, period=12)
+
+
+def _logged(c: Contribution) -> LoggedContribution:
+    return LoggedContribution(c.learner, c.incarnation, c.fragment, c.round, c.base_version, (7, 8),
+                              float(np.sqrt(np.dot(c.vector, c.vector))), 4 * N)
+
+
+def _rounds(settings: MergeSettings, rounds: int = 6):
+    """Merges of two learners, alternately one and two contributions per merge."""
+    out = []
+    v = 0
+    for r in range(1, rounds + 1):
+        batch = [_contrib("a", r, v, 10 * r)] + ([_contrib("b", r, max(0, v - 1), 10 * r + 1)] if r % 2 else [])
+        v += 1
+        out.append(batch)
+    return out
+
+
+SETTINGS = [MergeSettings(momentum=0.5, max_inner_lr=0.01),
+            MergeSettings(method="rda", optimizer="nesterov", momentum=0.9,
+                          staleness=StalenessPolicy("hinge", 0.3, 2)),
+            MergeSettings(optimizer="delayed", delay_n=2, robust="clip", downlink_quantiser="int8")]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_replaying_the_records_gives_the_merged_state_bit_for_bit(settings):
+    st = FragmentState.initial(0, 0, np.linspace(-1, 1, N, dtype=np.float32), settings)
+    live = FragmentState.from_bytes(st.to_bytes())
+    records = []
+    for batch in _rounds(settings):
+        norms = [float(np.sqrt(np.dot(c.vector, c.vector))) for c in batch]
+        scale, per_round = len(batch) / 2, 2
+        live = merge_step(live, batch, settings, norms, scale, per_round, inplace=True)
+        rec = MergeRecord(0, live.version, tuple(_logged(c) for c in batch), scale, per_round,
+                          settings_to_dict(settings), ts=1.5)
+        records.append((MergeRecord.from_bytes(rec.to_bytes()), batch))
+        assert MergeRecord.from_bytes(rec.to_bytes()) == rec
+    replayed = FragmentState.from_bytes(st.to_bytes())
+    for rec, batch in records:
+        replayed = replay_one(replayed, rec, batch, inplace=True)
+    assert replayed.version == live.version == 6
+    assert replayed.to_bytes() == live.to_bytes()  # params, optimizer arrays, applied set, norms
+
+
+def test_in_place_and_copying_merges_agree_bitwise_and_copying_leaves_the_state_alone():
+    s = SETTINGS[0]
+    a = FragmentState.initial(0, 0, np.linspace(-1, 1, N, dtype=np.float32), s)
+    b = FragmentState.from_bytes(a.to_bytes())
+    before = a.to_bytes()
+    for batch in _rounds(s, 4):
+        a2 = merge_step(a, batch, s, None, 0.5, 2)
+        assert a.to_bytes() == before  # not modified
+        b = merge_step(b, batch, s, None, 0.5, 2, inplace=True)
+        a, before = a2, a2.to_bytes()
+    assert a.to_bytes() == b.to_bytes()
+
+
+def test_settings_round_trip_and_a_record_of_another_format_is_refused():
+    for s in SETTINGS:
+        assert settings_from_dict(settings_to_dict(s)) == s
+    rec = MergeRecord(0, 1, (), 1.0, 1, settings_to_dict(SETTINGS[0]))
+    import msgpack
+    d = msgpack.unpackb(rec.to_bytes())
+    d["fmt"] = 99
+    with pytest.raises(ValueError, match="format"):
+        MergeRecord.from_bytes(msgpack.packb(d))
+
+
+def test_a_record_must_follow_its_state_and_name_its_contributions():
+    s = SETTINGS[0]
+    st = FragmentState.initial(0, 3, np.zeros(N, np.float32), s)
+    c = _contrib("a", 1, 3, 1)
+    with pytest.raises(ValueError, match="does not follow"):
+        replay_one(st, MergeRecord(0, 5, (_logged(c),), 1.0, 1, settings_to_dict(s)), [c])
+    with pytest.raises(ValueError, match="do not match"):
+        replay_one(st, MergeRecord(0, 4, (_logged(_contrib("b", 1, 3, 2)),), 1.0, 1, settings_to_dict(s)), [c])
+
+
+def test_restarts_in_a_record_are_applied_before_its_merge():
+    s = SETTINGS[0]
+    st = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
+    for x in (1.0, 2.0, 3.0):
+        st.norms.add(0, x)
+    c = _contrib("a", 1, 0, 1)
+    out = replay_one(FragmentState.from_bytes(st.to_bytes()),
+                     MergeRecord(0, 1, (_logged(c),), 1.0, 1, settings_to_dict(s), restarts=((0.5, 0.25),)), [c])
+    got = out.norms.to_dict()["norms"][0][1]
+    assert got[:2] == [0.5, 0.25] and len(got) == 3  # the restart, then the merge's own norm
+
+
+def test_lost_contributions_advance_the_version_and_count_as_applied_without_moving_the_params():
+    s = SETTINGS[0]
+    st = FragmentState.initial(0, 0, np.ones(N, np.float32), s)
+    c = _contrib("a", 1, 0, 1)
+    out = applied_without_replay(st, MergeRecord(0, 1, (_logged(c),), 1.0, 1, settings_to_dict(s)))
+    assert out.version == 1 and out.applied.is_duplicate(c) and not st.applied.is_duplicate(c)
+    assert np.array_equal(out.params, st.params)
+
+
+def test_checkpoint_policy_and_slots():
+    p = CheckpointPolicy(every=4, seconds=10.0, max_bytes=100)
+    assert not p.due(0, 1e6, 10**9)  # nothing since the checkpoint: nothing to write
+    assert not p.due(3, 9.0, 99)
+    assert p.due(4, 0.0, 0) and p.due(1, 10.0, 0) and p.due(1, 0.0, 100)
+    assert log_slots(4) > 2 * 4  # the versions a checkpoint may lag (2 x every) always fit
+    assert dataclasses.replace(p, every=1).due(1, 0, 0)
