@@ -38,6 +38,10 @@ from bus import codec
 from bus.runs import RunMismatch
 from bus.transport import TransportError, VersionConflict, fetch_object
 
+#: versions of one fragment encoded and waiting for their publisher (aggregator.versions): beyond
+#: it the fragment merges nothing until one is out
+PUBLISH_QUEUE = 2
+
 
 class Durability:
     """Merge log, checkpoints and replay for an ``AggregatorService``."""
@@ -56,7 +60,8 @@ class Durability:
         """Fragment p may not merge: its last record is not committed yet, or its log since the
         newest checkpoint fills the slots a replay needs (the checkpoint is behind)."""
         pos = self.logpos.get(p)
-        return p in self.uncommitted or (pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every)
+        return (p in self.uncommitted or len(self.pubq.get(p, ())) >= PUBLISH_QUEUE
+                or (pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every))
 
     async def _log_put(self, rec: MergeRecord) -> MergeRecord | None:
         """Store ``rec``; returns None when it is stored, or the *other* record the stream already
@@ -157,8 +162,12 @@ class Durability:
             raise NotFoundError  # the sequences hold another object now
         return c
 
-    async def _recover_fragment(self, p: int) -> FragmentState | None:
-        """The newest checkpoint of p with its log replayed; None when p has no checkpoint yet."""
+    async def _recover_fragment(self, p: int, published: int | None = None) -> FragmentState | None:
+        """The newest checkpoint of p with its log replayed; None when p has no checkpoint yet.
+
+        ``published``: the global head's version. Every replayed version after it is published as
+        it is reached (the crashed process had them queued: learners follow every version's
+        applied keys), and the merge events from it on (deduplicated by their message ids)."""
         got = await self.sstore.get(p)
         if got is None:
             return None
@@ -175,6 +184,12 @@ class Durability:
                 contribs = await asyncio.gather(*(self._replay_contribution(lc) for lc in rec.contribs))
                 st = replay_one(st, rec, list(contribs), inplace=True)
                 replayed += 1
+                if published is not None and st.version > published:
+                    self.states[p] = st
+                    await self._send(self._publish_job(p, rec))
+                elif published is not None and st.version == published:
+                    await self._send_event(p, rec.version, [list(c.key) for c in rec.contribs], rec.scale,
+                                           rec.per_round)
             except (NotFoundError, TransportError, ValueError, codec.CodecError) as e:
                 st = applied_without_replay(st, rec)
                 lost += 1
@@ -206,8 +221,8 @@ class Durability:
     async def _recover(self, js) -> None:
         gstore, sstore = self.gstore, self.sstore
         for p in self.owned:
-            st = await self._recover_fragment(p)
             gh = await gstore.head(p)
+            st = await self._recover_fragment(p, -1 if gh is None else gh.version)
             if st is None:
                 if gh is None:
                     raise RuntimeError(f"fragment {p} has neither state nor global version (the run's creator writes version 0 before the manifest)")
@@ -229,4 +244,5 @@ class Durability:
                 self.log.info("fragment_recovered", fragment=p, version=st.version,
                               global_behind=gh is None or gh.version < st.version)
             self.states[p] = st
-            await self._recover_keyframe(p, st)
+            if p not in self.keys:  # (a replay that published versions started from a keyframe)
+                await self._recover_keyframe(p, st)

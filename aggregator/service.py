@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,6 +117,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.unpublished: set[int] = set()
         self.logpos: dict[int, LogPosition] = {}  # per fragment: newest checkpoint, log beyond it
         self.uncommitted: dict[int, tuple] = {}  # fragment -> a merge whose log record is not stored yet
+        self.pubq: dict[int, deque] = {}  # fragment -> versions encoded, waiting for its publisher
+        self.publishers: dict[int, asyncio.Task] = {}
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
         self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived
@@ -323,6 +325,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 if time.monotonic() - last_keepalive > 5:
                     await self._keep_alive_held()
                     last_keepalive = time.monotonic()
+            await self._drain_publishers()
             await self._checkpoint_all()  # a clean stop leaves nothing to replay
         finally:
             for t in tasks:

@@ -8,7 +8,10 @@ A mixin of ``aggregator.service.AggregatorService``; the merge itself is ``aggre
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -20,7 +23,7 @@ from aggregator.quorum import ArrivalStats, decide
 from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, merge_step, participation_scale, round_work
 from bus.downlink import encode_version
-from bus.transport import ack_all
+from bus.transport import VersionConflict, ack_all
 
 
 class VersionMaker:
@@ -145,7 +148,7 @@ class VersionMaker:
         pos.bytes_since += sum(x.nbytes for x in items)
         for x in items:
             await ack_all(x.tokens)
-        await self._publish_global(p, fresh=True)
+        self._queue_publish(p)
         if self._policy().due(pos.versions_since, time.monotonic() - pos.checkpoint_time, pos.bytes_since):
             await self._checkpoint(p)
         self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
@@ -163,28 +166,101 @@ class VersionMaker:
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
                       outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3))
 
-    async def _publish_global(self, p: int, fresh: bool = False) -> None:
-        """Publish the global version of the state and its merge event. ``fresh``: just merged, so
-        not published yet; otherwise (recovery, retry) only if the global head is behind."""
+    # -- publishing -------------------------------------------------------------------------------
+
+    def _publish_job(self, p: int, rec: MergeRecord | None = None) -> PublishJob:
+        """Version ``states[p]`` encoded for the downlink now (the merge updates the parameters in
+        place, so the blob is taken before the next merge), to be published in order."""
         st = self.states[p]
-        applied = [list(k) for k in st.last_merge]
+        meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
+        blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
+                                          self.settings.downlink_quantiser, self.cfg.keyframe_every)
+        if key is not None:
+            self.keys[p] = key
+        applied = [list(k) for k in (st.last_merge if rec is None else (c.key for c in rec.contribs))]
+        return PublishJob(p, st.version, blob, {**meta, **extra}, key is not None, applied,
+                          st.last_scale if rec is None else rec.scale, st.last_per_round if rec is None else rec.per_round)
+
+    def _queue_publish(self, p: int) -> None:
+        """Hand version ``states[p]`` to fragment p's publisher: merging goes on while its chunks and
+        head are acknowledged (at most PUBLISH_QUEUE versions of a fragment wait; then the fragment
+        waits, :meth:`_log_blocked`)."""
+        self.pubq.setdefault(p, deque()).append(self._publish_job(p))
+        t = self.publishers.get(p)
+        if t is None or t.done():
+            self.publishers[p] = asyncio.create_task(self._publisher(p))
+
+    async def _publisher(self, p: int) -> None:
+        """Publish fragment p's queued versions in order; a failed one is retried (never skipped:
+        learners follow every version's applied keys)."""
+        q = self.pubq[p]
+        delay = 0.1
+        while q:
+            job = q[0]
+            try:
+                await self._send(job)
+            except Exception as e:
+                self.log.error("global_publish_failed", fragment=p, version=job.version, error=repr(e),
+                               retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+                continue
+            q.popleft()
+            delay = 0.1
+
+    async def _send(self, job: PublishJob) -> None:
+        """One version: its keyframe (if it is one), its chunks and head, then its merge event."""
+        p = job.fragment
         try:
-            head = None if fresh else await self.gstore.head(p)
+            if job.keyframe:  # a keyframe: on its own subjects first, then as the version
+                await self.kstore.put(p, job.version, job.blob, job.meta)
+            await self.gstore.put(p, job.version, job.blob, {**job.meta, "applied": job.applied})
+        except VersionConflict as e:  # a newer version is out already (a recovery republished it)
+            if e.committed.version < job.version:
+                raise
+            self.log.warning("global_version_superseded", fragment=p, version=job.version,
+                             committed=e.committed.version)
+        await self._send_event(p, job.version, job.applied, job.scale, job.per_round)
+
+    async def _send_event(self, p: int, version: int, applied: list, scale: float, per_round: int) -> None:
+        if version > 0:
+            await self.js.publish(self.s.event("merge"), orjson.dumps(
+                {"fragment": p, "version": version, "applied": applied, "scale": scale, "per_round": per_round,
+                 "ts": time.time()}), headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{version}"})
+
+    async def _drain_publishers(self, timeout: float = 30.0) -> None:
+        tasks = [t for t in self.publishers.values() if not t.done()]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for t in pending:
+                t.cancel()
+
+    async def _publish_global(self, p: int) -> None:
+        """After a (re)start: the global version of the state if the global head is behind, and the
+        merge event of the newest version (deduplicated by its message id)."""
+        st = self.states[p]
+        try:
+            head = await self.gstore.head(p)
             if head is None or head.version < st.version:
-                meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
-                blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
-                                                  self.settings.downlink_quantiser, self.cfg.keyframe_every)
-                if key is not None:  # a keyframe: on its own subjects first, then as the version
-                    await self.kstore.put(p, st.version, blob, {**meta, **extra})
-                    self.keys[p] = key
-                await self.gstore.put(p, st.version, blob, {**meta, **extra, "applied": applied})
-            if st.version > 0:
-                await self.js.publish(self.s.event("merge"), orjson.dumps(
-                    {"fragment": p, "version": st.version, "applied": applied, "scale": st.last_scale,
-                     "per_round": st.last_per_round,
-                     "ts": time.time()}),
-                    headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{st.version}"})
+                await self._send(self._publish_job(p))
+            else:
+                await self._send_event(p, st.version, [list(k) for k in st.last_merge], st.last_scale,
+                                       st.last_per_round)
             self.unpublished.discard(p)
         except Exception as e:
             self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
             self.unpublished.add(p)
+
+
+@dataclass(frozen=True)
+class PublishJob:
+    """A global version ready to publish: its downlink blob and metadata, and its merge event."""
+
+    fragment: int
+    version: int
+    blob: bytearray
+    meta: dict
+    keyframe: bool
+    applied: list
+    scale: float
+    per_round: int

@@ -132,6 +132,12 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
     for f, v in heads_seen:
         assert v >= last.get(f, -1), f"fragment {f} went back from {last[f]} to {v}"
         last[f] = v
+    # every version was published, none skipped (a restart publishes the replayed versions the
+    # crashed process had queued): learners follow each version's applied keys
+    for f in range(PLAN.num_fragments):
+        seen = {v for g, v in heads_seen if g == f}
+        assert set(range(1, last[f] + 1)) <= seen, f"fragment {f}: versions never published: " \
+            f"{sorted(set(range(1, last[f] + 1)) - seen)[:10]}"
     # replay exactly the recorded merges with the pure merge step: same parameters, bit for bit
     params0 = init_params(SPEC, MODEL.seed)
     for p in range(PLAN.num_fragments):
