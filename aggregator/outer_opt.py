@@ -222,23 +222,30 @@ class DelayedNesterov:
 
 @dataclass(frozen=True)
 class RoundNesterovState:
-    """Momentum trace t, the outer gradients of the round so far, and the share of a round they hold."""
+    """Momentum trace t, the outer gradients of the round so far (None while they are zero: after
+    every completed round, so a run whose merges each complete a round, K = all, holds no buffer),
+    and the share of a round they hold."""
 
     momentum: np.ndarray
-    buffer: np.ndarray
+    buffer: np.ndarray | None
     progress: float = 0.0
     count: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "round_nesterov", "momentum": self.momentum, "buffer": self.buffer,
-                "progress": float(self.progress), "count": self.count}
+        d: dict[str, Any] = {"kind": "round_nesterov", "momentum": self.momentum,
+                             "progress": float(self.progress), "count": self.count}
+        if self.buffer is not None:
+            d["buffer"] = self.buffer
+        return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundNesterovState:
         if data.get("kind") != "round_nesterov":
             raise ValueError(f"not a round Nesterov state: kind={data.get('kind')!r}")
+        buf = data.get("buffer")
         return cls(np.asarray(data["momentum"], dtype=np.float32).copy(),
-                   np.asarray(data["buffer"], dtype=np.float32).copy(), float(data["progress"]), int(data["count"]))
+                   None if buf is None else np.asarray(buf, dtype=np.float32).copy(), float(data["progress"]),
+                   int(data["count"]))
 
 
 ROUND_TOL = 1e-9
@@ -290,7 +297,7 @@ class RoundNesterov:
 
     def init(self, params: np.ndarray) -> RoundNesterovState:
         _check_float32("params", params)
-        return RoundNesterovState(np.zeros_like(params), np.zeros_like(params), 0.0, 0)
+        return RoundNesterovState(np.zeros_like(params), None, 0.0, 0)
 
     def step(self, params: np.ndarray, outer_grad: np.ndarray, state: RoundNesterovState, *,
              inplace: bool = False, work: float = 1.0,
@@ -302,7 +309,8 @@ class RoundNesterov:
         n = params.size
         _check_float32("outer_grad", outer_grad, n)
         _check_float32("momentum", state.momentum, n)
-        _check_float32("buffer", state.buffer, n)
+        if state.buffer is not None:
+            _check_float32("buffer", state.buffer, n)
         if not (math.isfinite(work) and work >= 0):
             raise ValueError(f"work must be finite and >= 0, got {work}")
         mfac = np.float32(1.0)
@@ -318,16 +326,39 @@ class RoundNesterov:
             mfac = np.float32(momentum_grad)
         p = params if inplace else params.copy()
         t = state.momentum if inplace else state.momentum.copy()
-        buf = state.buffer if inplace else state.buffer.copy()
         progress = state.progress + float(work)
         milestone = progress >= 1.0 - ROUND_TOL
+        if state.buffer is not None:
+            buf: np.ndarray | None = state.buffer if inplace else state.buffer.copy()
+        else:  # B is zero: a merge that completes the round needs none (B + m = m, applied at once)
+            buf = None if milestone else np.zeros_like(p)
         # a milestone that completes several rounds at once takes their mean (class docstring)
         per_round = np.float32(1.0 / max(1.0, math.floor(progress + ROUND_TOL)))
         beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
-        scratch = np.empty(min(self.block, max(n, 1)), dtype=np.float32)
+        scratch = np.empty((2, min(self.block, max(n, 1))), dtype=np.float32)
         for sl in block_slices(n, self.block):
-            g, tb, pb, bb = outer_grad[sl], t[sl], p[sl], buf[sl]
-            s = scratch[: pb.size]
+            g, tb, pb = outer_grad[sl], t[sl], p[sl]
+            s = scratch[0, : pb.size]
+            if buf is None:  # milestone with B = 0: B + m is m itself (or f x g), no buffer
+                if marr is not None:
+                    bb = marr[sl]
+                elif mfac == 1.0:
+                    bb = g
+                else:
+                    bb = scratch[1, : pb.size]
+                    np.multiply(g, mfac, out=bb)
+                np.multiply(g, neg_lr, out=s)
+                np.add(pb, s, out=pb)             # theta = theta - lr * g
+                np.multiply(tb, beta, out=tb)
+                if per_round != 1.0:
+                    np.multiply(bb, per_round, out=s)
+                    np.add(tb, s, out=tb)         # t = beta * t + m / w
+                else:
+                    np.add(tb, bb, out=tb)        # t = beta * t + m
+                np.multiply(tb, beta * neg_lr, out=s)
+                np.add(pb, s, out=pb)             # theta = theta - lr * beta * t
+                continue
+            bb = buf[sl]
             if marr is not None:
                 np.add(bb, marr[sl], out=bb)      # B = B + m
             elif mfac == 1.0:
@@ -347,6 +378,7 @@ class RoundNesterov:
                 np.add(pb, s, out=pb)             # theta = theta - lr * beta * t
         if milestone:
             progress = max(0.0, progress - math.floor(progress + ROUND_TOL))
+            buf = None  # zero after every completed round
         return p, RoundNesterovState(t, buf, progress, state.count + 1)
 
 

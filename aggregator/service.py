@@ -119,6 +119,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.uncommitted: dict[int, tuple] = {}  # fragment -> a merge whose log record is not stored yet
         self.pubq: dict[int, deque] = {}  # fragment -> versions encoded, waiting for its publisher
         self.publishers: dict[int, asyncio.Task] = {}
+        self.accum: dict[int, np.ndarray] = {}  # fragment -> the merged outer gradient's buffer, reused
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
         self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived

@@ -190,7 +190,7 @@ def momentum_part(state: FragmentState, contribs: list[Contribution], settings: 
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
                norms: list[float] | None = None, scale: float = 1.0,
-               per_round: int = 1, inplace: bool = False) -> FragmentState:
+               per_round: int = 1, inplace: bool = False, out: np.ndarray | None = None) -> FragmentState:
     """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step. The global version
     is encoded for the downlink when it is published (:func:`bus.downlink.encode_version`).
     ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
@@ -200,7 +200,9 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     active learners; see :func:`aggregator.weights.rounds_behind`). Returns the new state; ``state``
     is not modified, unless ``inplace``: then its arrays and sets become the new state's (no copy of
     the parameters or the optimizer state: the service's merge, and a replay), with bitwise the same
-    result. ``contribs`` must already be validated (and not duplicates).
+    result. ``out``: a float32 buffer of the fragment's size for the merged outer gradient (the
+    service keeps one per fragment: no allocation, no page faults per merge); it is scratch once this
+    returns. ``contribs`` must already be validated (and not duplicates).
     """
     if not contribs:
         raise ValueError("merge_step needs at least one contribution")
@@ -220,7 +222,8 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
                      min_history=settings.clip_min_history, max_inner_lr=settings.max_inner_lr,
                      reference_steps=settings.reference_steps)
     g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
-              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps, gain=total)
+              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps, gain=total,
+              out=out)
     grad_norm = l2_norm(g)
     optimizer = settings.make_optimizer()
     if isinstance(optimizer, RoundNesterov):

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 
 from aggregator.intake import Pending
@@ -120,8 +121,11 @@ class VersionMaker:
         pos.restarts = []
         # in place: the parameters and optimizer arrays are updated where they are (no copy of the
         # fragment); the record is retried as it is until stored, so the old state is never needed
+        acc = self.accum.get(p)
+        if acc is None or acc.size != st.params.size:
+            acc = self.accum[p] = np.empty(st.params.size, dtype=np.float32)
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round,
-                         inplace=True)
+                         inplace=True, out=acc)
         rec = MergeRecord(p, new.version, tuple(
             LoggedContribution(x.c.learner, x.c.incarnation, x.c.fragment, x.c.round, x.c.base_version, x.seqs,
                                float(x.norm), x.nbytes) for x in items),

@@ -1,16 +1,21 @@
-"""Merge + outer-step throughput of the aggregator against numpy copy bandwidth, and its memory.
+"""The aggregator's merge path in ns per value, beside numpy's memcpy in the same run, and its memory.
 
-For M = 4, 16, 64 contributions of one fragment (n float32 values each), times what the service
-does per merge once contributions are validated (their norms are known from validation):
+What ``aggregator.service`` does with int8 contributions to a fragment of n float32 values (the
+learners' default uplink), timed here function by function in one process (no broker):
 
-* ``core``: token x staleness weights, merge (RDA by default), outer Nesterov step;
-* ``merge_step``: the whole pure step (updating the applied-set), plus encoding the global blob
-  (``bus.downlink.encode_version``, fp32) as the service does when it publishes.
+* **per contribution**: decode its blob (``codec.decode_array``), its norm (``l2_norm``, used by
+  validation and the caps), and its share of the merge: the slope of ``merge_step`` (in place, the
+  default ``rounds`` optimizer and mean merge) over the contributions a merge holds;
+* **per version**: ``merge_step`` less the contributions' share, the int8 downlink delta against
+  the keyframe (``bus.downlink.encode_version``), the crc32 of what is sent, the norm of the
+  parameters (the ``merged`` log line), the merge record, and a checkpoint (state record and its
+  crc32) divided by ``DILOCO_CHECKPOINT_EVERY``.
 
-Throughput is GB of outer-gradient data (M x n x 4 bytes) per second; ``merge_vs_memcpy`` is the
-worst (over M) core throughput over the bandwidth of ``np.copyto`` on buffers larger than the L3
-cache, measured in the same run. ``rss_over_state`` is the peak RSS of a child process that holds
-the contributions and does one merge, over (contributions + params + momentum) bytes.
+``memcpy_ns_per_value``: ``np.copyto`` of float32 buffers larger than the caches, same run.
+Targets on the 2-core development machine (issue 25): <= 2 ns per value per contribution, <= 6 ns
+per value per version. ``bytes_per_owned_value``: the peak RSS of a child process that holds a
+fragment's state and keyframe, buffers M decoded contributions and merges them, publishing-side
+blob included, less the interpreter's, over n.
 
     python -m bench.aggregator --quick --out aggregator.json
 """
@@ -22,6 +27,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
     from pathlib import Path as _Path
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -29,21 +35,25 @@ import time
 import numpy as np
 import orjson
 
+from aggregator.config import AggregatorConfig
 from aggregator.contribution import Contribution
-from aggregator.merge import l2_norm, merge
+from aggregator.merge import l2_norm
+from aggregator.mlog import LoggedContribution, MergeRecord, settings_to_dict
 from aggregator.step import FragmentState, MergeSettings, merge_step
-from aggregator.weights import contribution_weights
 from bench.common import finish, parser, peak_rss_mib, progress
-from bus.downlink import encode_version
+from bus import codec
+from bus.chunks import checksum
+from bus.downlink import Keyframe, encode_version
 
-MS = (4, 16, 64)
+MS = (1, 2, 4, 8)
 
 
-def memcpy_gbps(nbytes: int = 256 * 1024 * 1024, reps: int = 3) -> float:
+def memcpy_ns(nbytes: int = 256 * 1024 * 1024, reps: int = 3) -> float:
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
+    np.copyto(dst, src)
     best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(reps))
-    return nbytes / best / 1e9
+    return best / (nbytes // 4) * 1e9
 
 
 def _timed(fn) -> float:
@@ -52,56 +62,109 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _contribs(m: int, n: int) -> list[Contribution]:
+def _best(fn, reps: int) -> float:
+    return min(_timed(fn) for _ in range(reps))
+
+
+def _settings() -> MergeSettings:
+    """The aggregator's defaults, with the int8 downlink of ``diloco up`` and a declared max lr."""
+    s = MergeSettings.from_config(AggregatorConfig())
+    return dataclasses.replace(s, downlink_quantiser="int8", max_inner_lr=0.008)
+
+
+def _blobs(m: int, n: int) -> list[bytes]:
     rng = np.random.default_rng(m)
-    base = rng.standard_normal(n).astype(np.float32)
-    return [Contribution("b", "h", f"l{i}", "i", 0, 1, 0, 10, 640 + i, base * np.float32(1 + 0.01 * i))
-            for i in range(m)]
+    base = rng.standard_normal(n, dtype=np.float32) * np.float32(0.01)
+    return [bytes(codec.encode_array(base * np.float32(1 + 0.01 * i), "int8")) for i in range(m)]
 
 
-def measure(m: int, n: int, reps: int, method: str) -> dict:
-    cs = _contribs(m, n)
+def _contribs(blobs: list[bytes]) -> list[Contribution]:
+    return [Contribution("b", "h", f"l{i}", "i", 0, 1, 0, 12, 12 * 64, np.asarray(codec.decode_array(b)), 12)
+            for i, b in enumerate(blobs)]
+
+
+def hot_path(n: int, reps: int, checkpoint_every: int) -> dict:
+    s = _settings()
+    rng = np.random.default_rng(0)
+    params0 = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
+    blobs = _blobs(max(MS), n)
+    cs = _contribs(blobs)
     norms = [l2_norm(c.vector) for c in cs]
-    settings = MergeSettings(method=method)
-    opt = settings.make_optimizer()
-    st = FragmentState.initial(0, 1, np.zeros(n, np.float32), settings)
+    ns = lambda t: t / n * 1e9  # noqa: E731
+    out: dict = {"n": n}
+    out["decode"] = ns(_best(lambda: codec.decode_array(blobs[0]), reps))
+    out["norm"] = ns(_best(lambda: l2_norm(cs[0].vector), reps))
+    st = FragmentState.initial(0, 0, params0, s)
+    acc = np.empty(n, np.float32)  # the service's per-fragment accumulator
+    merge_t = {}
+    rnd = [0]
 
-    def core():
-        w = contribution_weights(cs, st.version, settings.staleness)
-        g = merge([c.vector for c in cs], w, method, None, norms=np.asarray(norms))
-        opt.step(st.params, g, st.opt, inplace=True)
+    def fresh(m: int) -> list[Contribution]:  # new rounds: a merge applies each key once
+        rnd[0] += 1
+        return [dataclasses.replace(c, round=rnd[0]) for c in cs[:m]]
 
-    core_t = min(_timed(core) for _ in range(reps))
-    step_t = min(_timed(lambda: step_and_blob(st, cs, settings, norms)) for _ in range(reps))
-    gb = m * n * 4 / 1e9
-    return {"M": m, "n": n, "core_gbps": round(gb / core_t, 3), "merge_step_gbps": round(gb / step_t, 3),
-            "core_ms": round(core_t * 1e3, 2)}
+    for m in MS:
+        def one(m=m):
+            nonlocal st
+            st = merge_step(st, fresh(m), s, norms[:m], m / 8, 8, inplace=True, out=acc)
+        one()  # warm: page faults of the optimizer arrays
+        merge_t[m] = ns(_best(one, reps))
+    slope = float(np.polyfit(list(MS), [merge_t[m] for m in MS], 1)[0])
+    out["merge_step_by_m"] = {str(m): round(v, 3) for m, v in merge_t.items()}
+    out["merge_per_contribution"] = slope
+    out["merge_per_version"] = merge_t[1] - slope
+    key = Keyframe(0, params0.copy())
+    got: dict = {}
 
+    def enc():
+        got["blob"] = encode_version(st.params, st.version, key, "int8", 64)[0]
+    out["downlink_int8"] = ns(_best(enc, reps))
+    out["crc32_sent"] = ns(_best(lambda: checksum(got["blob"]), reps))
+    out["param_norm"] = ns(_best(lambda: l2_norm(st.params), reps))
+    rec = MergeRecord(0, st.version, tuple(LoggedContribution(f"l{i}", "i", 0, 1, 0, (1, 2), 1.0, len(blobs[i]))
+                                           for i in range(4)), 0.5, 8, settings_to_dict(s))
+    out["merge_record"] = ns(_best(lambda: rec.to_bytes(), reps))
 
-def step_and_blob(st: FragmentState, cs: list, settings: MergeSettings, norms) -> None:
-    """What the service does per merge before I/O: the merge step, then the fp32 global blob."""
-    new = merge_step(st, cs, settings, norms)
-    encode_version(new.params, new.version, None, "fp32", 1)
+    def ckpt():
+        got["state"] = st.to_bytes()
+        checksum(got["state"])
+    out["checkpoint"] = ns(_best(ckpt, max(1, reps // 2)))
+    out["checkpoint_bytes_per_value"] = round(len(got["state"]) / n, 2)
+    per_c = out["decode"] + out["norm"] + slope
+    per_v = (out["merge_per_version"] + out["downlink_int8"] + out["crc32_sent"] + out["param_norm"]
+             + out["merge_record"] + out["checkpoint"] / checkpoint_every)
+    res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
+    res["ns_per_value_per_contribution"] = round(per_c, 3)
+    res["ns_per_value_per_version"] = round(per_v, 3)
+    return res
 
 
 def child(m: int, n: int) -> None:
-    cs = _contribs(m, n)
-    settings = MergeSettings()
-    st = FragmentState.initial(0, 1, np.zeros(n, np.float32), settings)
-    step_and_blob(st, cs, settings, [l2_norm(c.vector) for c in cs])
+    """Hold a fragment (state, keyframe), M buffered contributions decoded from int8, merge in place
+    and encode the downlink, as the service does; print the peak RSS."""
+    s = _settings()
+    blobs = _blobs(m, n) if n > 1 else []
+    st = FragmentState.initial(0, 0, np.zeros(n, np.float32), s)
+    key = Keyframe(0, st.params.copy())
+    if blobs:
+        cs = _contribs(blobs)
+        del blobs
+        acc = np.empty(n, np.float32)
+        for r in range(2):  # K = all (the default): every merge is a whole round
+            st = merge_step(st, [dataclasses.replace(c, round=r + 1) for c in cs], s,
+                            [l2_norm(c.vector) for c in cs], 1.0, m, inplace=True, out=acc)
+            encode_version(st.params, st.version, key, "int8", 64)
     print(orjson.dumps({"peak_rss_mib": peak_rss_mib()}).decode())
 
 
 def rss(m: int, n: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.aggregator", "--child", str(m), str(n)],
-                         capture_output=True, text=True, check=True)
-    peak = orjson.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
-    base = subprocess.run([sys.executable, "-m", "bench.aggregator", "--child", "1", "1"],
-                          capture_output=True, text=True, check=True)
-    interp = orjson.loads(base.stdout.strip().splitlines()[-1])["peak_rss_mib"]
-    state_mib = (m * n + 2 * n) * 4 / 2**20
+    def run(mm, nn):
+        out = subprocess.run([sys.executable, "-m", "bench.aggregator", "--child", str(mm), str(nn)],
+                             capture_output=True, text=True, check=True)
+        return orjson.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
+    peak, interp = run(m, n), run(1, 1)
     return {"M": m, "peak_rss_mib": round(peak, 1), "interpreter_mib": round(interp, 1),
-            "state_mib": round(state_mib, 1), "rss_over_state": round((peak - interp) / state_mib, 3)}
+            "bytes_per_owned_value": round((peak - interp) * 2**20 / n, 2)}
 
 
 def main() -> None:
@@ -109,25 +172,26 @@ def main() -> None:
         child(int(sys.argv[2]), int(sys.argv[3]))
         return
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--method", default="rda", choices=["rda", "mean"])
+    p.add_argument("--values", type=float, default=None, help="fragment size in millions of values (12.5; quick 4)")
     a = p.parse_args()
-    n = (1 if a.quick else 4) * 1024 * 1024
-    reps = 2 if a.quick else 4
-    bw = memcpy_gbps()
-    progress(f"memcpy {bw:.2f} GB/s")
-    rows = []
-    for m in MS:
-        r = measure(m, n, reps, a.method)
-        r["vs_memcpy"] = round(r["core_gbps"] / bw, 3)
-        rows.append(r)
-        progress(str(r))
-    mem = [rss(m, n) for m in MS]
+    n = int((a.values or (4 if a.quick else 12.5)) * 1e6)
+    reps = 3 if a.quick else 5
+    every = AggregatorConfig().checkpoint_every
+    mc = memcpy_ns()
+    progress(f"memcpy {mc:.3f} ns per float32 value")
+    hp = hot_path(n, reps, every)
+    progress(str(hp))
+    mem = [rss(m, n) for m in (1, 4)]
     for r in mem:
         progress(str(r))
     finish({
-        "bench": "aggregator", "quick": a.quick, "method": a.method, "memcpy_gbps": round(bw, 3), "rows": rows,
-        "merge_vs_memcpy": min(r["vs_memcpy"] for r in rows), "memory": mem,
-        "rss_over_state": max(r["rss_over_state"] for r in mem),
+        "bench": "aggregator", "quick": a.quick, "values": n, "memcpy_ns_per_value": round(mc, 3),
+        "checkpoint_every": every, "hot_path": hp,
+        "ns_per_value_per_contribution": hp["ns_per_value_per_contribution"],
+        "ns_per_value_per_version": hp["ns_per_value_per_version"],
+        "contribution_over_memcpy": round(hp["ns_per_value_per_contribution"] / mc, 2),
+        "version_over_memcpy": round(hp["ns_per_value_per_version"] / mc, 2),
+        "memory": mem, "bytes_per_owned_value_m4": mem[-1]["bytes_per_owned_value"],
     }, a.out)
 
 

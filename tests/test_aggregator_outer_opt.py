@@ -247,7 +247,7 @@ def test_round_nesterov_is_one_synchronous_nesterov_step_per_round_whatever_the_
         q, rs = ref.step(q, np.mean(rnd, axis=0).astype(np.float32), rs)
     np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(s.momentum, rs.momentum, rtol=1e-5, atol=1e-5)
-    assert s.progress == pytest.approx(0.0) and not s.buffer.any()
+    assert s.progress == pytest.approx(0.0) and s.buffer is None  # zero after the round: freed
 
 
 def test_round_nesterov_state_round_trips_and_carries_a_partial_round():
@@ -261,7 +261,7 @@ def test_round_nesterov_state_round_trips_and_carries_a_partial_round():
     s2 = RoundNesterovState.from_dict(s.to_dict())
     assert s2.progress == s.progress and np.array_equal(s2.buffer, s.buffer)
     _, s3 = opt.step(p, np.full(4, 0.1, np.float32), s2, work=2 / 3)
-    assert s3.progress == pytest.approx(1 / 3) and not s3.buffer.any()  # round done, the rest carried
+    assert s3.progress == pytest.approx(1 / 3) and s3.buffer is None  # round done, the rest carried
     with pytest.raises(ValueError):
         opt.step(p, np.zeros(4, np.float32), s, work=float("nan"))
 
@@ -285,3 +285,27 @@ def test_round_nesterov_takes_one_mean_round_into_the_momentum_from_a_backlog_me
     np.testing.assert_allclose(s4.momentum, g / 4, rtol=1e-6)
     with pytest.raises(ValueError):
         opt.step(p, g, s, momentum_grad=-1.0)
+
+
+@pytest.mark.parametrize("momentum_grad", [None, 0.0, 0.5, "array"])
+@pytest.mark.parametrize("work", [1.0, 2.0, 0.5])
+def test_round_nesterov_without_a_buffer_is_the_same_step_as_with_a_zero_one(momentum_grad, work):
+    """After a completed round the buffer is zero and is not held (K = all: no buffer ever); a
+    merge then gives what a zero buffer gives, and allocates one only for a partial round."""
+    rng = np.random.default_rng(4)
+    p = rng.standard_normal(1000).astype(np.float32)
+    g = rng.standard_normal(1000).astype(np.float32)
+    t = rng.standard_normal(1000).astype(np.float32)
+    mg = rng.standard_normal(1000).astype(np.float32) if momentum_grad == "array" else momentum_grad
+    opt = RoundNesterov(0.7, 0.5, block=256)
+    without = RoundNesterovState(t.copy(), None, 0.0, 3)
+    with_zero = RoundNesterovState(t.copy(), np.zeros(1000, np.float32), 0.0, 3)
+    p1, s1 = opt.step(p, g, without, work=work, momentum_grad=mg)
+    p2, s2 = opt.step(p, g, with_zero, work=work, momentum_grad=mg)
+    np.testing.assert_array_equal(p1, p2)
+    np.testing.assert_array_equal(s1.momentum, s2.momentum)
+    assert s1.progress == s2.progress
+    if work >= 1.0:
+        assert s1.buffer is None and s2.buffer is None
+    else:
+        np.testing.assert_array_equal(s1.buffer, s2.buffer)
