@@ -19,6 +19,13 @@ when versions do arrive, measured separately as ``rebase_s``).
   both. (The first version subtracted the RSS at rest: the loop alone holds up to 3x the
   parameter bytes of garbage between collections, which that figure counted against the island.)
 
+* ``call_us_nothing_due`` (median, and ``_p90``): the time inside ``island.step`` for a plain-JAX
+  MLP of about 10k parameters trained by its own jitted step (about a millisecond), on steps where
+  no fragment is due and nothing arrived (target <= 50 us): the step is taken and served in the
+  user's thread while the island's worker is parked (``learner.backends.HookBackend.exchange``);
+  ``fast_path_share`` is how many of those calls took that path (the others found the worker still
+  busy with the previous step, and waited for it), ``fast_call_us`` their median.
+
     python -m bench.island --quick --out island.json
 """
 
@@ -43,6 +50,62 @@ def reset_peak() -> None:
     """Reset the kernel's peak RSS counter of this process (Linux; VmHWM restarts from VmRSS)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def small_call_cost(url: str, steps: int = 400) -> dict:
+    """island.step on a 10k-parameter model, no fragment due (H far beyond the steps), no arrivals."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from learner.island import Island
+
+    width = 50
+    key = jax.random.PRNGKey(1)
+    params = {f"l{i}": {"w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / np.sqrt(width),
+                        "b": jnp.zeros(width)} for i in range(4)}
+    n = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    opt = optax.adamw(1e-3)
+    st = opt.init(params)
+
+    @jax.jit
+    def train_step(pr, st, x):
+        def loss_fn(pr):
+            h = x
+            for i in range(4):
+                h = jnp.tanh(h @ pr[f"l{i}"]["w"] + pr[f"l{i}"]["b"])
+            return jnp.mean(h ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(pr)
+        u, st = opt.update(g, st, pr)
+        return optax.apply_updates(pr, u), st, loss
+
+    x = jnp.ones((64, width))
+    params, st, loss = train_step(params, st, x)
+    jax.block_until_ready(params)
+    island = Island(params, run="bench-small", learner_id="s0", nats_url=url, sync_every=10 * steps,
+                    num_fragments=4, max_inner_lr=1e-3, env={"DILOCO_LOG_LEVEL": "warning"})
+    params = island.params
+    hook, inner = [], []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            params, st, loss = train_step(params, st, x)
+            jax.block_until_ready(params)
+            t1 = time.perf_counter()
+            before = island._backend.fast_steps
+            params = island.step(params, loss=loss)  # a JAX scalar, as the README's loop passes it
+            t2 = time.perf_counter()
+            inner.append(t1 - t0)
+            hook.append((t2 - t1, island._backend.fast_steps > before))
+    finally:
+        island.close(final_sync=False)
+    calls = [h for h, _ in hook[20:]]  # after the first steps (compilation, joining)
+    fast = [h for h, f in hook[20:] if f] or [float("nan")]
+    return {"small_params": int(n), "small_inner_step_s": round(float(np.median(inner)), 6),
+            "call_us_nothing_due": round(float(np.median(calls)) * 1e6, 1),
+            "call_us_nothing_due_p90": round(float(np.percentile(calls, 90)) * 1e6, 1),
+            "fast_path_share": round(sum(1 for _, f in hook[20:] if f) / len(calls), 3),
+            "fast_call_us": round(float(np.median(fast)) * 1e6, 1)}
 
 
 def main() -> None:
@@ -128,6 +191,8 @@ def main() -> None:
             island.close(final_sync=False)
             del island
             t_inner += alone(6)  # the step alone again, after: the machine's drift
+            small = small_call_cost(srv.url, 200 if a.quick else 400)
+            progress(str(small))
         finally:
             srv.close()
     res = {"params": int(n_params), "fragments": 8, "steps": steps,
@@ -138,7 +203,7 @@ def main() -> None:
            "loop_overhead": round(float((np.mean(inner) + np.mean(hook)) / np.mean(t_inner) - 1), 4),
            "rebase_all_fragments_s": round(rebase, 4),
            "peak_alone_mib": round(peak_alone, 1), "peak_island_mib": round(peak, 1),
-           "island_memory_over_params": round((peak - peak_alone) * 2**20 / (4 * n_params), 3)}
+           "island_memory_over_params": round((peak - peak_alone) * 2**20 / (4 * n_params), 3), **small}
     finish(res, a.out)
 
 

@@ -64,6 +64,15 @@ class _TreeBackend:
         self.params.fold_progress(p, base, acc)
 
 
+def _as_float(loss: Any) -> float:
+    """The user's loss as a float, in the worker thread: ``float()`` of a JAX scalar waits for the
+    device and costs tens of microseconds, which the user's thread does not pay."""
+    try:
+        return float(loss)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 class HookBackend(_TreeBackend):
     """The user's loop drives: ``step`` waits for the user's next parameters (``Island.step``);
     once arrivals are mixed in, ``serve`` hands them back, and the learner core computes the due
@@ -79,6 +88,24 @@ class HookBackend(_TreeBackend):
         self._served = 0  # parameter sets handed to the user (the first: the run's, on joining)
         self._previous = None  # the leaves the last step replaced, freed in serve()
         self.closing = False
+        self._parked = False  # the core waits in step() for the next deposit
+        self._taken: Any = None  # a step the user's thread handed over and served itself
+        self.served_early = False  # the step step() returned was served already (nothing to mix in)
+        self.fast_steps = 0  # steps taken by the fast path (exchange)
+        # returning freed pages to the system (learner.malloc.trim) pays for big trees only
+        self._big = params is not None and 4 * params.spec.num_params >= 16 * 2**20
+
+    def took_early(self) -> bool:
+        """Core: was the step just taken served in the user's thread (then no serve() follows)?"""
+        with self._cv:
+            early, self.served_early = self.served_early, False
+            return early
+
+    def _free_previous(self) -> None:
+        if self._previous is not None:
+            self._previous = None
+            if self._big:
+                trim()
 
     def serve(self) -> None:
         with self._cv:
@@ -89,33 +116,56 @@ class HookBackend(_TreeBackend):
         # then their pages go back to the system (learner.malloc.trim): without, the heap kept
         # them, 2.8-2.9x the parameter bytes over the user's loop alone against 2.1-2.9x with
         # (what remains depends on whether the user's next step allocates before they are freed)
-        if self._previous is not None:
-            self._previous = None
-            trim()
+        self._free_previous()
 
     def step(self):
+        # a step served in the user's thread left its predecessor's leaves here: freed in this
+        # (worker) thread before parking for the next one
+        self._free_previous()
         with self._cv:
             if self._served == 0:  # joined: the run's current parameters are the user's first
                 self._served = 1
                 self._cv.notify_all()
             # the user's thread may also be gone (an exception ended the script without close():
             # the interpreter's exit then waits for this worker thread)
-            while (self._deposit is None and not self.closing and not self.cancel.is_set()
-                   and threading.main_thread().is_alive()):
-                self._cv.wait(0.1)
+            self._parked = True
+            try:
+                while (self._deposit is None and self._taken is None and not self.closing
+                       and not self.cancel.is_set() and threading.main_thread().is_alive()):
+                    self._cv.wait(0.1)
+            finally:
+                self._parked = False
+            if self._taken is not None:  # the user's thread took the step and served it (exchange)
+                loss, self._taken = self._taken, None
+                return _as_float(loss)
             if self._deposit is None:
                 return NO_STEP
             tree, loss = self._deposit
             self._deposit = None
         self._previous = self.params.set_tree(tree, checked=True)  # checked in the user's thread (exchange)
-        return loss
+        return _as_float(loss)
 
-    def exchange(self, tree: Any, loss: float, alive: Callable[[], bool], why: Callable[[], str | None] = lambda: None
-                 ) -> Any:
+    def exchange(self, tree: Any, loss: float, alive: Callable[[], bool], why: Callable[[], str | None] = lambda: None,
+                 quiet: Callable[[], bool] = lambda: False) -> Any:
         """User thread: deposit this step's parameters, wait until the learner took them and mixed
-        in any arrived global version, return the parameters."""
+        in any arrived global version, return the parameters.
+
+        The fast path: when the core is parked waiting for this step and has nothing to mix in
+        (``quiet``: no arrival, no resync), the step is taken and served here, under the lock, and
+        ``tree`` itself comes back at once (no thread hand-off on the user's critical path); the core
+        then counts the step, and computes any due outer gradient, while the user's next step runs.
+        An arrival that lands meanwhile waits for the next step (``served_early``)."""
         self.params.check(tree)  # a wrong tree is the user's error, not the learner's
         with self._cv:
+            if (self._parked and self._deposit is None and self._taken is None and self._served >= 1
+                    and self._previous is None and quiet()):
+                self._previous = self.params.set_tree(tree, checked=True)  # freed by serve(), in the worker
+                self._taken = loss
+                self.served_early = True
+                self.fast_steps += 1
+                self._served += 1
+                self._cv.notify_all()
+                return tree
             target = self._served + 1
             self._deposit = (tree, loss)
             self._cv.notify_all()

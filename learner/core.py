@@ -76,13 +76,16 @@ class IslandCore:
             if hook:
                 # mix arrivals (or a resync) into the parameters just taken and hand them back to
                 # the user now; the outer gradients below are computed while the user's next inner
-                # step runs (JAX arrays are immutable, so the taken tree stays as it was)
-                if self._resync_requested:
-                    await self._resync()
-                    due = []  # the step's work is dropped with the rest: nothing to send
-                if self.pending:
-                    await self._apply_pending()
-                await self._in_worker(self.backend.serve)
+                # step runs (JAX arrays are immutable, so the taken tree stays as it was). A step
+                # the user's thread served itself (nothing to mix in then) is back with the user
+                # already: what arrived since waits for the next deposit
+                if not self.backend.took_early():
+                    if self._resync_requested:
+                        await self._resync()
+                        due = []  # the step's work is dropped with the rest: nothing to send
+                    if self.pending:
+                        await self._apply_pending()
+                    await self._in_worker(self.backend.serve)
             waits = []
             for p in due:
                 c = self.book.begin_sync(p)

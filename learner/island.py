@@ -268,8 +268,16 @@ class Island:
         and sent in the background: in async mode this never waits on the network."""
         if self._closed:
             raise IslandClosed(f"island {self.cfg.learner_id} is closed: no more steps")
-        return self._backend.exchange(params, float("nan") if loss is None else float(loss), self._thread.is_alive,
-                                      lambda: self.learner.failure)
+        # the loss is converted in the worker (float() of a JAX scalar waits for the device)
+        return self._backend.exchange(params, float("nan") if loss is None else loss, self._thread.is_alive,
+                                      lambda: self.learner.failure, self._quiet)
+
+    def _quiet(self) -> bool:
+        """Nothing for the core to mix into the next step: no arrival waiting, no resync, not a
+        lock-step learner (whose steps wait for merges), and the core is not failing."""
+        lr = self.learner
+        return (not lr.pending and not lr._resync_requested and self.cfg.mode != "sync"
+                and lr.failure is None)
 
     def train(self, train_step: Callable, opt_state: Any, batches: Iterable, steps: int | None = None
               ) -> tuple[Any, Any]:

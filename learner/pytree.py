@@ -61,6 +61,11 @@ class TreeParams:
 
     def __init__(self, tree: Any, spec: TreeSpec, plan: FragmentPlan):
         self.spec, self.plan = spec, plan
+        self._obj: Any = None
+        self._leaves: list | None = None
+        self._treedef: Any = None
+        self.paths: list[str] = []
+        self.index: dict[str, int] = {}
         self.dtypes = {leaf.path: leaf.dtype for leaf in spec.leaves}
         self.set_tree(tree)
 
@@ -68,7 +73,7 @@ class TreeParams:
         """ValueError (one line) unless ``tree`` has the run's structure (cheap: compares treedefs)."""
         import jax
 
-        if getattr(self, "treedef", None) is not None and jax.tree_util.tree_structure(tree) == self.treedef:
+        if self._treedef is not None and jax.tree_util.tree_structure(tree) == self._treedef:
             return
         paths, leaves, _ = flatten(tree)
         if len(paths) != len(self.spec.leaves) or any(p != leaf.path for p, leaf in zip(paths, self.spec.leaves)):
@@ -78,25 +83,48 @@ class TreeParams:
                 why = str(e)
             raise ValueError(f"params changed structure: {why or 'leaf order'}")
 
-    def set_tree(self, tree: Any, checked: bool = False) -> list | None:
+    def set_tree(self, tree: Any, checked: bool = False) -> Any:
         """Take the user's newest parameters (checked against the run's tree unless ``checked``).
-        Returns the previous leaves: dropping the last reference to them frees their buffers,
-        which for a big model takes tens of ms, so the caller chooses where that happens."""
+        Returns what held the previous ones: dropping the last reference to it frees their buffers,
+        which for a big model takes tens of ms, so the caller chooses where that happens.
+
+        Nothing is flattened here (an island's step takes the tree in the user's thread): the
+        leaves are listed when a fragment is first read or written (:meth:`_flatten`), and
+        :meth:`tree` hands back the very object taken while nothing was written into it."""
+        import jax
+
         if not checked:
             self.check(tree)
-        old = getattr(self, "leaves", None)
-        paths, leaves, treedef = flatten(tree)
-        self.paths, self.leaves, self.treedef = paths, list(leaves), treedef
-        self.index = {p: i for i, p in enumerate(paths)}
+        old = self._leaves if self._leaves is not None else self._obj
+        if self._treedef is None:
+            self._treedef = jax.tree_util.tree_structure(tree)
+        self._obj, self._leaves = tree, None
         return old
+
+    def _flatten(self) -> list:
+        if self._leaves is None:
+            paths, leaves, treedef = flatten(self._obj)
+            self.paths, self._leaves, self._treedef = paths, list(leaves), treedef
+            self.index = {p: i for i, p in enumerate(paths)}
+        return self._leaves
+
+    @property
+    def leaves(self) -> list:
+        return self._flatten()
+
+    @property
+    def treedef(self) -> Any:
+        return self._treedef
 
     def tree(self) -> Any:
         import jax
 
-        return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+        if self._obj is None:  # leaves were written: the tree of them
+            self._obj = jax.tree_util.tree_unflatten(self._treedef, self._flatten())
+        return self._obj
 
     def _leaf(self, path: str) -> Any:
-        x = self.leaves[self.index[path]]
+        x = self._flatten()[self.index[path]]
         if getattr(x, "is_deleted", None) is not None and x.is_deleted():
             raise DonatedParams(f"leaf {path} was deleted, most likely donated to your train step "
                                 "(donate_argnums): an island reads the parameters you hand it while your "
@@ -162,14 +190,16 @@ class TreeParams:
                 touched[s.path] = self.host(s.path)
             touched[s.path].reshape(-1)[s.start:s.stop] = vector[pos:pos + s.size]
             pos += s.size
+        leaves = self._flatten()
         for path, value in touched.items():
             i = self.index[path]
-            old = self.leaves[i]
+            old = leaves[i]
             new = value.astype(_np_dtype(self.dtypes[path]))
             if isinstance(old, jax.Array):
-                self.leaves[i] = jax.device_put(new, old.sharding)
+                leaves[i] = jax.device_put(new, old.sharding)
             else:
-                self.leaves[i] = new
+                leaves[i] = new
+        self._obj = None  # tree() rebuilds it from the leaves
 
 
 def _np_dtype(name: str):

@@ -98,3 +98,80 @@ def test_fold_progress_is_the_outer_gradient_added_to_the_accumulator_and_moves_
         assert np.array_equal(acc, want) and np.array_equal(base, theta)
     with pytest.raises(ValueError, match="values"):
         tp.fold_progress(0, np.zeros(3, np.float32), np.zeros(3, np.float32))
+
+
+def _hook():
+    import threading
+
+    from learner.backends import HookBackend
+    from learner.pytree import TreeParams
+
+    params, _, _ = _model()
+    spec = tree_spec(params)
+    return HookBackend(TreeParams(params, spec, plan_for(spec, 2, 1.1)), threading.Event()), params
+
+
+def _core(hook, steps: int, log: list):
+    """What the learner core does with a hook backend: take a step, and serve it unless the user's
+    thread did (then nothing may be mixed into it: it is the user's already)."""
+    import threading
+
+    def run():
+        hook.serve()  # joined
+        for _ in range(steps):
+            loss = hook.step()
+            if loss is NO_STEP:
+                return
+            early = hook.took_early()
+            log.append((loss, early))
+            if not early:
+                hook.params.set_fragment(0, hook.params.get_fragment(0) + 1.0)  # an arrival mixed in
+                hook.serve()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_quiet_step_is_served_in_the_users_thread_and_comes_back_as_it_went():
+    import time
+
+    hook, params = _hook()
+    log: list = []
+    t = _core(hook, 3, log)
+    while not hook._parked:
+        time.sleep(0.001)
+    p1 = jax.tree_util.tree_map(lambda x: x + 1 if x.dtype != jnp.int32 else x, params)
+    out = hook.exchange(p1, jnp.float32(0.5), lambda: True, quiet=lambda: True)
+    assert out is p1 and hook.fast_steps == 1  # no hand-off, no copy
+    while not log or not hook._parked:  # the core counted it, freed the previous leaves, parks again
+        time.sleep(0.001)
+    assert log == [(0.5, True)] and hook._previous is None
+    # something to mix in (not quiet): the user's thread waits for the core, which mixes it in
+    out = hook.exchange(p1, 0.25, lambda: True, quiet=lambda: False)
+    assert log[-1] == (0.25, False) and hook.fast_steps == 1
+    from learner.pytree import TreeParams
+
+    plan = hook.params.plan
+    np.testing.assert_array_equal(TreeParams(out, hook.params.spec, plan).get_fragment(0),
+                                  TreeParams(p1, hook.params.spec, plan).get_fragment(0) + 1.0)
+    hook.close()
+    t.join(5)
+
+
+def test_the_fast_path_is_not_taken_while_the_core_is_busy():
+    hook, params = _hook()
+    log: list = []
+    hook._served = 1  # joined, but the core is not parked in step() (it computes the last step's sync)
+    import threading
+
+    got: list = []
+    th = threading.Thread(target=lambda: got.append(hook.exchange(params, 1.0, lambda: True, quiet=lambda: True)))
+    th.start()
+    th.join(0.3)
+    assert th.is_alive() and hook.fast_steps == 0  # waits: a deposit, taken when the core comes back
+    t = _core(hook, 1, log)
+    th.join(5)
+    assert got and log == [(1.0, False)]
+    hook.close()
+    t.join(5)
