@@ -326,8 +326,13 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 if time.monotonic() - last_keepalive > 5:
                     await self._keep_alive_held()
                     last_keepalive = time.monotonic()
-            await self._drain_publishers()
-            await self._checkpoint_all()  # a clean stop leaves nothing to replay
+            # a clean stop: the queued versions out, and checkpoints so that nothing is left to
+            # replay (bounded: a server that is gone must not hold the stop; a replay covers it)
+            await self._drain_publishers(10.0)
+            try:
+                await asyncio.wait_for(self._checkpoint_all(), 20.0)
+            except asyncio.TimeoutError:
+                self.log.warning("stop_checkpoints_timed_out", hint="the next start replays the merge log")
         finally:
             for t in tasks:
                 t.cancel()

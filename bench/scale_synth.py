@@ -6,9 +6,9 @@ encoded once per process with the real codec and replayed with fresh metadata on
 schedule (fragment p every H x step_time seconds, staggered by p H / P steps; H=24, step 0.1 s,
 P=8), with heartbeats to a monitor. So the learners offer M x P / (H x step_time) contributions
 per second (M=8: 26.7/s) at almost no CPU, and the aggregator has the machine to itself but for
-the broker. Aggregators: ``diloco aggregator`` with its defaults (K=1) and the int8 keyframe-delta
-downlink, fragments split into equal ranges (``DILOCO_AGG_FRAGMENTS``); the run is created by this
-process before they start.
+the broker. Aggregators: ``diloco aggregator`` with its defaults (K = all; ``--quorum 1`` for one
+merge per arrival) and the int8 keyframe-delta downlink, fragments split into equal ranges
+(``DILOCO_AGG_FRAGMENTS``); the run is created by this process before they start.
 
 Each measurement is a window of ``--window`` seconds once every learner of the stage is admitted
 and publishing: contributions published / accepted per second, versions per second (sum over
@@ -21,6 +21,14 @@ under 90% of what is published, or its backlog grows by more than 10% of the win
 (plus one contribution per learner: in flight). ``machine_cpu_util`` is every process of the
 machine (/proc/stat, in cores), ``others_cpu_util`` what was not ours: other people's jobs.
 First, ``merge_cpu_ms_per_mvalue``: the CPU of one merge's parts in this process, no broker.
+``mvalues_per_agg_cpu_s``: values merged (accepted contributions x fragment size) per aggregator
+CPU-second; ``agg_rss_bytes_per_owned_value``: the aggregators' peak RSS over the parameters.
+
+* ``recovery`` (``--recovery``, after the last stage of each sweep model): kill -9 every
+  aggregator while the learners publish, start them again, and time until each has recovered every
+  fragment (its newest checkpoint, then the merge log replayed from the GRAD stream): the
+  ``events.recovered`` records (replayed merges, seconds per fragment) and the wall time from the
+  restart to the first merge after it.
 
 * ``aggregators``: model ``--agg-model`` (25M), ``--agg-learners`` (8) learners, 1, 2, 4 aggregators.
 * ``sweep``: one aggregator per model size (5M, 12M, 25M, 50M, 100M); learners added in stages of
@@ -44,6 +52,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import orjson
+
 from bench.common import finish, parser, progress
 from bench.runs import PY, Cluster, model_config
 from bench.scale import mem_available_mib
@@ -55,7 +65,7 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 P, H, STEP = 8, 24, 0.1
 MODELS = {"5M": (256, 6, 1024), "12M": (384, 7, 1536), "25M": (512, 8, 2048), "50M": (512, 16, 2048),
           "100M": (512, 32, 2048)}
-AGG = {"DILOCO_DOWNLINK_QUANTISER": "int8"}
+AGG = {"DILOCO_DOWNLINK_QUANTISER": "int8"}  # plus DILOCO_QUORUM from --quorum (default: the role's)
 MONITOR = {"DILOCO_SUSPECT_AFTER": "5", "DILOCO_EVICT_AFTER": "10"}  # a saturated machine delays heartbeats
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -215,6 +225,9 @@ class Run:
             "agg_cpu_s_per_contribution_per_mparam": (round(tot["cpu"] / tot["accepted_n"] / frag_m, 4)
                                                       if tot["accepted_n"] else None),
             "mparams_merged_per_s": round(tot["accepted"] * frag_m, 1),
+            "mvalues_per_agg_cpu_s": round(tot["accepted"] * frag_m / (tot["cpu"] / dt), 1) if tot["cpu"] else None,
+            "agg_rss_bytes_per_owned_value": (round(sum((x["peak_rss_mib"] or 0) for x in per) * 2**20 / self.params, 2)
+                                              if all(x["peak_rss_mib"] for x in per) else None),
             "server_cpu_util": round(((s1["srv_cpu"] or 0) - (s0["srv_cpu"] or 0)) / dt, 3),
             "replay_cpu_util": round((s1["replay_cpu"] - s0["replay_cpu"]) / dt, 3),
             "monitor_cpu_util": round(((s1["mon_cpu"] or 0) - (s0["mon_cpu"] or 0)) / dt, 3),
@@ -233,8 +246,42 @@ class Run:
         return out
 
 
+    async def recover(self, timeout: float = 600.0) -> dict:
+        """kill -9 every aggregator, start them again, time their recovery (see the module docstring)."""
+        from nats.js.api import DeliverPolicy
+
+        c = self.c
+        js = c.nc.jetstream(timeout=10)
+        sub = await js.subscribe(c.s.event("recovered"), ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
+        before = {a: sum((c.metrics("aggregator", a).get("versions") or {}).values()) for a in self.aggs}
+        for a in self.aggs:
+            c.kill(a)
+        t0 = time.monotonic()
+        for a, f in zip(self.aggs, self.frags):
+            c.start(a, "aggregator", DILOCO_AGGREGATOR_ID=a, DILOCO_AGG_FRAGMENTS=f, **AGG)
+        events = []
+        while len(events) < P and time.monotonic() - t0 < timeout:
+            try:
+                events.append(orjson.loads((await sub.next_msg(timeout=5)).data))
+            except Exception:
+                pass
+        recovered_s = time.monotonic() - t0
+        merged = await c.wait_for(lambda: sum(sum((c.metrics("aggregator", a).get("versions") or {}).values())
+                                              for a in self.aggs) > sum(before.values())
+                                  and all((c.metrics("aggregator", a).get("ts") or 0) > 0 for a in self.aggs),
+                                  timeout, 0.2)
+        out = {"model": self.model, "params": self.params, "learners": len(self.learners),
+               "fragments_recovered": len(events), "replayed": sum(e["replayed"] for e in events),
+               "lost": sum(e["lost"] for e in events),
+               "replay_s_max": max((e["seconds"] for e in events), default=None),
+               "restart_to_recovered_s": round(recovered_s, 2),
+               "restart_to_next_merge_s": round(time.monotonic() - t0, 2) if merged else None}
+        progress(f"  recovery: {out}")
+        return out
+
+
 async def cluster_run(tag: str, model: str, n_aggs: int, stages: list[int], window: float, warm: float,
-                      stop_when_behind: bool) -> list[dict]:
+                      stop_when_behind: bool, recovery: list | None = None) -> list[dict]:
     out = []
     async with Cluster(f"synth{tag}", {**model_env(model), "DILOCO_MANIFEST_TIMEOUT": "600"}, metrics_interval=1.0) as c:
         r = Run(c, model, n_aggs)
@@ -247,45 +294,59 @@ async def cluster_run(tag: str, model: str, n_aggs: int, stages: list[int], wind
             out.append(fig)
             if stop_when_behind and fig["behind"]:
                 break
+        if recovery is not None:
+            recovery.append(await r.recover())
     return out
 
 
 def breakdown(n: int, reps: int = 3) -> dict:
     """CPU milliseconds per million values of one merge of one int8 contribution into a fragment of
     ``n`` values, in this process (no broker): what the aggregator computes per contribution and per
-    version, as ``aggregator.service`` does it (decode, norm, ``merge_step``, the write-ahead state
-    record, the int8 downlink delta)."""
+    version, as ``aggregator.service`` does it (decode, norm, ``merge_step`` in place, the merge
+    record, a checkpoint divided by ``DILOCO_CHECKPOINT_EVERY``, the int8 downlink delta and the crc32
+    of what is sent)."""
     import numpy as np
 
+    from aggregator.config import AggregatorConfig
     from aggregator.contribution import Contribution
     from aggregator.merge import l2_norm
+    from aggregator.mlog import LoggedContribution, MergeRecord, settings_to_dict
     from aggregator.step import FragmentState, MergeSettings, merge_step
     from bus import codec
     from bus.chunks import checksum
     from bus.downlink import Keyframe, encode_version
 
+    every = AggregatorConfig().checkpoint_every
     rng = np.random.default_rng(0)
     blob = bytes(codec.encode_array(rng.standard_normal(n, dtype=np.float32) * np.float32(0.06), "int8"))
-    s = MergeSettings(lr=0.7, momentum=0.0, downlink_quantiser="int8", max_inner_lr=0.01)
+    s = MergeSettings(lr=0.7, momentum=0.5, downlink_quantiser="int8", max_inner_lr=0.01)
     st = FragmentState.initial(0, 0, rng.standard_normal(n, dtype=np.float32) * np.float32(0.02), s)
     key = Keyframe(0, st.params.copy())
+    acc = np.empty(n, np.float32)
     out, got = {}, {}
+    rnd = [0]
 
-    def timed(name, f):
+    def timed(name, f, div=1):
         t = time.process_time()
         for _ in range(reps):
             got[name] = f()
-        out[name] = round((time.process_time() - t) / reps * 1e3 / (n / 1e6), 2)
+        out[name] = round((time.process_time() - t) / reps * 1e3 / (n / 1e6) / div, 2)
+
+    def step():
+        rnd[0] += 1
+        c = Contribution("r", "h", "a", "i", 0, rnd[0], 0, H, H * 2048, got["decode"], H)
+        return merge_step(got.get("merge_step", st), [c], s, [got["norm"]], 1 / 8, 8, inplace=True, out=acc)
 
     timed("decode", lambda: np.asarray(codec.decode_array(blob)))
     timed("norm", lambda: l2_norm(got["decode"]))
-    c = Contribution("r", "h", "a", "i", 0, 0, 0, H, H * 2048, got["decode"], H)
-    timed("merge_step", lambda: merge_step(st, [c], s, [got["norm"]], 1 / 8, 8))
-    timed("state_record", lambda: got["merge_step"].to_bytes())
-    timed("state_crc32", lambda: checksum(got["state_record"]))
-    timed("downlink_int8", lambda: encode_version(got["merge_step"].params, 1, key, "int8", 64))
-    out["state_bytes_per_value"] = round(len(got["state_record"]) / n, 2)
-    out["total"] = round(sum(v for k, v in out.items() if k != "state_bytes_per_value"), 2)
+    timed("merge_step", step)
+    rec = MergeRecord(0, 1, (LoggedContribution("a", "i", 0, 1, 0, (1,), 1.0, len(blob)),), 0.125, 8, settings_to_dict(s))
+    timed("merge_record", rec.to_bytes)
+    timed("checkpoint_amortised", lambda: checksum(got["merge_step"].to_bytes()), every)
+    timed("downlink_int8", lambda: encode_version(got["merge_step"].params, 1, key, "int8", 64)[0])
+    timed("crc32_sent", lambda: checksum(got["downlink_int8"]))
+    out["checkpoint_every"] = every
+    out["total"] = round(sum(v for k, v in out.items() if k != "checkpoint_every"), 2)
     return out
 
 
@@ -308,14 +369,17 @@ async def main_async(a) -> dict:
     aggs = []
     for n in a.aggregators:
         aggs += await cluster_run(f"a{n}", a.agg_model, n, [a.agg_learners], a.window, a.warm, False)
-    sweep = []
+    sweep: list = []
+    recovery: list | None = [] if a.recovery else None
     for model in a.models:
-        sweep += await cluster_run(f"s{model}", model, 1, a.stages, a.window, a.warm, True)
+        sweep += await cluster_run(f"s{model}", model, 1, a.stages, a.window, a.warm, True, recovery)
     return {"P": P, "H": H, "step_time_s": STEP, "quantiser": "int8", "downlink": "int8", "window_s": a.window,
             "merge_cpu_ms_per_mvalue": cost, "aggregators": aggs, "sweep": sweep,
             "versions_per_s": {str(r["aggregators"]): r["versions_per_s"] for r in aggs},
             "accepted_per_s": {str(r["aggregators"]): r["accepted_per_s"] for r in aggs},
-            "first_behind": first_behind(sweep), "wall_s": round(time.monotonic() - t0, 1)}
+            "first_behind": first_behind(sweep), "quorum": a.quorum or "default (all)",
+            "mvalues_per_agg_cpu_s": max((r["mvalues_per_agg_cpu_s"] or 0 for r in aggs + sweep), default=None),
+            "recovery": recovery, "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def main() -> None:
@@ -327,7 +391,11 @@ def main() -> None:
     p.add_argument("--agg-learners", type=int, default=None, help="learners of the aggregator runs (8; quick 4)")
     p.add_argument("--models", default=None, help="sizes of the sweep, comma-separated (all; quick 5M; none)")
     p.add_argument("--stages", default=None, help="learner counts of the sweep (4,8,16; quick 4,8)")
+    p.add_argument("--quorum", default=None, help="DILOCO_QUORUM of the aggregators (default: the role's, all)")
+    p.add_argument("--recovery", action="store_true", help="kill -9 and time the recovery after each sweep model")
     a = p.parse_args()
+    if a.quorum:
+        AGG["DILOCO_QUORUM"] = a.quorum
     q = a.quick
     a.window = a.window or (6.0 if q else 30.0)
     a.warm = a.warm if a.warm is not None else (2.0 if q else 5.0)
