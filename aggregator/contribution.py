@@ -65,15 +65,15 @@ class Contribution:
         return current_version - self.base_version
 
 
-def from_grad_message(meta: dict, blob) -> Contribution:
+def from_grad_message(meta: dict, blob, out=None) -> Contribution:
     """The contribution of a gradient object (its chunk metadata and assembled blob), as intake and
     a replay of the merge log both build it. Raises ValueError (malformed metadata) or
-    ``bus.codec.CodecError`` (a blob that does not decode)."""
+    ``bus.codec.CodecError`` (a blob that does not decode). ``out``: as in ``bus.codec.decode_array``."""
     from bus import codec
     from bus.protocol import parse_grad_meta
 
     meta = parse_grad_meta(meta)
-    vec = np.asarray(codec.decode_array(blob))  # its shape is checked, never mended
+    vec = np.asarray(codec.decode_array(blob, out))  # its shape is checked, never mended
     return Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,

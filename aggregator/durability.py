@@ -32,7 +32,7 @@ from nats.js.errors import NotFoundError
 
 from aggregator.contribution import from_grad_message
 from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay, log_slots,
-                             replay_one)
+                             replay_one, stream_overtaking)
 from aggregator.step import FragmentState
 from bus import codec
 from bus.runs import RunMismatch
@@ -50,6 +50,7 @@ class Durability:
         def __getattr__(self, name: str) -> Any: ...
         states: dict[int, FragmentState]
         logpos: dict[int, LogPosition]
+        _grad_checked: float
 
     # -- the log ----------------------------------------------------------------------------------
 
@@ -113,17 +114,16 @@ class Durability:
     # -- checkpoints -------------------------------------------------------------------------------
 
     def _policy(self) -> CheckpointPolicy:
-        # the GRAD bytes this aggregator's log may point into before a checkpoint: a quarter of the
-        # stream, shared by the run's fragments (a replay must find every chunk it names)
-        share = self.limits.bytes_of("grad") // (4 * max(1, self.plan.num_fragments))
-        return CheckpointPolicy(self.cfg.checkpoint_every, self.cfg.checkpoint_seconds, share)
+        return CheckpointPolicy(self.cfg.checkpoint_every, self.cfg.checkpoint_seconds)
 
     async def _checkpoint(self, p: int) -> bool:
         st = self.states[p]
         pos = self.logpos[p]
         t0 = time.monotonic()
         try:
-            blob = st.to_bytes()
+            blob = st.to_bytes(self._ckpt_buf.get(p))
+            # reused by the next checkpoint (fresh pages cost more than the copy)
+            self._ckpt_buf[p] = blob.obj if isinstance(blob, memoryview) else blob  # type: ignore[assignment]
             await self.sstore.put(p, st.version, blob, {"model": self.model_hash})
         except VersionConflict as e:
             if e.committed.version < st.version:
@@ -142,9 +142,24 @@ class Durability:
         return True
 
     async def _checkpoints_due(self, now: float) -> None:
+        """Checkpoint what the policy says, and at once any fragment whose log points into the part
+        of the GRAD stream it is about to drop (looked at every 2 s: one stream-info request)."""
         policy = self._policy()
+        overtaken: set[int] = set()
+        if now - self._grad_checked > 2.0 and any(pos.oldest_seq is not None for pos in self.logpos.values()):
+            self._grad_checked = now
+            try:
+                info = await self.js.stream_info(self.s.stream("grad"))
+                st, limit = info.state, info.config.max_bytes or 0
+                overtaken = {p for p, pos in self.logpos.items()
+                             if stream_overtaking(pos.oldest_seq, st.first_seq, st.last_seq, st.bytes, limit)}
+            except Exception as e:
+                self.log.warning("grad_stream_info_failed", error=repr(e))
         for p, pos in list(self.logpos.items()):
-            if p not in self.uncommitted and policy.due(pos.versions_since, now - pos.checkpoint_time, pos.bytes_since):
+            if p not in self.uncommitted and (p in overtaken or policy.due(pos.versions_since, now - pos.checkpoint_time,
+                                                                            pos.bytes_since)):
+                if p in overtaken:
+                    self.stats.checkpoints_early += 1
                 await self._checkpoint(p)
 
     async def _checkpoint_all(self) -> None:
@@ -177,6 +192,7 @@ class Durability:
         t0 = time.monotonic()
         replayed = lost = 0
         bytes_since = 0
+        oldest: int | None = None
         v = st.version + 1
         while v in records:
             rec = records[v]
@@ -197,12 +213,15 @@ class Durability:
                                hint="the GRAD stream no longer holds them: its DILOCO_STREAM_MAX_AGE or byte limit "
                                     "is too short for the time the aggregator was down")
             bytes_since += rec.nbytes
+            seqs = [q for lc in rec.contribs for q in lc.seqs]
+            if seqs:
+                oldest = min(seqs) if oldest is None else min(oldest, *seqs)
             v += 1
         later = sorted(x for x in records if x >= v)
         if later:  # a gap in the log: cannot happen while the slots outnumber the versions a checkpoint lags
             raise RunMismatch(f"fragment {p}: the merge log misses version {v} (checkpoint {ckpt}, records up to "
                               f"{later[-1]}): was DILOCO_CHECKPOINT_EVERY lowered while records were pending?")
-        self.logpos[p] = LogPosition(ckpt, time.monotonic(), st.version - ckpt, bytes_since)
+        self.logpos[p] = LogPosition(ckpt, time.monotonic(), st.version - ckpt, bytes_since, oldest_seq=oldest)
         self.stats.replayed += replayed
         self.stats.replay_lost += lost
         self.stats.recovery_s += time.monotonic() - t0

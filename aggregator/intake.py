@@ -36,6 +36,28 @@ class Pending:
     arrived: float
     seqs: tuple[int, ...] = ()  # its chunks' GRAD stream sequences, in chunk order (the merge log's pointer)
     nbytes: int = 0  # its blob's bytes
+    pooled: np.ndarray | None = None  # the VectorPool buffer its vector was decoded into
+
+
+class VectorPool:
+    """Float32 buffers of fragment sizes, reused: a contribution is decoded into one, which goes
+    back here once its merge is committed. A fresh array of millions of values costs page faults
+    (the kernel zeroes every page) that took longer than decoding into it: at 100M parameters the
+    int8 decode was 27% of the aggregator's time, 3.5x its cost into a warm buffer."""
+
+    def __init__(self, per_size: int = 16):
+        self.per_size = per_size
+        self.free: dict[int, list[np.ndarray]] = {}
+
+    def take(self, n: int) -> np.ndarray:
+        got = self.free.get(n)
+        return got.pop() if got else np.empty(n, dtype=np.float32)
+
+    def give(self, a: np.ndarray | None) -> None:
+        if a is not None:
+            lst = self.free.setdefault(a.size, [])
+            if len(lst) < self.per_size:
+                lst.append(a)
 
 
 def chunk_seqs(tokens: list) -> tuple[int, ...]:
@@ -74,8 +96,14 @@ class Intake:
                 return  # a redelivery of something held or done: its original handle settles it
             self._reject(f"transport_{r.reason}", r.tokens, obj=r.obj_id, detail=r.detail)
             return
+        taken: list[np.ndarray] = []
+
+        def into(n: int) -> np.ndarray:
+            taken.append(self.pool.take(n))
+            return taken[-1]
+
         try:
-            c = from_grad_message(r.meta, r.blob)
+            c = from_grad_message(r.meta, r.blob, into)
         except (ValueError, codec.CodecError) as e:
             self._reject("malformed", r.tokens, obj=r.obj_id, detail=str(e)[:200])
             return
@@ -90,7 +118,8 @@ class Intake:
         if not self.cfg.require_membership and c.run == self.common.run:
             self.seen.add(c.learner)
         norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
-        self._consider(Pending(c, norm, r.tokens, now, chunk_seqs(r.tokens), len(r.blob)), now)
+        self._consider(Pending(c, norm, r.tokens, now, chunk_seqs(r.tokens), len(r.blob),
+                               taken[0] if taken else None), now)
 
     def _consider(self, x: Pending, now: float, since: float | None = None) -> None:
         """Validate a contribution: buffer it for the merge, hold it until its learner is admitted,

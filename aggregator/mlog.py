@@ -176,3 +176,19 @@ class LogPosition:
     versions_since: int = 0
     bytes_since: int = 0
     restarts: list = field(default_factory=list)  # outlier-reference restarts since the newest merge
+    oldest_seq: int | None = None  # the oldest GRAD sequence the log since the checkpoint points to
+
+
+def stream_overtaking(oldest_seq: int | None, first_seq: int, last_seq: int, stored_bytes: int, max_bytes: int,
+                      margin: float = 0.25) -> bool:
+    """The GRAD stream is about to drop what a replay needs: it is filled to 1 - ``margin`` of its
+    byte limit (beyond it, it drops its oldest messages) and the oldest chunk the log points to lies
+    in the oldest ``margin`` of what it holds, or that chunk is gone already. Then the fragment is
+    checkpointed at once. (Its age limit is kept by ``DILOCO_CHECKPOINT_SECONDS``, at most a quarter
+    of it.)"""
+    if oldest_seq is None:
+        return False
+    if oldest_seq < first_seq:
+        return True
+    full = max_bytes > 0 and stored_bytes >= (1.0 - margin) * max_bytes
+    return full and oldest_seq < first_seq + max(1, int((last_seq - first_seq) * margin))

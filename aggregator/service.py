@@ -42,7 +42,7 @@ from bus.runs import RunMismatch, read_manifest, run_tree
 from aggregator.admission import AdmissionHold
 from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.durability import Durability
-from aggregator.intake import Intake, Pending
+from aggregator.intake import Intake, Pending, VectorPool
 from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy
 from aggregator.step import FragmentState, MergeSettings
@@ -76,6 +76,7 @@ class Stats:
     checkpoints: int = 0
     checkpoint_bytes: int = 0
     checkpoint_s: float = 0.0
+    checkpoints_early: int = 0  # forced: the GRAD stream was about to drop what a replay needs
     replayed: int = 0  # merges replayed from the log at start
     replay_lost: int = 0  # logged merges whose contributions the GRAD stream no longer held
     recovery_s: float = 0.0
@@ -91,7 +92,7 @@ class Stats:
             "clipped": self.clipped, "reference_restarts": self.reference_restarts,
             "round_holds": self.round_holds, "round_holds_expired": self.round_holds_expired,
             "log_bytes": self.log_bytes, "checkpoints": self.checkpoints, "checkpoint_bytes": self.checkpoint_bytes,
-            "checkpoint_s": round(self.checkpoint_s, 3), "replayed": self.replayed, "replay_lost": self.replay_lost,
+            "checkpoint_s": round(self.checkpoint_s, 3), "checkpoints_early": self.checkpoints_early, "replayed": self.replayed, "replay_lost": self.replay_lost,
             "recovery_s": round(self.recovery_s, 3),
         }
 
@@ -119,7 +120,11 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.uncommitted: dict[int, tuple] = {}  # fragment -> a merge whose log record is not stored yet
         self.pubq: dict[int, deque] = {}  # fragment -> versions encoded, waiting for its publisher
         self.publishers: dict[int, asyncio.Task] = {}
+        self.published: dict[int, int] = {}  # fragment -> newest version whose head and merge event are out
         self.accum: dict[int, np.ndarray] = {}  # fragment -> the merged outer gradient's buffer, reused
+        self.pool = VectorPool()  # decoded contributions' buffers, reused (aggregator.intake)
+        self._ckpt_buf: dict[int, bytearray] = {}  # fragment -> its checkpoint's buffer, reused
+        self._grad_checked = 0.0  # when the GRAD stream's first sequence was last looked at
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
         self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived

@@ -150,6 +150,9 @@ class VersionMaker:
         pos = self.logpos[p]
         pos.versions_since += 1
         pos.bytes_since += sum(x.nbytes for x in items)
+        seqs = [q for x in items for q in x.seqs]
+        if seqs:
+            pos.oldest_seq = min(seqs) if pos.oldest_seq is None else min(pos.oldest_seq, *seqs)
         for x in items:
             await ack_all(x.tokens)
         self._queue_publish(p)
@@ -169,6 +172,8 @@ class VersionMaker:
                       stale=[before - x.c.base_version for x in items],
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
                       outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3))
+        for x in items:  # merged and committed: their buffers serve the next contributions
+            self.pool.give(x.pooled)
 
     # -- publishing -------------------------------------------------------------------------------
 
@@ -225,6 +230,7 @@ class VersionMaker:
             self.log.warning("global_version_superseded", fragment=p, version=job.version,
                              committed=e.committed.version)
         await self._send_event(p, job.version, job.applied, job.scale, job.per_round)
+        self.published[p] = max(self.published.get(p, -1), job.version)
 
     async def _send_event(self, p: int, version: int, applied: list, scale: float, per_round: int) -> None:
         if version > 0:
@@ -250,6 +256,7 @@ class VersionMaker:
             else:
                 await self._send_event(p, st.version, [list(k) for k in st.last_merge], st.last_scale,
                                        st.last_per_round)
+            self.published[p] = max(self.published.get(p, -1), st.version)
             self.unpublished.discard(p)
         except Exception as e:
             self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))

@@ -195,8 +195,12 @@ def decode_header(buf: bytes | bytearray | memoryview) -> tuple[dict, int]:
     return h, 4 + hl
 
 
-def decode_array(buf: bytes | bytearray | memoryview) -> np.ndarray:
-    """The float32 array of a blob, with its shape. fp32 blobs decode to a view on ``buf``."""
+def decode_array(buf: bytes | bytearray | memoryview, out=None) -> np.ndarray:
+    """The float32 array of a blob, with its shape. fp32 blobs decode to a view on ``buf``.
+
+    ``out(n)``: a callable giving a float32 buffer of n values to decode an int8 blob into (or
+    None): the aggregator reuses its buffers, since a fresh array of a fragment's size costs page
+    faults that took longer than the decode itself."""
     h, off = decode_header(buf)
     shape = tuple(h["sh"])
     n = math.prod(shape)
@@ -209,6 +213,10 @@ def decode_array(buf: bytes | bytearray | memoryview) -> np.ndarray:
     for d, c in specs:
         parts.append(np.frombuffer(mv, dtype=d, count=c, offset=off))
         off += d.itemsize * c
+    if out is not None and h["q"] == "int8" and n % h["b"] == 0:
+        dst = out(n)
+        if dst is not None:
+            return quant.dequantise_int8_into(parts, dst, h["b"]).reshape(shape)
     return quant.dequantise(parts, h["q"], n, h["b"]).reshape(shape)
 
 

@@ -176,6 +176,19 @@ def dequantise(parts: list[np.ndarray], name: str, n: int, block: int = DEFAULT_
     return (_E3M0_LUT[codes] * scale[:, None]).reshape(-1)[:n]
 
 
+def dequantise_int8_into(parts: list[np.ndarray], out: np.ndarray, block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """``dequantise(parts, "int8", out.size, block)`` written into ``out`` (float32, a multiple of
+    ``block`` values), bitwise the same: each code cast to float32 times its block's scale."""
+    scale, q = parts
+    n = out.size
+    if n % block or q.size != n or scale.size != n // block or out.dtype != np.float32:
+        raise QuantError(f"int8: {q.size} codes, {scale.size} scales into {n} values with block {block}")
+    ob = out.reshape(-1, block)
+    ob[...] = q.reshape(-1, block)
+    ob *= scale[:, None]
+    return out
+
+
 def roundtrip(x: np.ndarray, name: str, block: int = DEFAULT_BLOCK) -> np.ndarray:
     """dequantise(quantise(x)): what the receiver will see. Handy for error feedback."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)

@@ -123,3 +123,13 @@ def test_checkpoint_policy_and_slots():
     assert p.due(4, 0.0, 0) and p.due(1, 10.0, 0) and p.due(1, 0.0, 100)
     assert log_slots(4) > 2 * 4  # the versions a checkpoint may lag (2 x every) always fit
     assert dataclasses.replace(p, every=1).due(1, 0, 0)
+
+
+def test_a_checkpoint_is_forced_only_when_the_grad_stream_is_about_to_drop_what_a_replay_reads():
+    from aggregator.mlog import stream_overtaking
+
+    assert not stream_overtaking(None, 1, 100, 10**9, 10**9)  # nothing logged since the checkpoint
+    assert not stream_overtaking(1, 1, 100, 10, 10**9)  # a stream far from its limit drops nothing
+    assert stream_overtaking(10, 1, 100, 800, 1000)  # full, and the log points into its oldest quarter
+    assert not stream_overtaking(60, 1, 100, 800, 1000)  # full, but the log's chunks are recent
+    assert stream_overtaking(5, 9, 100, 10, 10**9)  # already dropped (age or bytes): at once

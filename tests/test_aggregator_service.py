@@ -63,7 +63,7 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
     # 5 honest contributions first, so the norm history of fragment 0 exists: versions 1..5
     for v in range(5):
         await good.send(0, base=v)
-        assert await _until(lambda: svc.states[0].version == v + 1)
+        assert await _until(lambda: svc.published.get(0) == v + 1)
     snapshot = {p: (svc.states[p].version, svc.states[p].params.copy()) for p in svc.states}
     bad = FakeLearner(js, RUN, "good")
     crafted = [
@@ -136,7 +136,7 @@ async def test_merge_publishes_version_with_applied_keys_and_nesterov_step(nats_
     vb = np.full(PLAN.sizes[0], 0.03, np.float32)
     ka = await a.send(0, base=0, vector=va)
     kb = await b.send(0, base=0, vector=vb)
-    assert await _until(lambda: svc.states[0].version == 1)
+    assert await _until(lambda: svc.published.get(0) == 1)
     head, blob = await store.get(0)
     assert head.version == 1 and sorted(map(tuple, head.meta["applied"])) == sorted([ka, kb])
     # equal tokens and staleness: mean 0.02, a whole round (2 of 2 learners); Nesterov from zero
@@ -185,7 +185,7 @@ async def test_two_aggregators_own_disjoint_fragments(nats_server, js):
     for v in range(3):
         await fl.send(0, base=v)
         await fl.send(1, base=v)
-        assert await _until(lambda: a.states[0].version == v + 1 and b.states[1].version == v + 1)
+        assert await _until(lambda: a.published.get(0) == v + 1 and b.published.get(1) == v + 1)
     store = VersionedStore(js, RUN, GLOBAL)
     assert (await store.head(0)).version == 3 and (await store.head(1)).version == 3
     assert a.stats.accepted == 3 and b.stats.accepted == 3 and not a.stats.rejected and not b.stats.rejected
@@ -222,7 +222,7 @@ async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritt
         # round 1 arrives and round 2 after it
         await learner.send(0, base=0, vector=vec)
         await learner.send(0, base=0)
-        assert await _until(lambda: svc.states[0].version == 2, 15)
+        assert await _until(lambda: svc.published.get(0) == 2, 15)
         assert svc.states[0].applied.is_duplicate(c1)
         head = await VersionedStore(js, RUN, GLOBAL).head(0)
         assert head.version == 2
@@ -271,7 +271,7 @@ async def test_a_record_stored_despite_a_failed_publish_is_retried_as_it_is(nats
         learner = FakeLearner(js, RUN, "a", 1)
         for r in range(3):
             await learner.send(0, base=r)
-            assert await _until(lambda: svc.states[0].version == r + 1, 15)
+            assert await _until(lambda: svc.published.get(0) == r + 1, 15)
         assert lost["n"] == 2 and svc.stats.merges == 3 and svc.states[0].version == 3
         live = svc.states[0]
     finally:
@@ -372,7 +372,7 @@ async def test_a_stale_outlier_reference_restarts_when_most_learners_are_refused
     a, b = FakeLearner(js, RUN, "a"), FakeLearner(js, RUN, "b")
     for v in range(5):  # the reference: small honest norms
         await a.send(0, base=v)
-        assert await _until(lambda: svc.states[0].version == v + 1)
+        assert await _until(lambda: svc.published.get(0) == v + 1)
     big = np.full(n, 1e-2, np.float32)  # 10x the reference
     await a.send(0, base=5, vector=big)
     assert await _until(lambda: svc.stats.rejected.get("norm_outlier") == 1)
@@ -383,7 +383,7 @@ async def test_a_stale_outlier_reference_restarts_when_most_learners_are_refused
     assert await _until(lambda: svc.stats.reference_restarts == 1)
     assert svc.stats.rejected["norm_outlier"] == 3 and svc.states[0].version == 5
     await a.send(0, base=5, vector=big)  # merged now
-    assert await _until(lambda: svc.states[0].version == 6)
+    assert await _until(lambda: svc.published.get(0) == 6)
     assert svc.stats.rejected["norm_outlier"] == 3
     stop.set()
     await task
@@ -404,14 +404,14 @@ async def test_a_lock_step_round_merges_its_fragments_together_and_never_waits_p
     await asyncio.sleep(0.6)  # fragment 0 has its quorum, but b's round is not complete
     assert svc.states[0].version == 0 and svc.stats.round_holds == 1
     await b.send(1, base=0, lockstep=1)
-    assert await _until(lambda: svc.states[0].version == 1 and svc.states[1].version == 1)
+    assert await _until(lambda: svc.published.get(0) == 1 and svc.published.get(1) == 1)
     assert svc.stats.round_holds_expired == 0 and not svc.held_since
     # round 2: b's fragment 1 never comes (its publish failed): fragment 0 merges after the grace
     t0 = time.monotonic()
     for p in (0, 1):
         await a.send(p, base=1, lockstep=1)
     await b.send(0, base=1, lockstep=1)
-    assert await _until(lambda: svc.states[0].version == 2, 5)
+    assert await _until(lambda: svc.published.get(0) == 2, 5)
     assert time.monotonic() - t0 >= 1.4 and svc.stats.round_holds_expired == 1
     assert svc.states[1].version == 1 and len(svc.buffers[1]) == 1  # still waiting for b
     stop.set()

@@ -106,7 +106,7 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
         assert head.version == 0 and 0 not in reader.keys
         for v in range(8):
             await learner.send(0, base=v)
-            assert await _until(lambda: svc.states[0].version == v + 1)
+            assert await _until(lambda: svc.published.get(0) == v + 1)
             head = await store.head(0)
             assert head.version == v + 1
             metas[head.version] = {k: head.meta[k] for k in ("key", "ref") if k in head.meta}
@@ -137,7 +137,7 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
     try:
         assert svc.keys[0].version == 6 and svc.keys[1].version == 0
         await learner.send(0, base=8)
-        assert await _until(lambda: svc.states[0].version == 9)
+        assert await _until(lambda: svc.published.get(0) == 9)
         head = await store.head(0)
         assert head.version == 9 and head.meta.get("ref") == 6
         got = await reader.read(head)
