@@ -52,6 +52,16 @@ def reset_peak() -> None:
         f.write("5")
 
 
+def _mlp(width: int, seed: int) -> dict:
+    """4 dense layers of width x width (plain JAX): the model of both measurements."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(seed)
+    return {f"l{i}": {"w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / np.sqrt(width),
+                      "b": jnp.zeros(width)} for i in range(4)}
+
+
 def small_call_cost(url: str, steps: int = 400) -> dict:
     """island.step on a 10k-parameter model, no fragment due (H far beyond the steps), no arrivals."""
     import jax
@@ -61,9 +71,7 @@ def small_call_cost(url: str, steps: int = 400) -> dict:
     from learner.island import Island
 
     width = 50
-    key = jax.random.PRNGKey(1)
-    params = {f"l{i}": {"w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / np.sqrt(width),
-                        "b": jnp.zeros(width)} for i in range(4)}
+    params = _mlp(width, 1)
     n = sum(x.size for x in jax.tree_util.tree_leaves(params))
     opt = optax.adamw(1e-3)
     st = opt.init(params)
@@ -124,9 +132,7 @@ def main() -> None:
     from learner.island import Island
 
     width = int(np.sqrt(target / 4))
-    key = jax.random.PRNGKey(0)
-    params = {f"l{i}": {"w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / np.sqrt(width),
-                        "b": jnp.zeros(width)} for i in range(4)}
+    params = _mlp(width, 0)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     opt = optax.adamw(1e-3)
     opt_state = opt.init(params)

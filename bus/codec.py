@@ -78,15 +78,7 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
             raise CodecError(f"residual {residual.shape} {residual.dtype} does not match delta {x.shape} float32")
         if keep_residual and not residual.flags.writeable:
             residual = residual.copy()
-    header = msgpack.packb({"v": VERSION, "q": q, "b": block, "dt": np.dtype(np.float32).str, "sh": [n]})
-    specs = quant.part_specs(q, n, block)
-    out = bytearray(4 + len(header) + sum(d.itemsize * c for d, c in specs))
-    struct.pack_into("<I", out, 0, len(header))
-    out[4:4 + len(header)] = header
-    views, off = [], 4 + len(header)
-    for d, c in specs:
-        views.append(np.frombuffer(out, dtype=d, count=c, offset=off))
-        off += d.itemsize * c
+    out, views = _blob_for(n, q, block)
     if in_place and (residual is not None or not keep_residual):
         raise CodecError("encode_with_feedback: in_place wants residual=None and keep_residual=True")
     sent = np.empty(n, dtype=np.float32) if want_sent else None
@@ -131,15 +123,7 @@ def encode_delta(x: np.ndarray, ref: np.ndarray, q: str, block: int = quant.DEFA
     if x.shape != ref.shape:
         raise CodecError(f"delta of {x.size} values against a reference of {ref.size}")
     n = x.size
-    header = msgpack.packb({"v": VERSION, "q": q, "b": block, "dt": np.dtype(np.float32).str, "sh": [n]})
-    specs = quant.part_specs(q, n, block)
-    out = bytearray(4 + len(header) + sum(d.itemsize * c for d, c in specs))
-    struct.pack_into("<I", out, 0, len(header))
-    out[4:4 + len(header)] = header
-    views, off = [], 4 + len(header)
-    for d, c in specs:
-        views.append(np.frombuffer(out, dtype=d, count=c, offset=off))
-        off += d.itemsize * c
+    out, views = _blob_for(n, q, block)
     step = max(block, chunk - chunk % block)
     scratch = np.empty((2, min(step, max(n, 1))), dtype=np.float32)
     for s in range(0, n, step):
@@ -151,6 +135,20 @@ def encode_delta(x: np.ndarray, ref: np.ndarray, q: str, block: int = quant.DEFA
         else:
             _place(views, quant.quantise(d, q, block), q, s, block)
     return out
+
+
+def _blob_for(n: int, q: str, block: int) -> tuple[bytearray, list[np.ndarray]]:
+    """An empty blob of n float32 values under ``q`` (its header written) and views of its parts."""
+    header = msgpack.packb({"v": VERSION, "q": q, "b": block, "dt": np.dtype(np.float32).str, "sh": [n]})
+    specs = quant.part_specs(q, n, block)
+    out = bytearray(4 + len(header) + sum(d.itemsize * c for d, c in specs))
+    struct.pack_into("<I", out, 0, len(header))
+    out[4:4 + len(header)] = header
+    views, off = [], 4 + len(header)
+    for d, c in specs:
+        views.append(np.frombuffer(out, dtype=d, count=c, offset=off))
+        off += d.itemsize * c
+    return out, views
 
 
 def _place(views: list[np.ndarray], parts: list[np.ndarray], q: str, start: int, block: int) -> None:
