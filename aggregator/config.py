@@ -100,7 +100,7 @@ class AggregatorConfig:
                                    "MiB of contributions held for learners not admitted yet; beyond it they are rejected at once")
     checkpoint_every: int = var(32, integer(1, 100_000),
                                 "versions of a fragment between two checkpoints of its whole state (in between, "
-                                "each merge writes a small merge-log record; a restart replays at most this many)")
+                                "each merge writes a small merge-log record; a restart replays at most twice this many)")
     checkpoint_seconds: float = var(60.0, number(1.0, 86400),
                                     "seconds after which a fragment with merges since its newest checkpoint is "
                                     "checkpointed (DILOCO_STREAM_MAX_AGE must be at least 4x this)")
