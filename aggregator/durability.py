@@ -156,8 +156,7 @@ class Durability:
             except Exception as e:
                 self.log.warning("grad_stream_info_failed", error=repr(e))
         for p, pos in list(self.logpos.items()):
-            if p not in self.uncommitted and (p in overtaken or policy.due(pos.versions_since, now - pos.checkpoint_time,
-                                                                            pos.bytes_since)):
+            if p not in self.uncommitted and (p in overtaken or policy.due(pos.versions_since, now - pos.checkpoint_time)):
                 if p in overtaken:
                     self.stats.checkpoints_early += 1
                 await self._checkpoint(p)
@@ -191,7 +190,6 @@ class Durability:
         records = await self._read_log(p)
         t0 = time.monotonic()
         replayed = lost = 0
-        bytes_since = 0
         oldest: int | None = None
         v = st.version + 1
         while v in records:
@@ -200,19 +198,15 @@ class Durability:
                 contribs = await asyncio.gather(*(self._replay_contribution(lc) for lc in rec.contribs))
                 st = replay_one(st, rec, list(contribs), inplace=True)
                 replayed += 1
-                if published is not None and st.version > published:
-                    self.states[p] = st
-                    await self._send(self._publish_job(p, rec))
-                elif published is not None and st.version == published:
-                    await self._send_event(p, rec.version, [list(c.key) for c in rec.contribs], rec.scale,
-                                           rec.per_round)
             except (NotFoundError, TransportError, ValueError, codec.CodecError) as e:
                 st = applied_without_replay(st, rec)
                 lost += 1
                 self.log.error("replay_lost", fragment=p, version=v, contributions=len(rec.contribs), error=repr(e),
                                hint="the GRAD stream no longer holds them: its DILOCO_STREAM_MAX_AGE or byte limit "
                                     "is too short for the time the aggregator was down")
-            bytes_since += rec.nbytes
+            else:
+                if published is not None and st.version >= published and not await self._republish(p, st, published):
+                    published = None  # the rest waits for the main loop (``unpublished``: the newest version)
             seqs = [q for lc in rec.contribs for q in lc.seqs]
             if seqs:
                 oldest = min(seqs) if oldest is None else min(oldest, *seqs)
@@ -221,7 +215,7 @@ class Durability:
         if later:  # a gap in the log: cannot happen while the slots outnumber the versions a checkpoint lags
             raise RunMismatch(f"fragment {p}: the merge log misses version {v} (checkpoint {ckpt}, records up to "
                               f"{later[-1]}): was DILOCO_CHECKPOINT_EVERY lowered while records were pending?")
-        self.logpos[p] = LogPosition(ckpt, time.monotonic(), st.version - ckpt, bytes_since, oldest_seq=oldest)
+        self.logpos[p] = LogPosition(ckpt, time.monotonic(), st.version - ckpt, oldest_seq=oldest)
         self.stats.replayed += replayed
         self.stats.replay_lost += lost
         self.stats.recovery_s += time.monotonic() - t0
@@ -236,6 +230,22 @@ class Durability:
         except Exception as e:
             self.log.warning("recovered_event_failed", fragment=p, error=repr(e))
         return st
+
+    async def _republish(self, p: int, st: FragmentState, published: int) -> bool:
+        """A replayed version the global store lacks (or holds as its head without, maybe, its
+        merge event): publish it now, in order. False if the server refused (then recovery goes on
+        without publishing; the main loop publishes the newest version)."""
+        try:
+            if st.version > published:
+                self.states[p] = st
+                await self._send(self._publish_job(p))
+            else:
+                await self._send_event(p, st.version, [list(k) for k in st.last_merge], st.last_scale,
+                                       st.last_per_round)
+            return True
+        except Exception as e:
+            self.log.warning("recovery_publish_failed", fragment=p, version=st.version, error=repr(e))
+            return False
 
     async def _recover(self, js) -> None:
         gstore, sstore = self.gstore, self.sstore

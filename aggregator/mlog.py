@@ -103,10 +103,6 @@ class MergeRecord:
                    float(d["scale"]), int(d["per_round"]), dict(d["settings"]),
                    tuple(tuple(float(x) for x in r) for r in d.get("restarts", ())), float(d.get("ts", 0.0)))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.contribs)
-
 
 def replay_one(state: FragmentState, record: MergeRecord, contribs: list[Contribution],
                inplace: bool = False) -> FragmentState:
@@ -154,17 +150,16 @@ class _KeyOnly:
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """When a fragment's whole state is written: after ``every`` versions since its newest
-    checkpoint, after ``seconds`` with any version since, or once the contributions its log refers
-    to reach ``max_bytes`` (a share of the GRAD stream's byte limit: a replay must find them all)."""
+    checkpoint, or after ``seconds`` with any version since (and at once when the GRAD stream is
+    about to drop what its log points to: :func:`stream_overtaking`)."""
 
     every: int = 32
     seconds: float = 60.0
-    max_bytes: int = 1 << 62
 
-    def due(self, versions_since: int, seconds_since: float, bytes_since: int) -> bool:
+    def due(self, versions_since: int, seconds_since: float) -> bool:
         if versions_since <= 0:
             return False
-        return versions_since >= self.every or seconds_since >= self.seconds or bytes_since >= self.max_bytes
+        return versions_since >= self.every or seconds_since >= self.seconds
 
 
 @dataclass
@@ -174,7 +169,6 @@ class LogPosition:
     checkpoint_version: int
     checkpoint_time: float
     versions_since: int = 0
-    bytes_since: int = 0
     restarts: list = field(default_factory=list)  # outlier-reference restarts since the newest merge
     oldest_seq: int | None = None  # the oldest GRAD sequence the log since the checkpoint points to
 

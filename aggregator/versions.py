@@ -149,14 +149,13 @@ class VersionMaker:
         new = self.states[p]
         pos = self.logpos[p]
         pos.versions_since += 1
-        pos.bytes_since += sum(x.nbytes for x in items)
         seqs = [q for x in items for q in x.seqs]
         if seqs:
             pos.oldest_seq = min(seqs) if pos.oldest_seq is None else min(pos.oldest_seq, *seqs)
         for x in items:
             await ack_all(x.tokens)
         self._queue_publish(p)
-        if self._policy().due(pos.versions_since, time.monotonic() - pos.checkpoint_time, pos.bytes_since):
+        if self._policy().due(pos.versions_since, time.monotonic() - pos.checkpoint_time):
             await self._checkpoint(p)
         self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
         self.stats.merges += 1
@@ -177,7 +176,7 @@ class VersionMaker:
 
     # -- publishing -------------------------------------------------------------------------------
 
-    def _publish_job(self, p: int, rec: MergeRecord | None = None) -> PublishJob:
+    def _publish_job(self, p: int) -> PublishJob:
         """Version ``states[p]`` encoded for the downlink now (the merge updates the parameters in
         place, so the blob is taken before the next merge), to be published in order."""
         st = self.states[p]
@@ -186,9 +185,8 @@ class VersionMaker:
                                           self.settings.downlink_quantiser, self.cfg.keyframe_every)
         if key is not None:
             self.keys[p] = key
-        applied = [list(k) for k in (st.last_merge if rec is None else (c.key for c in rec.contribs))]
-        return PublishJob(p, st.version, blob, {**meta, **extra}, key is not None, applied,
-                          st.last_scale if rec is None else rec.scale, st.last_per_round if rec is None else rec.per_round)
+        return PublishJob(p, st.version, blob, {**meta, **extra}, key is not None, [list(k) for k in st.last_merge],
+                          st.last_scale, st.last_per_round)
 
     def _queue_publish(self, p: int) -> None:
         """Hand version ``states[p]`` to fragment p's publisher: merging goes on while its chunks and
