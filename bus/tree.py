@@ -2,11 +2,25 @@
 
 A run of a user's own model knows nothing of the model but this: the leaves of its parameter tree,
 each a path (its key path joined with ``/``, e.g. ``dense/kernel``; ``learner.pytree``), a shape and a
-dtype. The floating-point leaves are the ones a run synchronises; the others (step counters,
-integer buffers) stay on each island. The fragment plan is made from the float leaves' shapes
-(``bus.fragments.plan_fragments``), and the manifest of a run carries the tree description
-and a hash of it, so a learner whose tree differs from the run's is refused with one line naming
-the first leaf that differs.
+dtype. The floating-point array leaves (float16, bfloat16, float32, float64) are the ones a run
+synchronises; every other leaf stays on each island and is never sent:
+
+* integer and bool arrays (step counters, integer buffers, legacy ``uint32`` PRNG keys, an NNX
+  ``Rngs`` count): their numpy dtype name (``int32``, ``uint32``, ``bool``);
+* typed PRNG keys (``jax.random.key``, the key of ``nnx.Dropout(rngs=...)``): their JAX dtype, e.g.
+  ``key<fry>``, and their shape;
+* anything that is not an array (the activation functions of an Equinox module, Python scalars,
+  strings): ``object:<type name>`` (``object:custom_jvp``, ``object:function``, ``object:float``),
+  shape ``()``. A Python ``float`` in a tree is local too: in Equinox modules such floats are
+  hyperparameters (``eqx.nn.Dropout.p``); a scalar to train is a ``jnp.array(0.5)``.
+
+The description is deterministic (type names, never object identities or addresses), so islands
+holding the same model describe it alike. The fragment plan is made from the float leaves' shapes
+(``bus.fragments.plan_fragments``), and the manifest of a run carries the tree description and a
+hash of its synced leaves, so a learner whose tree differs from the run's is refused with one line
+naming the first synced leaf that differs; local leaves may differ between islands. A leaf that
+claims to be an array but cannot be described (a shape that is not sizes, a dtype neither numpy nor
+JAX keys know) is refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
+OBJECT_PREFIX = "object:"  # the dtype of a leaf that is not an array: ``object:<type name>``
 
 
 @dataclass(frozen=True)
@@ -48,12 +63,21 @@ class TreeSpec:
         if len(set(paths)) != len(paths):
             raise ValueError("leaf paths must be unique")
         if not any(leaf.synced for leaf in self.leaves):
+            objects = [leaf for leaf in self.leaves if leaf.dtype.startswith(OBJECT_PREFIX)]
+            kind = objects[0].dtype[len(OBJECT_PREFIX):] if objects else ""
+            article = "an" if kind[:1].lower() in "aeiou" else "a"
+            hint = f"; leaf {objects[0].path} is {article} {kind}, not an array" if objects else ""
             raise ValueError("the parameter tree has no floating-point leaf: nothing to train across islands "
-                             f"(leaf dtypes: {sorted({leaf.dtype for leaf in self.leaves}) or 'none'})")
+                             f"(leaf dtypes: {sorted({leaf.dtype for leaf in self.leaves}) or 'none'}{hint})")
 
     @property
     def synced(self) -> tuple[Leaf, ...]:
         return tuple(leaf for leaf in self.leaves if leaf.synced)
+
+    @property
+    def local(self) -> tuple[Leaf, ...]:
+        """The leaves each island keeps to itself (never sent)."""
+        return tuple(leaf for leaf in self.leaves if not leaf.synced)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """path -> shape of the synced leaves: what the fragment plan is made from."""
@@ -104,11 +128,41 @@ class TreeSpec:
         return None
 
 
+def describe_leaf(path: str, a: object) -> Leaf:
+    """The Leaf of one value: an array (anything with ``shape`` and ``dtype``; numpy or JAX) by its
+    shape and dtype name, a typed PRNG key by its JAX dtype (``key<fry>``), anything else as
+    ``object:<type name>`` of shape ``()``. ValueError (one line naming the leaf) for an array-like
+    value whose shape is not sizes or whose dtype is neither numpy's nor a PRNG key's."""
+    path = str(path)
+    if (isinstance(a, type)  # a class (np.float32) has shape and dtype attributes too
+            or not (hasattr(a, "shape") and hasattr(a, "dtype")) or getattr(a, "dtype") is None):
+        return Leaf(path, (), OBJECT_PREFIX + type(a).__name__)
+    try:
+        shape = tuple(int(x) for x in a.shape)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        shape = None
+    if shape is None or any(x < 0 for x in shape):
+        raise ValueError(f"leaf {path} is a {type(a).__name__} of shape {getattr(a, 'shape')!r}, "
+                         "not a shape of sizes: pass concrete arrays")
+    return Leaf(path, shape, dtype_name(path, a))
+
+
+def dtype_name(path: str, a: object) -> str:
+    """numpy's name of ``a``'s dtype (``float32``, ``bfloat16``, ``int32``), or a typed PRNG key's JAX
+    dtype (``key<fry>``, ``key<rbg>``). ValueError naming the leaf for any other dtype: it might be a
+    float that would silently never be synced."""
+    dt = getattr(a, "dtype")
+    try:
+        return np.dtype(dt).name
+    except (TypeError, ValueError):
+        pass
+    name = str(dt)
+    if name.startswith("key<") and name.endswith(">"):
+        return name
+    raise ValueError(f"leaf {path} is a {type(a).__name__} of dtype {name}, which is neither a numpy dtype nor "
+                     "a JAX PRNG key: convert it to a JAX or numpy array")
+
+
 def describe(arrays: Mapping[str, object]) -> TreeSpec:
-    """The TreeSpec of named arrays (anything with ``shape`` and ``dtype``; numpy or JAX)."""
-    leaves = []
-    for path, a in arrays.items():
-        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-            raise ValueError(f"leaf {path} is a {type(a).__name__}, not an array")
-        leaves.append(Leaf(str(path), tuple(int(x) for x in a.shape), np.dtype(a.dtype).name))
-    return TreeSpec(tuple(leaves))
+    """The TreeSpec of named leaves (arrays, numpy or JAX, and any other values: :func:`describe_leaf`)."""
+    return TreeSpec(tuple(describe_leaf(path, a) for path, a in arrays.items()))

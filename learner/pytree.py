@@ -3,8 +3,14 @@
 Leaves are named by their key path joined with ``/`` (``dense/kernel``, ``0/w``, ...): stable
 for nested dicts, lists, tuples and registered dataclass-like nodes (Flax and Equinox produce
 these); a flat dict of named arrays (the built-in model's) is named by its keys. Two leaves that
-would get the same name (``{"a/b": x, "a": {"b": y}}``) are refused. Only floating-point leaves are synchronised (``bus.tree``); the others
-stay as the user's loop leaves them.
+would get the same name (``{"a/b": x, "a": {"b": y}}``) are refused.
+
+Trees come as users have them: a Flax NNX ``nnx.State`` (``nnx.split(model)``) or the NNX module
+itself (a pytree in Flax 0.12), an Equinox module with its activation functions as leaves, a
+dict of arrays. Only floating-point array leaves are synchronised (``bus.tree``); the others
+(integer and bool arrays, PRNG keys typed or legacy, functions, Python scalars, strings) stay as
+the user's loop leaves them: they are never read, never sent, and the tree handed back holds the
+user's own objects for them (:func:`local_leaves_summary` names them in one line).
 
 Fragments are float32 host vectors (``bus.fragments``). Reading fragment p moves only the
 leaves that fragment touches to the host; writing it back casts each touched leaf to its own dtype
@@ -18,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bus.tree import TreeSpec, describe
+from bus.tree import OBJECT_PREFIX, TreeSpec, describe
 from bus.fragments import FragmentPlan
 
 
@@ -49,7 +55,39 @@ def _key_name(k: Any) -> str:
 def tree_spec(tree: Any) -> TreeSpec:
     """The run contract's description of ``tree`` (ValueError, one line, for anything else)."""
     paths, leaves, _ = flatten(tree)
+    return _describe(paths, leaves)
+
+
+def _describe(paths: list[str], leaves: list[Any]) -> TreeSpec:
+    """``bus.tree.describe`` of the named leaves, refusing (one line naming the leaf) the values
+    that look like arrays but hold none: a tracer (the island called inside ``jax.jit``) and an
+    abstract ``jax.ShapeDtypeStruct``."""
+    import jax
+
+    for path, x in zip(paths, leaves):
+        if isinstance(x, jax.core.Tracer):
+            raise ValueError(f"leaf {path} is a traced value ({type(x).__name__}), not an array: "
+                             "hand the island concrete parameters, outside jax.jit")
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise ValueError(f"leaf {path} is a jax.ShapeDtypeStruct (a shape, no values), not an array")
     return describe(dict(zip(paths, leaves)))
+
+
+def local_leaves_summary(spec: TreeSpec, limit: int = 6) -> str | None:
+    """One line naming the leaves of ``spec`` that stay local to each island (never sent), at most
+    ``limit`` of them then a count, or None if every leaf is synced. For instance ``3 of 9 leaves stay
+    on this island, never sent: activation (custom_jvp), final_activation (function), seen (int32)``."""
+    local = spec.local
+    if not local:
+        return None
+
+    def kind(dtype: str) -> str:
+        return dtype[len(OBJECT_PREFIX):] if dtype.startswith(OBJECT_PREFIX) else dtype
+
+    names = [f"{leaf.path} ({kind(leaf.dtype)})" for leaf in local[:limit]]
+    more = f", and {len(local) - limit} more" if len(local) > limit else ""
+    return (f"{len(local)} of {len(spec.leaves)} leaves stay on this island, never sent: "
+            f"{', '.join(names)}{more}")
 
 
 class DonatedParams(ValueError):
@@ -67,21 +105,28 @@ class TreeParams:
         self.paths: list[str] = []
         self.index: dict[str, int] = {}
         self.dtypes = {leaf.path: leaf.dtype for leaf in spec.leaves}
+        self._synced = frozenset(leaf.path for leaf in spec.synced)
         self.set_tree(tree)
 
     def check(self, tree: Any) -> None:
-        """ValueError (one line) unless ``tree`` has the run's structure (cheap: compares treedefs)."""
+        """ValueError (one line) unless ``tree`` has the run's structure (cheap: compares treedefs).
+        A tree of another treedef (an Equinox module whose static fields differ, say) is compared
+        leaf by leaf: its synced leaves must be the run's, its local ones may be anything."""
         import jax
 
         if self._treedef is not None and jax.tree_util.tree_structure(tree) == self._treedef:
             return
         paths, leaves, _ = flatten(tree)
-        if len(paths) != len(self.spec.leaves) or any(p != leaf.path for p, leaf in zip(paths, self.spec.leaves)):
-            try:
-                why = describe(dict(zip(paths, leaves))).first_difference(self.spec)
-            except ValueError as e:
-                why = str(e)
-            raise ValueError(f"params changed structure: {why or 'leaf order'}")
+        try:
+            why = _describe(paths, leaves).first_difference(self.spec)
+        except ValueError as e:
+            why = str(e)
+        run = [leaf.path for leaf in self.spec.leaves]
+        if why is None and paths != run:  # the synced leaves are the run's: a local leaf came or went
+            new, gone = [p for p in paths if p not in set(run)], [p for p in run if p not in set(paths)]
+            why = (f"leaf {new[0]} is new" if new else f"leaf {gone[0]} is missing" if gone else "leaf order")
+        if why is not None:
+            raise ValueError(f"params changed structure: {why}")
 
     def set_tree(self, tree: Any, checked: bool = False) -> Any:
         """Take the user's newest parameters (checked against the run's tree unless ``checked``).
@@ -124,6 +169,8 @@ class TreeParams:
         return self._obj
 
     def _leaf(self, path: str) -> Any:
+        if path not in self._synced:  # local leaves (keys, functions, counters) are never read
+            raise ValueError(f"leaf {path} is not synchronised ({self.dtypes.get(path, 'not in the tree')})")
         x = self._flatten()[self.index[path]]
         if getattr(x, "is_deleted", None) is not None and x.is_deleted():
             raise DonatedParams(f"leaf {path} was deleted, most likely donated to your train step "
@@ -215,6 +262,6 @@ def named_float_arrays(tree: Any) -> dict[str, np.ndarray]:
     import jax
 
     paths, leaves, _ = flatten(tree)
-    spec = describe(dict(zip(paths, leaves)))
+    spec = _describe(paths, leaves)
     return {leaf.path: np.array(jax.device_get(x), dtype=np.float32)
             for leaf, x in zip(spec.leaves, leaves) if leaf.synced}
