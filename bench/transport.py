@@ -33,7 +33,7 @@ from bus import codec, quant
 from bus.config import CommonConfig
 from bus.conn import connect
 from bus.server import EmbeddedServer
-from bus.streams import ensure_run
+from bus.streams import Limits, ensure_run
 from bus.subjects import Subjects
 from bus.transport import ChunkConsumer, ChunkPublisher, ack_all, prompt_fetch
 
@@ -93,7 +93,7 @@ async def transport(quick: bool) -> dict:
         nc = await connect(cfg, "bench-pub")
         nc2 = await connect(cfg, "bench-sub")
         js, js2 = nc.jetstream(timeout=30), nc2.jetstream(timeout=30)
-        await ensure_run(js, "bench")
+        await ensure_run(js, "bench", Limits(max_bytes=2 * 1024**3))  # 64 MiB fragments
         s = Subjects("bench")
         await js.add_stream(name="RAW", subjects=["raw.>"], max_bytes=2 * 1024**3)
         raw_sub = await js2.pull_subscribe("raw.>", durable="raw", stream="RAW", pending_bytes_limit=512 * MiB)

@@ -8,7 +8,8 @@ the manifest, so a process that reads a manifest finds version 0.
 * :func:`read_manifest` / :func:`wait_manifest`: any role, read-only.
 * :func:`tree_of_manifest`: the tree and plan of a run made from a user's tree (an island, or
   ``diloco run create --init``); the aggregator and evaluator of such a run need nothing else.
-* :func:`create_tree_run`: provision the streams (sized from the tree, ``bus.streams``), claim
+* :func:`create_tree_run`: provision the streams (sized from the tree, ``bus.streams``; the
+  ``run_created`` log line says what they reserve on the server, ``reserved_bytes``), claim
   the run with a compare-and-set create of the run bucket's ``creator`` key, publish the initial
   parameters as version 0 and then the manifest. Exactly one of several racing creators writes
   version 0; the others wait for its manifest.
@@ -29,7 +30,7 @@ from bus import codec
 from bus.config import CommonConfig
 from bus.fragments import FragmentPlan, gather, plan_fragments
 from bus.protocol import MANIFEST_KEY, Manifest
-from bus.streams import Limits, ensure_run, missing_parts
+from bus.streams import Limits, ensure_run, inspect_run, missing_parts, reserved_total
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import ChunkPublisher, VersionConflict, VersionedStore
 from bus.tree import TreeSpec
@@ -167,8 +168,20 @@ async def create_run(js, common: CommonConfig, manifest: Manifest, plan: Fragmen
     except KeyWrongLastSequenceError:
         return False  # a creator we took over from finished after all: its manifest stands
     if log is not None:
-        log.info("run_created", run=common.run, params=plan.total_size, fragments=plan.num_fragments)
+        log.info("run_created", run=common.run, params=plan.total_size, fragments=plan.num_fragments,
+                 **await reserved_of(js, common.run))
     return True
+
+
+async def reserved_of(js, run: str) -> dict:
+    """What the streams and buckets of ``run`` reserve on the server (their ``max_bytes``):
+    ``{"reserved_bytes": total, "reserved": {stream: bytes}}``; empty if the server cannot say."""
+    try:
+        inspected = await inspect_run(js, run)
+    except Exception:  # noqa: BLE001 - informational only: never fails a creation that succeeded
+        return {}
+    per = {name: v.get("reserved_bytes", 0) for name, v in inspected.items() if isinstance(v, dict)}
+    return {"reserved_bytes": reserved_total(inspected), "reserved": per}
 
 
 async def create_tree_run(js, common: CommonConfig, spec: TreeSpec, plan: FragmentPlan,

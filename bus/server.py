@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+#: JetStream file storage of the server (``jetstream { max_file_store }``): every stream's
+#: ``max_bytes`` is reserved against it at creation (``bus.streams``: what a run reserves)
+DEFAULT_MAX_FILE_STORE = 20 * 1024**3
 
 
 class ServerError(RuntimeError):
@@ -71,6 +74,7 @@ def render_config(
     max_payload: int,
     server_name: str = "diloco",
     extra: str = "",
+    max_file_store: int = DEFAULT_MAX_FILE_STORE,
 ) -> str:
     """The server config file text. ``extra`` is appended verbatim (accounts, leafnodes, TLS...)."""
     if max_payload <= 0 or max_payload > 64 * 1024 * 1024:
@@ -86,7 +90,7 @@ def render_config(
         f"jetstream {{\n"
         f'  store_dir: "{store_dir}"\n'
         f"  max_memory_store: 1GB\n"
-        f"  max_file_store: 20GB\n"
+        f"  max_file_store: {int(max_file_store)}\n"
         f"}}\n"
         f"{extra}\n"
     )
@@ -116,6 +120,7 @@ class EmbeddedServer:
     server_name: str = "diloco"
     extra_config: str = ""
     log_file: str | None = None
+    max_file_store: int = DEFAULT_MAX_FILE_STORE
     proc: subprocess.Popen | None = field(default=None, init=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False)
     _conf_dir: str | None = field(default=None, init=False)
@@ -150,6 +155,7 @@ class EmbeddedServer:
             max_payload=self.max_payload,
             server_name=self.server_name,
             extra=self.extra_config,
+            max_file_store=self.max_file_store,
         )
         with open(self.config_path(), "w") as f:
             f.write(conf)

@@ -24,7 +24,8 @@ S = Subjects(RUN)
 
 
 async def _setup(js, partial=2.0):
-    await ensure_run(js, RUN, Limits())
+    # room for the 64 MiB fragment below (unsized limits are the 64 MiB floor: bus.streams)
+    await ensure_run(js, RUN, Limits(max_bytes=512 * 1024 * 1024))
     return ChunkConsumer(js, S.stream("grad"), "agg", [S.grad_all], Assembler(max_age=partial))
 
 
