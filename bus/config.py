@@ -12,6 +12,8 @@ expected, e.g. ``DILOCO_INNER_LR='fast': expected a float > 0``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib
 import math
 import os
 import shlex
@@ -142,6 +144,10 @@ class CommonConfig:
     env_file: str = var("", text(), "a file of DILOCO_*=value lines (as `diloco auth init` writes) for the variables "
                         "the environment does not set (compose reads each service's credentials this way)")
     nats_url: str = var("nats://127.0.0.1:4222", nats_urls(), "NATS server URL(s), comma-separated")
+    connect_timeout: float = var(10.0, number(0.1, 86400),
+                                 "seconds a process (or an island) tries to reach the server at start before it "
+                                 "exits with one line saying what to check; once connected, long-running roles "
+                                 "reconnect through outages forever")
     run: str = var("default", token(), "run id: every subject, stream and bucket of a run carries it")
     region: str = var("local", token(), "region / island name of this process")
     nats_user: str = var("", text(), "NATS user name (empty: no user/password auth)")
@@ -151,7 +157,10 @@ class CommonConfig:
     tls_ca: str = var("", text(), "CA certificate (PEM) to verify the server's TLS certificate")
     tls_cert: str = var("", text(), "client certificate (PEM) for mutual TLS")
     tls_key: str = var("", text(), "client key (PEM) for mutual TLS", secret=True)
-    log_level: str = var("info", choice("debug", "info", "warning", "error"), "structlog level")
+    log_level: str = var("info", choice("debug", "info", "warning", "error"),
+                         "lowest level logged (every process, islands and `diloco export` too)")
+    strict_env: bool = var(False, boolean(), "an unknown DILOCO_* variable (a typo: DILOCO_QUROUM) is an error "
+                           "at start, not a warning")
     metrics_interval: float = var(2.0, number(0.05, 3600), "seconds between metrics messages")
     max_chunk_bytes: int = var(
         1024 * 1024, integer(4096, 64 * 1024 * 1024), "largest message the transport sends (<= server max_payload)"
@@ -177,6 +186,76 @@ def register(role: str) -> Callable[[type], type]:
         return cls
 
     return deco
+
+
+#: The modules that declare the roles' configs (``@register``). Every process imports them all, by
+#: name, to know every variable of the run (a learner's env file may well hold DILOCO_QUORUM): they
+#: are declarations only (dataclasses of settings, no role code), so the layers stay as they are.
+CONFIG_MODULES = ("learner.config", "aggregator.config", "monitor.config")
+
+#: Variables read outside the config dataclasses (name -> who reads it).
+OTHER_VARIABLES = {
+    "DILOCO_NATS_SERVER_BIN": "bus.server: the nats-server binary to run",
+    "DILOCO_UP_OUT": "diloco up: set on its children, the output folder of the launch",
+}
+
+
+def load_role_configs() -> dict[str, type]:
+    """Import every module of :data:`CONFIG_MODULES` (one missing from this build is skipped) so
+    that :data:`ROLE_CONFIGS` lists every variable; returns it."""
+    for mod in CONFIG_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    return ROLE_CONFIGS
+
+
+def known_variables() -> set[str]:
+    """Every ``DILOCO_*`` name some process reads: each field of each role's config, and
+    :data:`OTHER_VARIABLES`."""
+    names = set(OTHER_VARIABLES)
+    for cls in load_role_configs().values():
+        names.update(env_name(f.name) for f in _fields(cls))
+    return names
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """(name, the closest known name or None) of every ``DILOCO_*`` variable of ``environ`` (and
+    of DILOCO_ENV_FILE's file) that no process reads: a typo, or a setting of another version."""
+    env = with_env_file(os.environ if environ is None else environ)
+    known = known_variables()
+    suffixes = {k[len(PREFIX):]: k for k in known}
+    out = []
+    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in known):
+        close = difflib.get_close_matches(name[len(PREFIX):], list(suffixes), n=1, cutoff=0.75)
+        out.append((name, suffixes[close[0]] if close else None))
+    return out
+
+
+def describe_unknown(name: str, closest: str | None) -> str:
+    return f"{name} is not a variable of any role" + (f" (did you mean {closest}?)" if closest else "")
+
+
+_reported: set[str] = set()
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The one-line warnings for the unknown ``DILOCO_*`` variables of ``environ`` (the process's
+    by default) not reported yet in this process, so that a process warns once per name however
+    often it sets up. :class:`ConfigError` naming them all instead when DILOCO_STRICT_ENV is true."""
+    env = os.environ if environ is None else environ
+    unknown = unknown_variables(env)
+    if not unknown:
+        return []
+    if from_env(CommonConfig, env).strict_env:
+        raise ConfigError("; ".join(describe_unknown(n, c) for n, c in unknown)
+                          + f" ({env_name('strict_env')} is true: remove or correct it)")
+    fresh = [(n, c) for n, c in unknown if n not in _reported]
+    _reported.update(n for n, _ in fresh)
+    return [describe_unknown(n, c) + f": ignored ({env_name('strict_env')}=true makes it an error)"
+            for n, c in fresh]
 
 
 def env_name(field_name: str) -> str:

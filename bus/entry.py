@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from bus.config import ConfigError
+from bus.conn import ConnectFailed
 
 
 def run_command(name: str, fn: Callable[[list[str]], int | None], argv: list[str]) -> int:
@@ -22,5 +23,8 @@ def run_command(name: str, fn: Callable[[list[str]], int | None], argv: list[str
     except ConfigError as e:
         print(f"diloco {name}: {e}", file=sys.stderr)
         return 2
+    except ConnectFailed as e:  # the server not reachable at start: its one line
+        print(f"diloco {name}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

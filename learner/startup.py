@@ -15,7 +15,7 @@ import numpy as np
 
 from bus import codec
 from bus.config import CommonConfig
-from bus.conn import connect
+from bus.conn import ConnectFailed, connect
 from bus.global_reader import GlobalReader
 from bus.transport import Head
 from learner import loop as lp
@@ -23,6 +23,7 @@ from learner.config import LearnerConfig, ModelConfig
 from bus.fragments import FragmentPlan, gather
 from learner.spec import ModelSpec, count_params, spec_hash
 
+#: 4 (EXIT_TIMEOUT): the server, the manifest or a global version did not come in time
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_MISMATCH, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 
 #: Seconds between polls of every fragment's head, a safety net next to the watch (which may
@@ -62,17 +63,15 @@ class StartupError(Exception):
 
 
 async def connect_until(common: CommonConfig, name: str, deadline: float, log):
-    """Connect, retrying until ``deadline`` (monotonic) so a learner may start before the server."""
-    delay = 0.2
-    while True:
-        try:
-            return await connect(common, name=name)
-        except Exception as e:
-            if time.monotonic() + delay > deadline:
-                raise StartupError(EXIT_TIMEOUT, f"cannot connect to {common.nats_url}: {e!r}") from None
-            log.warning("connect_retry", error=repr(e))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    """Connect, trying for DILOCO_CONNECT_TIMEOUT seconds (not beyond ``deadline``, monotonic), so a
+    learner may start a little before its server; then StartupError(4) with the one line of
+    :class:`bus.conn.ConnectFailed` (the URL and what to check). ``log`` is unused: nothing is
+    logged while it tries."""
+    window = max(0.1, min(common.connect_timeout, deadline - time.monotonic()))
+    try:
+        return await connect(common, name=name, timeout=window)
+    except ConnectFailed as e:
+        raise StartupError(EXIT_TIMEOUT, str(e)) from None
 
 
 async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan, deadline: float):

@@ -11,7 +11,10 @@ Both read ``DILOCO_NATS_URL``, ``DILOCO_RUN`` and the credential variables (``DI
 * ``diloco status`` prints one snapshot read from JetStream and KV only (no metrics needed):
   membership, leader lease, version per fragment, stream sizes and the server's health.
 
-An unreachable server or a refused login is one line on stderr and exit status 1.
+An unreachable server or a refused login is one line on stderr and exit status 1, after at most
+``DILOCO_CONNECT_TIMEOUT`` seconds (10) of attempts (``bus.conn.connect``). Logs (JSON lines on
+stderr at ``DILOCO_LOG_LEVEL``) are quiet: the viewers show the connection's state themselves;
+``--serve`` logs one line per change of it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import os
 import asyncio
 import dataclasses
 import math
-import re
 import shutil
 import sys
 import time
@@ -30,7 +32,7 @@ from typing import Any
 from bus.signals import install_stop
 from bus.codec import CodecError, dumps_json, loads_json
 from bus.config import CommonConfig, ConfigError, from_env, nats_urls, token
-from bus.conn import connect
+from bus.conn import ConnectFailed, connect, redact_url
 from bus.log import setup
 from bus.subjects import Subjects
 from monitor.metrics_view import ROLES, MetricsSnapshot, filter_msg, fold, render_table
@@ -43,11 +45,6 @@ class CliError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- shared
-
-
-def redact_url(url: str) -> str:
-    """``nats://user:secret@host`` -> ``nats://***@host`` (URLs end up in error messages)."""
-    return re.sub(r"//[^@/,]*@", "//***@", url)
 
 
 def _add_common_args(p: argparse.ArgumentParser) -> None:
@@ -93,43 +90,29 @@ def _describe(e: BaseException) -> str:
     return text.strip("'\"")
 
 
-async def open_connection(cfg: CommonConfig, name: str, persistent: bool = False, timeout: float = 15.0):
-    """A connected client, or :class:`CliError` with the reason after a couple of quick attempts.
+async def open_connection(cfg: CommonConfig, name: str, log_states: bool = False):
+    """A connected client, or :class:`CliError` with the one line of ``bus.conn.ConnectFailed``
+    (the URL, what went wrong, what to check) after DILOCO_CONNECT_TIMEOUT seconds of attempts.
+    Once connected it reconnects through outages (the live viewer rides out blips).
 
-    ``persistent``: once the server answered, reconnect forever (the live viewer rides out blips).
-    """
-    errors: list[BaseException] = []
+    ``log_states``: log one line per change of the connection's state (``diloco metrics --serve``);
+    otherwise the command shows the state itself (the live table's footer) and logs nothing."""
 
-    async def on_error(e: Exception) -> None:
-        errors.append(e)
-
-    async def quiet() -> None:
+    async def quiet(*_: object) -> None:
         return None
 
+    calls: dict = {} if log_states else dict(error_cb=quiet, disconnected_cb=quiet, reconnected_cb=quiet)
     try:
-        nc = await asyncio.wait_for(
-            connect(cfg, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.2, connect_timeout=3,
-                    error_cb=on_error, disconnected_cb=quiet, reconnected_cb=quiet),
-            timeout,
-        )
-    except BaseException as e:  # noqa: BLE001 - asyncio.TimeoutError, NoServersError, OSError, auth...
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        real = [x for x in errors if type(x).__name__ != "NoServersError"]
-        cause = real[-1] if real else e
-        raise CliError(f"cannot connect to {redact_url(cfg.nats_url)}: {_describe(cause)}") from None
-    if not persistent:
-        return nc
-    await nc.close()
-    return await asyncio.wait_for(
-        connect(cfg, name=name, error_cb=on_error, disconnected_cb=quiet, reconnected_cb=quiet), timeout
-    )
+        return await connect(cfg, name=name, **calls)
+    except ConnectFailed as e:
+        raise CliError(str(e)) from None
 
 
 def _run_cli(prog: str, coro_fn, a: argparse.Namespace) -> int:
-    setup("error")  # logs (if any) go to stderr, only errors: stdout stays clean for --json
     try:
         cfg = _config(a)
+        # logs go to stderr (stdout stays clean for --json); the viewers log nothing at the default level
+        setup(cfg.log_level, run=cfg.run, role="cli")
         return asyncio.run(coro_fn(cfg, a))
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
@@ -190,11 +173,13 @@ def _bump_malformed(snap: MetricsSnapshot, reason: str) -> MetricsSnapshot:
 async def _metrics(cfg: CommonConfig, a: argparse.Namespace) -> int:
     stop = asyncio.Event()
     install_stop(stop)
-    nc = await open_connection(cfg, name="cli-metrics", persistent=not a.once)
-    state = {"snap": MetricsSnapshot(run=cfg.run)}
+    nc = await open_connection(cfg, name="cli-metrics", log_states=bool(a.serve))
+    started = time.monotonic()
+    state: dict[str, Any] = {"snap": MetricsSnapshot(run=cfg.run), "received": None}
     stream_lines = a.json and not a.once
 
     async def on_msg(m) -> None:
+        state["received"] = time.monotonic()
         try:
             msg = loads_json(m.data)
         except CodecError:
@@ -219,7 +204,10 @@ async def _metrics(cfg: CommonConfig, a: argparse.Namespace) -> int:
         from monitor.prometheus import serve
 
         try:
-            server, _, (host, port) = serve(a.serve, lambda: state["snap"])
+            def health() -> tuple[bool, float]:
+                return nc.is_connected, time.monotonic() - (state["received"] or started)
+
+            server, _, (host, port) = serve(a.serve, lambda: state["snap"], health)
         except OSError as e:
             print(f"diloco metrics: cannot serve on {a.serve}: {e}", file=sys.stderr)
             await nc.close()

@@ -7,6 +7,11 @@ at every scrape. The families are a pure function of the snapshot (tested withou
 the server is the maintained client library's own (``prometheus_client.start_http_server``):
 nothing of the text format is written by hand.
 
+The exporter also reports its own health: ``diloco_exporter_connected`` (1 connected, 0 while it
+reconnects: the other values are then the last ones received) and
+``diloco_exporter_last_message_age_seconds``; it logs one line when its connection is lost and
+one when it is restored (``bus.conn``), not one per reconnect attempt.
+
 Every sample carries the run id as the ``run`` label. Counters are the roles' own cumulative
 counts since their process started: a restarted aggregator starts again from zero, which
 Prometheus reads as a counter reset (``rate()`` and ``increase()`` handle it).
@@ -120,14 +125,36 @@ def families(snap: MetricsSnapshot) -> list[Metric]:
     return out
 
 
-class SnapshotCollector(Collector):
-    """A ``prometheus_client`` collector that renders ``get()`` (the newest snapshot) at every scrape."""
+def exporter_families(run: str, connected: bool, last_message_age: float | None) -> list[Metric]:
+    """The exporter's own health: whether it is connected to the server now, and how long ago it
+    received its newest metrics message (alert on either: the other values are then stale)."""
+    up = GaugeMetricFamily(f"{PREFIX}_exporter_connected", "1 while the exporter is connected to the NATS server, "
+                           "0 while it reconnects (the other values are then the last ones received)", labels=("run",))
+    up.add_metric([run], 1.0 if connected else 0.0)
+    age = GaugeMetricFamily(f"{PREFIX}_exporter_last_message_age_seconds", "seconds since the exporter received its "
+                            "newest metrics message (since it started, before the first)", labels=("run",))
+    if last_message_age is not None and math.isfinite(last_message_age):
+        age.add_metric([run], max(0.0, float(last_message_age)))
+    return [up, age]
 
-    def __init__(self, get: Callable[[], MetricsSnapshot]) -> None:
-        self.get = get
+
+#: ``health() -> (connected, seconds since the newest message)``
+Health = Callable[[], tuple[bool, float | None]]
+
+
+class SnapshotCollector(Collector):
+    """A ``prometheus_client`` collector that renders ``get()`` (the newest snapshot) at every scrape,
+    and the exporter's own health (:func:`exporter_families`) when ``health`` is given."""
+
+    def __init__(self, get: Callable[[], MetricsSnapshot], health: Health | None = None) -> None:
+        self.get, self.health = get, health
 
     def collect(self) -> Iterator[Metric]:
-        yield from families(self.get())
+        snap = self.get()
+        yield from families(snap)
+        if self.health is not None:
+            connected, age = self.health()
+            yield from exporter_families(snap.run or "", connected, age)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -139,12 +166,12 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def serve(listen: str, get: Callable[[], MetricsSnapshot]):
+def serve(listen: str, get: Callable[[], MetricsSnapshot], health: Health | None = None):
     """Start the exposition server in a daemon thread; returns (server, thread, (host, port))."""
     from prometheus_client import start_http_server
 
     host, port = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(get))
+    registry.register(SnapshotCollector(get, health))
     server, thread = start_http_server(port, addr=host, registry=registry)
     return server, thread, server.server_address[:2]

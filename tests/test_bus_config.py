@@ -12,6 +12,7 @@ from bus.config import CommonConfig, ConfigError, all_variables, from_env, markd
 def test_defaults_and_env_values():
     cfg = from_env(CommonConfig, {})
     assert cfg.run == "default" and cfg.max_chunk_bytes == 1024 * 1024
+    assert cfg.connect_timeout == 10.0 and cfg.strict_env is False and cfg.log_level == "info"
     cfg = from_env(CommonConfig, {"DILOCO_RUN": "exp-1", "DILOCO_INFLIGHT_CHUNKS": "4",
                                   "DILOCO_NATS_URL": "nats://a:1, tls://b:2"})
     assert cfg.run == "exp-1" and cfg.inflight_chunks == 4 and cfg.nats_url == "nats://a:1,tls://b:2"
@@ -31,6 +32,8 @@ def test_defaults_and_env_values():
         ("DILOCO_NATS_URL", "localhost:4222", "URLs like nats://"),
         ("DILOCO_NATS_URL", "http://x:1", "schemes"),
         ("DILOCO_GLOBAL_HISTORY", "1", ">= 2"),
+        ("DILOCO_CONNECT_TIMEOUT", "0", "a float >= 0.1"),
+        ("DILOCO_STRICT_ENV", "maybe", "one of 1/0, true/false"),
     ],
 )
 def test_bad_value_is_one_line_naming_variable_value_and_expectation(var, value, expected):

@@ -362,6 +362,9 @@ async def test_learner_survives_nats_restart(nats_server, js):
         assert await proc.stop() == 0
         events = [e.get("event") for e in proc.events()]
         assert "nats_disconnected" in events and "nats_reconnected" in events
+        # one line per change of state, not two per failed reconnect attempt (bus.conn.ConnectionLog)
+        conn_lines = [e for e in events if e and e.startswith("nats_")]
+        assert len(conn_lines) <= 3 * events.count("nats_disconnected") + 2 and "nats_error" not in events, conn_lines
     finally:
         proc.kill()
 

@@ -100,7 +100,7 @@ async def test_metrics_once_json_table_and_filters(nats_server, nc):
     assert any(line.split()[:2] == ["us", "l1"] for line in lines)
     assert any(line.startswith("aggregator  merges 4  accepted 9  rejected 3") for line in lines)
     assert any(line.startswith("monitor     active 2  evicted 1") for line in lines)
-    assert any(line.startswith("evaluator   eval_loss 3.2100 at version 7") for line in lines)
+    assert any(line.startswith("evaluator   eval_loss 3.2100 after 7 merges") for line in lines)
 
     filtered = orjson.loads(out3)
     assert set(filtered["learners"]) == {"l1"} and filtered["aggregator"] is None and filtered["monitor"] is None
@@ -235,7 +235,7 @@ async def test_dir_watches_the_run_of_a_diloco_up_output_folder(nats_server, nc,
 
 async def test_unreachable_server_is_one_line_and_exit_1():
     url = f"nats://user:hunter2@127.0.0.1:{_dead_port()}"
-    env = env_for(url, "r")
+    env = dict(env_for(url, "r"), DILOCO_CONNECT_TIMEOUT="1")  # the default 10 s: tests/test_failfast.py
     results = await asyncio.gather(
         diloco(env, "status"), diloco(env, "status", "--json"), diloco(env, "metrics", "--once", "--wait", "0.5"),
         diloco(env, "metrics"))
@@ -243,6 +243,7 @@ async def test_unreachable_server_is_one_line_and_exit_1():
         assert rc == 1 and out == ""
         assert len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"diloco {prog}: cannot connect to nats://***@127.0.0.1:")
+        assert "within 1s (DILOCO_CONNECT_TIMEOUT): connection refused" in err
         assert "hunter2" not in err and "Traceback" not in err
 
     rc, out, err = await diloco(env, "status", "--url", "localhost:4222")

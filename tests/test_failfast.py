@@ -1,0 +1,288 @@
+"""Every command fails fast and clearly (issue 26): an unreachable server is one line naming the URL
+and what to check, within DILOCO_CONNECT_TIMEOUT; a long-running process rides out a server restart
+with one log line per change of state; DILOCO_LOG_LEVEL holds for islands and ``diloco export``;
+``diloco export``'s own errors are one line. Real nats-servers throughout (a stopped one for the
+unreachable cases)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bus.conn import ConnectionLog, still_down_threshold
+from bus.server import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DILOCO = str(Path(sys.executable).parent / "diloco")
+
+
+def env_for(url: str, **kw: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env.update(DILOCO_NATS_URL=url, DILOCO_RUN="ff", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.update(kw)
+    return env
+
+
+@pytest.fixture
+def stopped_server(tmp_path):
+    """The URL of a real server that ran and was stopped: nothing listens on its port now."""
+    srv = EmbeddedServer(store_dir=str(tmp_path / "gone"))
+    srv.start()
+    url = srv.url
+    srv.close()
+    return url
+
+
+async def run(env: dict, *args: str, timeout: float = 40.0) -> tuple[int, str, str, float]:
+    t0 = time.monotonic()
+    p = await asyncio.create_subprocess_exec(DILOCO, *args, env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(p.communicate(), timeout)
+    return p.returncode, out.decode(), err.decode(), time.monotonic() - t0
+
+
+def plain_lines(err: str) -> list[str]:
+    """stderr without the JSON log lines."""
+    return [line for line in err.splitlines() if line.strip() and not line.startswith("{")]
+
+
+def log_events(err: str) -> list[dict]:
+    return [orjson.loads(line) for line in err.splitlines() if line.startswith("{")]
+
+
+# -- an unreachable server at start -------------------------------------------------------------------
+
+
+async def test_every_command_exits_within_the_connect_timeout_with_one_line(stopped_server, tmp_path):
+    """At the default DILOCO_CONNECT_TIMEOUT (10 s) each command tries about that long, then says
+    in one line which URL it could not reach and what to check; no traceback, no per-attempt logs."""
+    env = env_for(stopped_server, DILOCO_MODE="synthetic")
+    commands = {
+        "export": ("export", "--out", str(tmp_path / "m.npz"), "--timeout", "60"),  # the connect timeout wins
+        "learner": ("learner",),
+        "status": ("status",),
+        "run": ("run", "inspect"),
+        "metrics": ("metrics", "--once"),
+    }
+    results = await asyncio.gather(*(run(env, *args) for args in commands.values()))
+    for (name, _), (rc, out, err, took) in zip(commands.items(), results):
+        lines = plain_lines(err)
+        assert rc != 0 and 9.0 < took < 16.0, (name, rc, took, err)
+        assert len(lines) == 1, (name, err)
+        assert re.match(rf"diloco {name}( learner-0)?: cannot connect to {re.escape(stopped_server)} within 10s "
+                        r"\(DILOCO_CONNECT_TIMEOUT\): connection refused: is a nats-server running there", lines[0]), \
+            (name, lines[0])
+        assert "DILOCO_NATS_URL" in lines[0] and "Traceback" not in err
+        events = [e["event"] for e in log_events(err)]
+        assert not any(e.startswith("nats_") for e in events), (name, events)
+        assert len(events) <= 2, (name, events)  # a learner: "starting", "startup_failed"
+    assert not (tmp_path / "m.npz").exists()
+
+
+def test_an_island_raises_a_connection_error_within_the_connect_timeout(stopped_server):
+    import jax.numpy as jnp
+
+    from bus.conn import ConnectFailed
+    from learner.island import Island
+
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError) as ei:
+        Island({"w": jnp.ones((4, 3))}, run="ff", nats_url=stopped_server, learner_id="i0",
+               env={"DILOCO_CONNECT_TIMEOUT": "2"})
+    took = time.monotonic() - t0
+    assert isinstance(ei.value, ConnectFailed) and 1.9 < took < 6.0, took
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(f"cannot connect to {stopped_server} within 2s (DILOCO_CONNECT_TIMEOUT)")
+    assert "is a nats-server running there" in msg
+
+
+async def test_export_timeout_bounds_the_connect_and_one_line_errors_before_connecting(stopped_server, tmp_path):
+    env = env_for(stopped_server)
+    rc, out, err, took = await run(env, "export", "--out", str(tmp_path / "m.npz"), "--timeout", "1.5")
+    assert rc == 1 and took < 6.0, (took, err)
+    assert plain_lines(err) == [plain_lines(err)[0]] and "within 1.5s (DILOCO_CONNECT_TIMEOUT)" in err
+    # --out in a folder that does not exist: one line naming it, at once (no connection tried)
+    missing = tmp_path / "missing" / "dir" / "model.npz"
+    rc, out, err, took = await run(env, "export", "--out", str(missing))
+    assert rc == 2 and err.strip() == (f"diloco export: --out {missing}: the folder {missing.parent} does not exist "
+                                       "(create it first)"), err
+    assert took < 5.0 and not missing.parent.exists()
+    rc, out, err, _ = await run(env, "export", "--out", str(tmp_path))
+    assert rc == 2 and "is a folder" in err and len(err.strip().splitlines()) == 1
+
+
+# -- a run with nothing merged, and DILOCO_LOG_LEVEL in islands and export -------------------------------
+
+ISLAND_SCRIPT = r"""
+import sys
+import jax.numpy as jnp
+import structlog
+from learner.island import Island
+
+url, mode = sys.argv[1], sys.argv[2]
+env = {"DILOCO_LOG_LEVEL": "warning", "DILOCO_FINAL_WAIT": "0", "DILOCO_SYNC_EVRY": "2"}
+if mode == "user-structlog":  # the user's own structlog configuration, at debug, to stdout
+    structlog.configure(processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)])
+    structlog.get_logger().debug("user-line-before")
+tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+island = Island(tree, run="quiet", nats_url=url, learner_id=f"q-{mode}", sync_every=2, num_fragments=2,
+                join_timeout=60, env=env)
+p = island.params
+for _ in range(5):
+    p = island.step({"w": p["w"] * 0.9, "b": p["b"]}, loss=1.0)
+island.close()
+if mode == "user-structlog":
+    structlog.get_logger().debug("user-line-after")
+print("island-done", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+async def test_islands_and_export_log_at_diloco_log_level_and_export_says_nothing_was_merged(nats_server, tmp_path):
+    def island(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", ISLAND_SCRIPT, nats_server.url, mode], cwd=ROOT,
+                              env=env_for(nats_server.url), capture_output=True, text=True, timeout=120)
+
+    # no structlog configuration of the user's: our lines are JSON on stderr, none below warning
+    p = island("plain")
+    assert p.returncode == 0 and "island-done" in p.stdout, p.stderr
+    events = log_events(p.stderr)
+    assert events and all(e["level"] in ("warning", "error") for e in events), p.stderr
+    assert plain_lines(p.stderr) == []
+    unknown = [e for e in events if e["event"] == "unknown_variable"]
+    assert len(unknown) == 1 and "DILOCO_SYNC_EVRY" in unknown[0]["problem"] \
+        and "did you mean DILOCO_SYNC_EVERY?" in unknown[0]["problem"]
+    assert {e.get("role") for e in events if e["event"] != "unknown_variable"} <= {"island"}
+    # the user's structlog configuration is kept (their debug lines print) and ours filter at warning
+    p = island("user-structlog")
+    assert p.returncode == 0, p.stderr
+    assert "user-line-before" in p.stdout and "user-line-after" in p.stdout
+    ours = [line for line in p.stdout.splitlines() if line.strip() and "user-line" not in line
+            and line != "island-done"]
+    assert ours and not any(re.search(r"\[(debug|info)", line) for line in ours), p.stdout
+    assert all(re.search(r"\[(warning|error)", line) for line in ours), ours
+
+    # export: every fragment is still at version 0 (no aggregator): a warning, or a failure on demand
+    env = env_for(nats_server.url, DILOCO_RUN="quiet", DILOCO_LOG_LEVEL="warning")
+    out = tmp_path / "m.npz"
+    rc, stdout, err, _ = await run(env, "export", "--out", str(out))
+    assert rc == 0 and out.exists(), err
+    assert plain_lines(err) == ["diloco export: warning: run 'quiet': every fragment is at version 0, the initial "
+                                "parameters: no merged work yet (is an aggregator running, are learners "
+                                "contributing?)"], err
+    assert log_events(err) == [] and "-> " + str(out) in stdout
+    out.unlink()
+    rc, stdout, err, _ = await run(env, "export", "--out", str(out), "--require-merged")
+    assert rc == 3 and not out.exists() and stdout == ""
+    assert len(plain_lines(err)) == 1 and "nothing written (--require-merged)" in err
+    assert not list(tmp_path.glob(".m.npz.*"))  # no temporary file left behind
+    # the level holds both ways: at debug, export's own connection says it closed
+    rc, _, err, _ = await run({**env, "DILOCO_LOG_LEVEL": "debug"}, "export", "--out", str(out))
+    assert rc == 0 and "nats_closed" in [e["event"] for e in log_events(err)]
+
+
+# -- once connected: one line per change of state, not per reconnect attempt ---------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def _rec(self, level: str):
+        return lambda event, **kw: self.lines.append((level, event, kw))
+
+    def __getattr__(self, level: str):
+        return self._rec(level)
+
+
+def test_connection_log_is_one_line_per_change_of_state():
+    clock = [0.0]
+    rec = Recorder()
+    states = ConnectionLog(rec, clock=lambda: clock[0])
+    states.error(RuntimeError("nats: permissions violation"))
+    for _ in range(100):  # the same error again and again: once a minute
+        clock[0] += 0.5
+        states.error(RuntimeError("nats: permissions violation"))
+    assert [e for _, e, _ in rec.lines] == ["nats_error"]
+    clock[0] += 10.0  # a minute after the first line: logged again, with how many were not
+    states.error(RuntimeError("nats: permissions violation"))
+    assert [e for _, e, _ in rec.lines] == ["nats_error"] * 2 and rec.lines[-1][2]["suppressed"] == 100
+    rec.lines.clear()
+    states.disconnected()
+    for _ in range(2 * 1000):  # two failed attempts a second for 1000 s
+        clock[0] += 0.5
+        states.failed_attempt(ConnectionRefusedError(111, "refused"))
+    states.disconnected()  # nats-py may report the same outage twice
+    states.reconnected()
+    events = [e for _, e, _ in rec.lines]
+    assert events == ["nats_disconnected"] + ["nats_still_down"] * 5 + ["nats_reconnected"]
+    assert [kw["down_s"] for _, e, kw in rec.lines if e == "nats_still_down"] == [10, 60, 300, 600, 900]
+    assert rec.lines[-1][2] == {"down_s": 1000.0, "attempts": 2000}
+    assert [still_down_threshold(k) for k in range(6)] == [10, 60, 300, 600, 900, 1200]
+
+
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("diloco_exporter_")}
+
+
+@pytest.mark.timeout(90)
+async def test_the_exporter_says_it_is_disconnected_and_logs_one_line_each_way(nats_server):
+    """``diloco metrics --serve`` across a server restart: diloco_exporter_connected goes 0 and back
+    to 1, the newest message's age grows meanwhile, and the log has one line for the loss and one
+    for the return, not two per reconnect attempt."""
+    from bus.codec import dumps_json
+    from bus.config import CommonConfig
+    from bus.conn import connect
+    from bus.subjects import Subjects
+
+    env = env_for(nats_server.url, DILOCO_RUN="prom")
+    p = await asyncio.create_subprocess_exec(DILOCO, "metrics", "--serve", "127.0.0.1:0", env=env, cwd=str(ROOT),
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(p.stdout.readline(), 30)).decode()
+        url = re.search(r"(http://\S+/metrics)", line).group(1)
+        nc = await connect(CommonConfig(nats_url=nats_server.url, run="prom"), name="pub")
+        await nc.publish(Subjects("prom").metrics("learner", "l0"),
+                         dumps_json({"role": "learner", "run": "prom", "learner": "l0", "ts": time.time(), "step": 1}))
+        await nc.flush()
+        await nc.close()
+        await asyncio.sleep(0.5)
+        loop = asyncio.get_running_loop()
+        got = await loop.run_in_executor(None, scrape, url)
+        assert got["diloco_exporter_connected"] == 1 and got["diloco_exporter_last_message_age_seconds"] < 5
+        nats_server.kill()
+        for _ in range(50):
+            got = await loop.run_in_executor(None, scrape, url)
+            if got["diloco_exporter_connected"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert got["diloco_exporter_connected"] == 0
+        await asyncio.sleep(3.0)  # about six failed reconnect attempts
+        age = (await loop.run_in_executor(None, scrape, url))["diloco_exporter_last_message_age_seconds"]
+        assert age > 3.0
+        await loop.run_in_executor(None, nats_server.start)
+        for _ in range(100):
+            got = await loop.run_in_executor(None, scrape, url)
+            if got["diloco_exporter_connected"] == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert got["diloco_exporter_connected"] == 1
+    finally:
+        p.terminate()
+        _, err = await asyncio.wait_for(p.communicate(), 15)
+    events = [e["event"] for e in log_events(err.decode())]
+    assert events.count("nats_disconnected") == 1 and events.count("nats_reconnected") == 1, events
+    assert "nats_error" not in events and len(events) <= 4, events
