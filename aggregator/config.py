@@ -46,6 +46,10 @@ def quorum_value(s: str) -> int:
 @dataclass(frozen=True)
 class AggregatorConfig:
     aggregator_id: str = var("agg-0", token(), "this aggregator's id (metrics, consumer name)")
+    embedded_monitor: bool = var(True, boolean(),
+                                 "`diloco aggregator` also runs a membership monitor in its process (it competes "
+                                 "for the leader lease with any other monitor): a run of an aggregator and islands "
+                                 "needs no third process (false: run `diloco monitor` yourself)")
     agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
     quorum: int = var(0, quorum_value, "K: merge a fragment once K active learners contributed; all: once every "
                       "active learner did (one merge per round; an evicted learner is not waited for)",

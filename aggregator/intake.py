@@ -87,6 +87,9 @@ class Intake:
         only once their event is stored (``_publish_audit``)."""
         self.stats.rejected[reason] += 1
         self.log.warning("contribution_rejected", reason=reason, **kw)
+        if kw.get("learner") and "incarnation" in kw:  # the learner is told too (aggregator.feedback)
+            self.feedback.rejected(str(kw["learner"]), str(kw["incarnation"]), reason, kw.get("fragment"),
+                                   kw.get("round"))
         self._audit.append(({"reason": reason, "ts": time.time(), **{k: v for k, v in kw.items() if k in _AUDIT}},
                             list(tokens)))
 
@@ -144,6 +147,7 @@ class Intake:
                 and self.hold.offer(x, c.learner, self.members.get(c.learner), getattr(c.vector, "nbytes", 0),
                                     now, since)):
             if since is None:
+                self.feedback.held(c.learner, c.incarnation)
                 self.log.info("contribution_held", learner=c.learner, state=self.members.get(c.learner),
                               fragment=p, round=c.round, held=len(self.hold))
             return
@@ -178,6 +182,15 @@ class Intake:
         if len(self.hold):
             for h in self.hold.sweep(self.members.get, now):
                 self._consider(h.item, now, since=h.since)
+
+    async def _send_feedback(self) -> None:
+        """Each learner's notices of this pass on its feedback subject (core NATS: best effort)."""
+        for learner, msg in self.feedback.take(time.time()):
+            try:
+                await self.nc.publish(self.s.feedback(learner), orjson.dumps(msg))
+            except Exception as e:
+                self.log.debug("feedback_failed", learner=learner, error=repr(e))
+                return
 
     async def _publish_audit(self, limit: int = 256) -> None:
         """Rejections as JetStream events (``events.reject``): an audit trail that survives restarts.

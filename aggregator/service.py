@@ -33,6 +33,7 @@ import dataclasses
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,7 @@ from bus.runs import RunMismatch, read_manifest, run_tree
 from aggregator.admission import AdmissionHold
 from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.durability import Durability
+from aggregator.feedback import FeedbackQueue
 from aggregator.intake import Intake, Pending, VectorPool
 from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy
@@ -51,7 +53,7 @@ from aggregator.versions import VersionMaker
 from bus import codec
 from bus.signals import install_stop
 from bus.config import CommonConfig, ConfigError, from_env
-from bus.conn import connect
+from bus.conn import ConnectFailed, connect
 from bus.downlink import Keyframe
 from bus.log import get_logger, setup
 from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, ensure_run, missing_parts
@@ -133,6 +135,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.arrivals = ArrivalStats()
         self.stats = Stats()
         self._audit: list[tuple[dict, list]] = []  # (rejection event, its messages): published, then terminated
+        self.feedback = FeedbackQueue()  # notices to learners of their work rejected or held
         self.nc = None
 
     def _use(self, model_hash: str, plan) -> None:
@@ -328,6 +331,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 await self._checkpoints_due(time.monotonic())
                 if self._audit:
                     await self._publish_audit()
+                if len(self.feedback):
+                    await self._send_feedback()
                 if time.monotonic() - last_keepalive > 5:
                     await self._keep_alive_held()
                     last_keepalive = time.monotonic()
@@ -347,7 +352,10 @@ class AggregatorService(Intake, VersionMaker, Durability):
             self.log.info("aggregator_stopped", versions={p: s.version for p, s in self.states.items()})
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, companions: Sequence[Callable[..., Awaitable[None]]] = ()) -> int:
+    """``python -m aggregator``. ``companions``: ``await c(common, cfg, stop)`` run next to the
+    aggregator in its loop until it stops (``diloco aggregator``'s embedded monitor); one that
+    fails is logged and the aggregator goes on."""
     try:
         common = from_env(CommonConfig)
         cfg = from_env(AggregatorConfig)
@@ -357,10 +365,26 @@ def main(argv: list[str] | None = None) -> int:
     setup(common.log_level, run=common.run, role="aggregator", island=common.region)
     svc = AggregatorService(common, cfg)
 
+    async def companion(c, stop: asyncio.Event) -> None:
+        try:
+            await c(common, cfg, stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            svc.log.error("companion_failed", companion=getattr(c, "__name__", repr(c)), error=repr(e))
+
     async def go() -> None:
         stop = asyncio.Event()
         install_stop(stop)
-        await svc.run(stop)
+        extra = [asyncio.create_task(companion(c, stop)) for c in companions]
+        try:
+            await svc.run(stop)
+        finally:
+            stop.set()
+            if extra:
+                _, pending = await asyncio.wait(extra, timeout=10)
+                for t in pending:
+                    t.cancel()
 
     try:
         asyncio.run(go())
@@ -370,4 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LimitsTooSmall, StorageUnavailable) as e:
         print(f"diloco aggregator: {e}", file=sys.stderr)
         return 2
+    except ConnectFailed as e:  # the server not reachable at start
+        print(f"diloco aggregator: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -118,6 +118,8 @@ class Cluster:
     def start(self, name: str, module: str, **extra: str) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
         argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        if module == "aggregator":  # a bench run starts its own monitor
+            extra = {"DILOCO_EMBEDDED_MONITOR": "false", **extra}
         p = subprocess.Popen([PY, "-m", *argv], env=self.env(**extra), stdout=log, stderr=log,
                              start_new_session=True)
         log.close()

@@ -13,6 +13,7 @@ subject                              carried by       what
 ``diloco.R.state.<frag>.log.<slot>`` stream STATE     merge log: how each version was made (``aggregator.mlog``)
 ``diloco.R.hb.<learner>``            core NATS        heartbeats, learner -> monitor (1 s)
 ``diloco.R.metrics.<role>.<id>``     core NATS        metrics of every process -> ``diloco metrics``
+``diloco.R.feedback.<learner>``      core NATS        aggregator -> a learner: its work rejected or held
 ``diloco.R.events.<kind>``           stream EVENTS    membership transitions and other run events
 ===================================  ===============  ==================================================
 
@@ -96,6 +97,14 @@ class Subjects:
     @property
     def metrics_all(self) -> str:
         return f"{self.prefix}.metrics.>"
+
+    def feedback(self, learner: str) -> str:
+        """Aggregator -> one learner: its contributions rejected (and why) or held (aggregator.feedback)."""
+        return f"{self.prefix}.feedback.{check_token('learner', learner)}"
+
+    @property
+    def feedback_all(self) -> str:
+        return f"{self.prefix}.feedback.*"
 
     def event(self, kind: str) -> str:
         return f"{self.prefix}.events.{check_token('event', kind)}"

@@ -165,7 +165,7 @@ def learner_permissions(run: str, learner: str) -> Permissions:
         *_kv_read(s, "members", learner),
         *_watch(kv_stream(s, "members")),
     ]
-    return Permissions(_uniq(pub), (INBOX,))
+    return Permissions(_uniq(pub), (s.feedback(learner), INBOX))
 
 
 def evaluator_permissions(run: str) -> Permissions:
@@ -209,8 +209,12 @@ def aggregator_permissions(run: str, provision: bool = True) -> Permissions:
         f"{API}.CONSUMER.CREATE.{grad}.*.>",
         f"{API}.CONSUMER.MSG.NEXT.{grad}.*",
         f"$JS.ACK.{grad}.>",
+        f"{s.prefix}.feedback.*",  # each learner told of its work rejected or held (aggregator.feedback)
     ]
-    return Permissions(_uniq(pub), (INBOX,))
+    # the monitor embedded in `diloco aggregator` (DILOCO_EMBEDDED_MONITOR, on by default) runs with
+    # the aggregator's credentials: membership, the lease, heartbeats
+    mon = monitor_permissions(run)
+    return Permissions(_uniq(pub + list(mon.publish)), _uniq([INBOX, *mon.subscribe]))
 
 
 def monitor_permissions(run: str) -> Permissions:

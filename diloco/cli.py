@@ -15,7 +15,9 @@ import signal
 import sys
 import time
 
-from bus.config import ROLE_CONFIGS, CommonConfig, from_env, markdown_table, sources
+from bus.config import (CONFIG_MODULES, CommonConfig, ConfigError, describe_unknown, from_env, markdown_table,
+                        sources, unknown_variables)
+from bus.config import load_role_configs as _load_role_configs
 from bus.entry import run_command
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -33,18 +35,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "auth": ("diloco.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),
 }
 
-ROLE_MODULES = ("learner.config", "aggregator.config", "monitor.config")
+ROLE_MODULES = CONFIG_MODULES
+
+#: The configs each role's command reads besides CommonConfig (what ``diloco config ROLE`` shows):
+#: ``diloco aggregator`` reads the model's (DILOCO_MODEL=builtin creates a run of it).
+ROLE_READS: dict[str, tuple[str, ...]] = {"learner": ("model", "learner"), "eval": ("model", "learner", "eval"),
+                                          "aggregator": ("model", "aggregator")}
 
 
 def load_role_configs() -> dict[str, type]:
     """Import every role's config module so that ``ROLE_CONFIGS`` lists all variables."""
-    for mod in ROLE_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-    return ROLE_CONFIGS
+    return _load_role_configs()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         print(f"diloco {name}: not available in this build ({e})", file=sys.stderr)
         return 2
-    return run_command(name, fn, rest)
+    from bus.conn import ConnectFailed
+
+    try:
+        return run_command(name, fn, rest)
+    except ConnectFailed as e:  # the server is not reachable at start: one line naming it, what to check
+        print(f"diloco {name}: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_nats(argv: list[str]) -> int:
@@ -104,10 +111,13 @@ def cmd_run(argv: list[str]) -> int:
     import orjson
 
     from bus.conn import connect
-    from bus.streams import delete_run, inspect_run
+    from bus.streams import delete_run, inspect_run, reserved_total
 
-    p = argparse.ArgumentParser(prog="diloco run", description=COMMANDS["run"][1])
-    p.add_argument("action", choices=["create", "inspect", "delete"])
+    p = argparse.ArgumentParser(prog="diloco run", description=COMMANDS["run"][1],
+                                epilog="list: every run on the server (by its stream names) with the bytes it stores "
+                                       "and reserves; the server reserves each stream's max_bytes when it is "
+                                       "created, and delete (DILOCO_RUN=<run>) frees them")
+    p.add_argument("action", choices=["create", "inspect", "delete", "list"])
     p.add_argument("--init", metavar="FILE", default=None,
                    help="create: make version 0 from this .npz of named float leaves (`diloco export`'s format, "
                         "or np.savez(f, **{path: array})): a run of your own model. Without it: a run of the "
@@ -121,15 +131,17 @@ def cmd_run(argv: list[str]) -> int:
     cfg = from_env(CommonConfig)
     from bus.log import setup
 
-    setup(cfg.log_level, run=cfg.run, role="cli")  # logs to stderr: stdout is the JSON result
+    log = setup(cfg.log_level, run=cfg.run, role="cli")  # logs to stderr: stdout is the JSON result
     from aggregator.config import AggregatorConfig
 
     provision = from_env(AggregatorConfig).provision  # false: the streams are admin's (strict auth)
-    try:  # LimitsTooSmall, a bad --init file: one line, before connecting
-        limits, tree = _run_limits(cfg, a.init)
-    except ValueError as e:
-        print(f"diloco run: {e}", file=sys.stderr)
-        return 2
+    limits, tree = None, None
+    if a.action == "create":  # only a creation sizes streams
+        try:  # LimitsTooSmall, a bad --init file: one line, before connecting
+            limits, tree = _run_limits(cfg, a.init)
+        except ValueError as e:
+            print(f"diloco run: {e}", file=sys.stderr)
+            return 2
 
     async def go() -> object:
         nc = await connect(cfg, name=f"cli-run-{a.action}")
@@ -142,22 +154,29 @@ def cmd_run(argv: list[str]) -> int:
                 if a.streams_only:
                     from bus.streams import ensure_run
 
+                    assert limits is not None  # sized before connecting
                     await ensure_run(js, cfg.run, limits, update=True)
                 elif tree is not None:
                     spec, plan, arrays, model = tree
                     out["created"] = await create_tree_run(js, cfg, spec, plan, arrays, model.max_imbalance,
-                                                           max_inner_lr=model.max_inner_lr, provision=provision)
+                                                           max_inner_lr=model.max_inner_lr, provision=provision,
+                                                           log=log)
                     out["params"], out["fragments"] = spec.num_params, plan.num_fragments
                 else:
                     from learner.builtin import create_builtin_run
                     from learner.config import ModelConfig
 
-                    out["created"] = await create_builtin_run(js, cfg, from_env(ModelConfig), provision=provision)
+                    out["created"] = await create_builtin_run(js, cfg, from_env(ModelConfig), provision=provision,
+                                                              log=log)
                     m = await read_manifest(js, cfg.run)
                     out["fragments"] = m.num_fragments if m is not None else None
-                return {**out, **await inspect_run(js, cfg.run)}
+                streams = await inspect_run(js, cfg.run)
+                return {**out, **streams, "reserved_bytes": reserved_total(streams)}
             if a.action == "inspect":
-                return await inspect_run(js, cfg.run)
+                streams = await inspect_run(js, cfg.run)
+                return {**streams, "reserved_bytes": reserved_total(streams)}
+            if a.action == "list":
+                return await _run_list(js)
             return {"deleted": await delete_run(js, cfg.run)}
         finally:
             await nc.close()
@@ -169,10 +188,26 @@ def cmd_run(argv: list[str]) -> int:
     return 0
 
 
+async def _run_list(js) -> dict:
+    """`diloco run list`: every run on the server (``bus.streams.list_runs``) and the account's
+    JetStream storage (used, and its limit where the account has one; -1: the server's)."""
+    from bus.streams import list_runs
+
+    out = await list_runs(js)
+    try:
+        info = await js.account_info()
+        out["account"] = {"storage_bytes": info.storage, "streams": info.streams,
+                          "max_storage_bytes": getattr(info.limits, "max_storage", -1)}
+    except Exception as e:  # noqa: BLE001 - a user without the right: the runs alone
+        out["account"] = {"error": repr(e)}
+    return out
+
+
 def _one_line(who: str, go) -> tuple[int, object]:
     """Run ``go()`` (a coroutine function): (0, its result), or an exit code after one line on
     stderr for what a run's creation can meet: a limit too small (2), a server without the
-    storage (1), a run that is not this one or not provisioned (3)."""
+    storage (1), a run that is not this one or not provisioned (3), a server out of reach (1)."""
+    from bus.conn import ConnectFailed
     from bus.runs import RunMismatch
     from bus.streams import LimitsTooSmall, StorageUnavailable
 
@@ -181,6 +216,9 @@ def _one_line(who: str, go) -> tuple[int, object]:
     except (LimitsTooSmall, StorageUnavailable, RunMismatch) as e:
         print(f"{who}: {e}", file=sys.stderr)
         return {LimitsTooSmall: 2, StorageUnavailable: 1, RunMismatch: 3}[type(e)], None
+    except ConnectFailed as e:  # the server is not reachable: the URL and what to check
+        print(f"{who}: {e}", file=sys.stderr)
+        return 1, None
 
 
 def cmd_aggregator(argv: list[str]) -> int:
@@ -197,7 +235,14 @@ def cmd_aggregator(argv: list[str]) -> int:
         code = create_builtin_if_missing(common, model, provision=cfg.provision, who="diloco aggregator")
         if code:
             return code
-    return aggregator_main(argv)
+    from diloco.hub import monitor_companions
+
+    try:
+        companions = monitor_companions(cfg)  # the embedded monitor (DILOCO_EMBEDDED_MONITOR)
+    except ConfigError as e:
+        print(f"diloco aggregator: {e}", file=sys.stderr)
+        return 2
+    return aggregator_main(argv, companions=companions)
 
 
 def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = True, who: str = "diloco") -> int:
@@ -217,14 +262,22 @@ def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = 
     async def go() -> None:
         nc = await connect(common, name="create-run")
         try:
-            await create_builtin_run(nc.jetstream(timeout=10), common, model, provision=provision)
+            if await create_builtin_run(nc.jetstream(timeout=10), common, model, provision=provision):
+                from bus.log import get_logger
+
+                get_logger(component="cli").info(
+                    "builtin_run_created", hint="DILOCO_MODEL=builtin (the default): islands of your own model "
+                    "cannot join this run; for them delete it (`diloco run delete`) and start the aggregator with "
+                    "DILOCO_MODEL=run")
         finally:
             await nc.close()
 
     try:
         return _one_line(who, go)[0]
     except Exception as e:
-        print(f"{who}: cannot create run {common.run!r} at {common.nats_url}: {e!r}", file=sys.stderr)
+        from bus.conn import redact_url
+
+        print(f"{who}: cannot create run {common.run!r} at {redact_url(common.nats_url)}: {e!r}", file=sys.stderr)
         return 1
 
 
@@ -251,6 +304,9 @@ def _run_limits(cfg: CommonConfig, init: str | None):
 
 
 def cmd_config(argv: list[str]) -> int:
+    """``diloco config ROLE``: every variable the role's command reads, with its effective value and
+    source; then the unknown ``DILOCO_*`` variables (typos), a warning each, exit 2 under
+    DILOCO_STRICT_ENV. A bad value: one line, exit 2."""
     roles = load_role_configs()
     p = argparse.ArgumentParser(prog="diloco config", description=COMMANDS["config"][1])
     p.add_argument("role", nargs="?", choices=sorted(roles), default="common")
@@ -259,13 +315,25 @@ def cmd_config(argv: list[str]) -> int:
     if a.markdown:
         print(markdown_table())
         return 0
-    rows = sources(CommonConfig) + ([] if a.role == "common" else sources(roles[a.role]))
+    rows = sources(CommonConfig)
+    for role in ROLE_READS.get(a.role, () if a.role == "common" else (a.role,)):
+        rows += sources(roles[role])
     seen = set()
     for name, value, src in rows:
         if name in seen:
             continue
         seen.add(name)
-        print(f"{name}={value}  # {src}")
+        note = ""
+        if name == "DILOCO_MODEL" and value == "builtin" and a.role == "aggregator":
+            note = ("; `diloco aggregator` creates a run of the built-in model if DILOCO_RUN has none: "
+                    "for your own model (islands, `diloco run create --init`) set DILOCO_MODEL=run")
+        print(f"{name}={value}  # {src}{note}")
+    unknown = unknown_variables()
+    for name, closest in unknown:
+        print(f"diloco config: {describe_unknown(name, closest)}: ignored by every role", file=sys.stderr)
+    if unknown and from_env(CommonConfig).strict_env:
+        print("diloco config: DILOCO_STRICT_ENV is true: every role refuses to start with these", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -5,7 +5,7 @@ that is never synced) and another task (regression on data it makes, each island
 Run two islands against a NATS server and an aggregator started with ``DILOCO_MODEL=run``::
 
     diloco nats &                                       # or any JetStream server
-    DILOCO_RUN=reg DILOCO_MODEL=run DILOCO_REQUIRE_MEMBERSHIP=false diloco aggregator &
+    DILOCO_RUN=reg DILOCO_MODEL=run diloco aggregator &   # it embeds the membership monitor
     python examples/regression.py --island a --steps 600 &
     python examples/regression.py --island b --steps 600
     DILOCO_RUN=reg diloco export --out reg.npz
@@ -116,8 +116,10 @@ def main(argv=None) -> int:
             params, opt_state, loss = train_step(params, opt_state, batch)
             params = island.step(params, loss=float(loss))
         island.close()
+    st = island.stats  # what became of the work: final once closed
     print(f"island {a.island}: done, {island.step_count} steps, held-out loss "
-          f"{float(loss_fn(params, held_x, held_y)):.4f}", flush=True)
+          f"{float(loss_fn(params, held_x, held_y)):.4f}; rounds sent {st['sent']}, merged {st['merged']}, "
+          f"rejected {st['rejected_total']}", flush=True)
     return 0
 
 

@@ -89,6 +89,12 @@ class LearnerConfig:
                      "after it; every: each new version (sync mode always does)")
     fetch_delay: int = var(-1, integer(-1), "fetch=round: inner steps from a sync to the download (-1: H/4)")
     final_sync: bool = var(True, boolean(), "on reaching the step budget, send every fragment's unsent steps before exiting")
+    final_wait: float = var(30.0, number(0.0, 86400),
+                            "after the final sync, seconds to wait until the aggregator merged (or rejected) every "
+                            "outer gradient sent, then say what became of them (0: do not wait)")
+    warn_unadmitted_after: float = var(10.0, number(0.1, 86400),
+                                       "warn when the monitor has not admitted this learner this many seconds after "
+                                       "its first outer gradient (its work is held, then rejected)")
     dynamic_h: bool = var(False, boolean(),
                           "Dynamic Local Updates: sync every floor(v / v_max x H) steps (v: tokens/s of the active "
                           "learners, from the members bucket), so a slower learner's round lasts as long as the fastest's")

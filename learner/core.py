@@ -187,6 +187,7 @@ class IslandCore:
                                                      c.round) + "." + self._nonce,
                                          blob, meta)
             ok = True
+            self.fate.on_sent(c.fragment, c.round, time.monotonic())
             self.log.debug("contributed", fragment=c.fragment, round=c.round, base=c.base_version,
                            steps=c.steps, bytes=len(blob))
         except asyncio.CancelledError:
@@ -307,7 +308,9 @@ class IslandCore:
                 # both hand it here (test_hostile counted a forged head twice, about 1 run in 10)
                 return
             # which of our rounds this version's merge held (the fetch policy waits for our own)
-            self.book.on_applied(p, lp.applied_rounds(head.meta, self.id, self.incarnation, p), head.version)
+            ours = lp.applied_rounds(head.meta, self.id, self.incarnation, p)
+            self.book.on_applied(p, ours, head.version)
+            self.fate.on_head(p, head.version, ours, time.monotonic())
             if self._fetch_all:
                 due = self.book.wants(p, head.version)
             else:

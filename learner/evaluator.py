@@ -5,11 +5,13 @@ fragment, and every ``DILOCO_EVAL_INTERVAL`` seconds, if any version changed sin
 evaluation, computes the mean next-token loss of the global model on fixed held-out batches
 (``Corpus.heldout_batches``: the split no learner trains on) and publishes
 
-    {"role": "evaluator", "run", "ts", "eval_id", "eval_loss", "version", "version_min", "versions",
-     "tokens", "eval_seconds"}
+    {"role": "evaluator", "run", "ts", "eval_id", "eval_loss", "merges", "version", "version_min",
+     "versions", "tokens", "eval_seconds"}
 
-on ``diloco.<run>.metrics.evaluator.<eval_id>``. ``version`` is the *sum* of the fragment versions
-(it grows by one with every merge of any fragment; ``version_min`` is the oldest fragment's).
+on ``diloco.<run>.metrics.evaluator.<eval_id>``. A *version* is always one fragment's (``versions``:
+fragment -> version; ``version_min``: the oldest fragment's); ``merges`` is their sum, the merges of
+every fragment the evaluated model holds (``version`` is the same number under its old name, kept
+for dashboards that read it).
 
 ``diloco eval --once`` evaluates the current global model once, prints that JSON as one line on
 stdout and exits. The corpus settings (``DILOCO_DATA``, ``DILOCO_DATA_MAX_BYTES``) must be the
@@ -106,13 +108,14 @@ class Evaluator:
         self.evaluations += 1
         self.last = {
             "role": "evaluator", "run": self.common.run, "ts": time.time(), "eval_id": self.ecfg.eval_id,
-            "eval_loss": loss, "version": sum(versions.values()), "version_min": min(versions.values()),
+            "eval_loss": loss, "merges": sum(versions.values()), "version": sum(versions.values()),
+            "version_min": min(versions.values()),
             "versions": {str(p): v for p, v in sorted(versions.items())},
             "tokens": self._heldout_tokens(),
             "eval_seconds": round(time.monotonic() - t0, 4), "rss_mib": peak_rss_mib(),
             "rejected_globals": dict(self.rejected_globals),
         }
-        self.log.info("evaluated", eval_loss=loss, version=self.last["version"], versions=versions)
+        self.log.info("evaluated", eval_loss=loss, merges=self.last["merges"], versions=versions)
         return self.last
 
     async def _start(self) -> None:

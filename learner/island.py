@@ -18,9 +18,10 @@ gradients with error feedback, rebase on arrival, heartbeats, eviction and resyn
 The island reads the parameters it was handed while the next inner step runs: do not donate them
 to your train step (``donate_argnums``).
 
-``params`` is any JAX pytree of arrays (nested dicts, lists, tuples, Flax/Equinox nodes). Float
-leaves (float32, bfloat16, ...) are synchronised; outer gradients and the aggregator's state are
-float32. Non-float leaves are never sent: each island keeps its own. Leaves may be ``jax.Array``s
+``params`` is any JAX pytree (nested dicts, lists, tuples, an Equinox module, a Flax NNX state or
+module). Float array leaves (float32, bfloat16, ...) are synchronised; outer gradients and the
+aggregator's state are float32. Every other leaf (integer arrays, PRNG keys, functions, Python
+scalars) stays on each island and is never sent; the island logs once which (``local_leaves``). Leaves may be ``jax.Array``s
 sharded over the island's devices: only the leaves of a due fragment go to the host, and merged
 versions are written back with each leaf's own dtype and sharding.
 
@@ -46,11 +47,12 @@ import orjson
 from bus import codec
 from bus.config import CommonConfig, from_env
 from bus.fragments import gather
+from bus.log import get_logger
 from bus.protocol import Manifest
 from bus.tree import TreeSpec
 from learner.config import LearnerConfig, ModelConfig
 from bus.runs import create_tree_run, plan_for, tree_of_manifest
-from learner.pytree import TreeParams, flatten, named_float_arrays, tree_spec
+from learner.pytree import TreeParams, flatten, local_leaves_summary, named_float_arrays, tree_spec
 
 from learner.backends import NO_STEP, HookBackend, IslandClosed, TrainBackend  # noqa: F401 (public names)
 
@@ -82,6 +84,11 @@ class TreeModel:
         except (ValueError, TypeError) as e:
             return f"run {m.run!r}: {e}"
         diff = self.tree.first_difference(theirs)
+        if diff is not None and m.spec.get("kind") != "tree":
+            return (f"run {m.run!r} holds the built-in model, not this island's tree ({diff}); an aggregator "
+                    f"started without DILOCO_MODEL=run creates one: delete it with `DILOCO_RUN={m.run} diloco run "
+                    "delete` and start the aggregator with DILOCO_MODEL=run (the first island then creates the "
+                    "run from its own parameters)")
         if diff is not None:
             return f"this island's parameter tree differs from run {m.run!r}'s: {diff}"
         if m.plan_hash != self.plan.plan_hash() or m.num_fragments != self.plan.num_fragments:
@@ -132,30 +139,44 @@ class TreeModel:
 # -- the island -------------------------------------------------------------------------------------
 
 
-def _manifest_now(common: CommonConfig, timeout: float = 10.0) -> Manifest | None:
-    """The run's manifest if it exists (None if not, or if the server is not reachable yet: the
-    learner core then retries). Runs its own loop in a thread: the caller may be inside one."""
-    from bus.conn import connect
+def _manifest_now(common: CommonConfig, environ: dict[str, str] | None = None,
+                  timeout: float = 10.0) -> Manifest | None:
+    """The run's manifest if it exists (None if not, or if it could not be read: the learner core
+    then retries). First the island's share of a process's start-up: our loggers filter at
+    DILOCO_LOG_LEVEL and render with the process's structlog configuration, or as JSON lines on
+    stderr if it has none (``bus.log.setup_library``: nothing of the user's logging is changed), and
+    one warning per unknown ``DILOCO_*`` variable of ``environ`` (ConfigError, one line, under
+    DILOCO_STRICT_ENV). ``bus.conn.ConnectFailed`` (a ConnectionError: one line naming the URL and
+    what to check) when the server cannot be reached within DILOCO_CONNECT_TIMEOUT. Runs its own
+    loop in a thread: the caller may be inside one."""
+    from bus.conn import ConnectFailed, connect
+    from bus.log import setup_library
     from bus.runs import read_manifest
 
+    setup_library(common.log_level, environ)
     out: list = [None]
+    failed: list[ConnectFailed] = []
 
     async def go() -> None:
-        nc = await asyncio.wait_for(connect(common, name="island-probe", allow_reconnect=False), timeout)
+        nc = await connect(common, name="island-probe")
         try:
-            out[0] = await read_manifest(nc.jetstream(timeout=timeout), common.run)
+            out[0] = await asyncio.wait_for(read_manifest(nc.jetstream(timeout=timeout), common.run), timeout)
         finally:
             await nc.close()
 
     def main() -> None:
         try:
             asyncio.run(go())
+        except ConnectFailed as e:
+            failed.append(e)
         except Exception:
             pass
 
-    t = threading.Thread(target=main, daemon=True)
+    t = threading.Thread(target=main, name="island-probe", daemon=True)
     t.start()
-    t.join(timeout + 5)
+    t.join(common.connect_timeout + timeout + 5)
+    if failed:
+        raise ConnectFailed(str(failed[0]), failed[0].url, failed[0].cause) from None
     return out[0]
 
 
@@ -189,7 +210,10 @@ class Island:
         self.spec = tree_spec(params)
         lr = max_inner_lr if max_inner_lr is not None else model_cfg.max_inner_lr
         # a run that exists decides the fragment plan (its creator chose the number of fragments)
-        existing = _manifest_now(self.common)
+        existing = _manifest_now(self.common, e)  # logging, variables checked; ConnectFailed if unreachable
+        local = local_leaves_summary(self.spec)
+        if local is not None:  # said once: which leaves each island keeps for itself
+            get_logger(component="island", learner=self.cfg.learner_id).info("local_leaves", leaves=local)
         if existing is not None and (existing.tree is not None or existing.spec.get("kind") == "tree"):
             model_cfg = dataclasses.replace(model_cfg, num_fragments=existing.num_fragments,
                                             max_imbalance=float(existing.max_imbalance or 1.1))
@@ -222,6 +246,11 @@ class Island:
             asyncio.set_event_loop(self._loop)
 
             async def go() -> int:
+                import structlog
+
+                # the ids on the island's log lines, in its own thread's context (not the user's)
+                structlog.contextvars.bind_contextvars(run=self.common.run, role="island", island=self.common.region,
+                                                       learner=self.cfg.learner_id)
                 self._stop = asyncio.Event()
                 ready.set()
                 return await self.learner.run(self._stop)
@@ -241,12 +270,22 @@ class Island:
         with hook._cv:  # joined: the learner asked for the first step
             while hook._served < 1:
                 if not self._thread.is_alive():
+                    from bus.conn import ConnectFailed, redact_url
+                    from learner.startup import EXIT_TIMEOUT
+
                     why = self.learner.startup_error or f"exit {self._code}, see its log"
+                    if self._code == EXIT_TIMEOUT and why.startswith(ConnectFailed.PREFIX):  # connect_until's
+                        raise ConnectFailed(f"island {self.cfg.learner_id}: {why}", redact_url(self.common.nats_url))
                     raise RuntimeError(f"island {self.cfg.learner_id}: {why}")
                 if time.monotonic() > t_end:
+                    from bus.conn import redact_url
+
+                    nc = self.learner.nc
+                    where = ("" if nc is not None and nc.is_connected else
+                             f" (not connected to {redact_url(self.common.nats_url)} now: is the server up?)")
                     self.close(final_sync=False)
                     raise TimeoutError(f"island {self.cfg.learner_id}: run {self.common.run!r} not joined "
-                                       f"within {timeout}s")
+                                       f"within {timeout}s{where}")
                 hook._cv.wait(0.1)
 
     @property
@@ -261,6 +300,24 @@ class Island:
     def metrics(self) -> dict:
         """The learner metrics this island publishes (steps, contributions, bytes, staleness...)."""
         return self.learner.metrics()
+
+    @property
+    def stats(self) -> dict:
+        """What became of this island's work so far: ``steps`` taken; rounds (one outer gradient of one
+        fragment) ``sent``, ``merged`` into a global version, ``rejected`` by reason (and
+        ``rejected_total``), ``unresolved`` (sent, fate not known yet); ``held``: contributions the
+        aggregator held while this island was not admitted; ``member_state``: what the monitor calls
+        it (None: not admitted, no monitor?); ``last_merged_version`` per fragment. After
+        ``close()`` these are final (``close`` waits up to ``DILOCO_FINAL_WAIT`` s for the last
+        rounds' fate)."""
+        lr = self.learner
+        for _ in range(5):  # the counts move in the island's thread: copy until a copy is whole
+            try:
+                return {"steps": lr.book.step, **lr.fate.stats(), "member_state": lr.member_state}
+            except RuntimeError:
+                time.sleep(0.001)
+        return {"steps": lr.book.step, "sent": lr.fate.sent, "merged": lr.fate.merged,
+                "member_state": lr.member_state}
 
     def step(self, params: Any, loss: float | None = None) -> Any:
         """Count one inner step of ``params`` (the parameters after it); returns them with any
@@ -298,15 +355,20 @@ class Island:
         self.close()
         return self.params, opt_state
 
-    def close(self, final_sync: bool = True) -> int | None:
-        """Stop: with ``final_sync`` the steps not yet sent go out first. Returns the learner's exit code."""
+    def close(self, final_sync: bool = True, wait: float | None = None) -> int | None:
+        """Stop: with ``final_sync`` the steps not yet sent go out first, then the island waits up to
+        ``wait`` seconds (default ``DILOCO_FINAL_WAIT``, 30) until the aggregator merged or rejected
+        every round it sent, and logs what became of its work (``work_summary``: a warning unless
+        all of it was merged; the counts stay in :attr:`stats`). Returns the learner's exit code."""
         if self._closed:
             return self._code
         self._closed = True
+        if wait is not None:
+            self.learner.final_wait = max(0.0, float(wait))
         if not final_sync and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._backend.close()
-        self._thread.join(120)
+        self._thread.join(120 + self.learner.final_wait)
         return self._code
 
     def __enter__(self) -> "Island":
@@ -326,7 +388,9 @@ def export_params(run_params: dict[str, np.ndarray], path: str, meta: dict) -> N
 
 def save_params(tree: Any, path: str) -> None:
     """Write the float leaves of ``tree`` (leaf paths as keys, float32) and their dtypes to an .npz:
-    the file ``diloco run create --init`` makes version 0 from, and :func:`load_params` reads."""
+    the file ``diloco run create --init`` makes version 0 from, and :func:`load_params` reads.
+    ``tree`` is any tree an island takes (an Equinox module, an NNX state or module, a dict):
+    its local leaves (PRNG keys, functions, integer counters) are not written."""
     spec = tree_spec(tree)
     export_params(named_float_arrays(tree), path,
                   {"kind": "tree", "dtypes": {leaf.path: leaf.dtype for leaf in spec.synced}, "ts": time.time()})
@@ -334,9 +398,14 @@ def save_params(tree: Any, path: str) -> None:
 
 def load_params(path: str, like: Any) -> Any:
     """The parameters of an exported run (``diloco export``) in the structure of ``like``: float
-    leaves from the file (cast to ``like``'s dtypes and put on its shardings), non-float leaves
-    kept from ``like``. ValueError naming the first leaf that is missing or of another shape."""
+    leaves from the file (cast to ``like``'s dtypes and put on its shardings), every other leaf
+    kept from ``like`` as it is (the very object: an Equinox module's activation functions, an NNX
+    state's or module's PRNG key and count, integer counters). So ``like`` is the model as you
+    build it (``eqx.nn.MLP(...)``, ``nnx.split(model)[1]`` or the NNX module), and what comes back
+    is of its type. ValueError naming the first leaf that is missing or of another shape."""
     import jax
+
+    from learner.pytree import _np_dtype
 
     paths, leaves, treedef = flatten(like)
     spec = tree_spec(like)
@@ -351,8 +420,6 @@ def load_params(path: str, like: Any) -> Any:
             a = f[leaf.path]
             if tuple(a.shape) != leaf.shape:
                 raise ValueError(f"{path}: leaf {leaf.path} has shape {tuple(a.shape)}, yours {leaf.shape}")
-            from learner.pytree import _np_dtype
-
             a = a.astype(_np_dtype(leaf.dtype))
             out.append(jax.device_put(a, x.sharding) if isinstance(x, jax.Array) else a)
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -444,6 +511,9 @@ def evaluate_run(like: Any, eval_fn: Callable[[Any, Any], float], batches: Itera
         if val is not None:
             e[key] = str(val)
     common = from_env(CommonConfig, e)
+    from bus.log import setup_library
+
+    setup_library(common.log_level, e)  # DILOCO_LOG_LEVEL, unknown variables warned about once
     model_cfg = from_env(ModelConfig, e)
     spec = tree_spec(like)
     model = TreeModel(spec, model_cfg.num_fragments, model_cfg.max_imbalance, 1, lambda _: None)

@@ -16,7 +16,12 @@ import orjson
 
 from bus import codec
 from learner import loop as lp
+from learner.fate import reject_hint
 from learner.startup import HEAD_POLL_INTERVAL, peak_rss_mib
+
+
+#: rounds per fragment sent, and seconds, without one of them merged before ``work_not_merged``
+UNMERGED_ROUNDS, UNMERGED_SECONDS = 4, 60.0
 
 
 class Presence:
@@ -163,6 +168,64 @@ class Presence:
             self.log.info("period_changed", period=h, H=self.cfg.sync_every, tokens_per_s=round(mine, 1),
                           fastest=round(max(peers.values(), default=mine), 1))
 
+    # -- what became of our work (learner.fate) ----------------------------------------------------
+
+    async def _follow_feedback(self) -> None:
+        """Subscribe to our feedback subject: the aggregator's notices of our work rejected or held."""
+        try:
+            await self.nc.subscribe(self.s.feedback(self.id), cb=self._on_feedback)
+        except Exception as e:  # an older server or permissions without it: merges are still counted
+            self.log.warning("feedback_unavailable", error=repr(e))
+
+    async def _on_feedback(self, msg) -> None:
+        try:
+            m = orjson.loads(msg.data)
+            if not isinstance(m, dict) or m.get("incarnation") not in (self.incarnation, ""):
+                return
+            rejected = m.get("rejected") or {}
+            rounds = m.get("rounds") or {}
+            for reason, n in rejected.items():
+                named = [(int(p), int(r)) for p, r in (rounds.get(reason) or [])][:1024]
+                if self.fate.on_rejected(str(reason)[:64], named, int(n)):
+                    self.log.warning("work_rejected", reason=reason, count=int(n), hint=reject_hint(str(reason)))
+            held = int(m.get("held") or 0)
+            if held:
+                if not self.fate.held:
+                    self.log.info("work_held", count=held, member_state=self.member_state,
+                                  hint="the aggregator holds it until the monitor admits this learner")
+                self.fate.on_held(held)
+        except (ValueError, TypeError, AttributeError) as e:
+            self.log.debug("bad_feedback", error=repr(e))
+
+    def _advise(self) -> None:
+        for a in self.fate.advice(time.monotonic(), admitted=self.member_state in ("active", "left"),
+                                  member_state=self.member_state, num_fragments=self.P,
+                                  admit_after=self.cfg.warn_unadmitted_after, unmerged_rounds=UNMERGED_ROUNDS,
+                                  unmerged_seconds=UNMERGED_SECONDS):
+            self.log.warning(a.event, message=a.message, **a.fields)
+
+    async def _advise_loop(self) -> None:
+        while not self._halt.is_set():
+            self._advise()
+            await self._sleep(1.0)
+
+    async def _await_fate(self) -> None:
+        """Done: wait (at most ``final_wait`` s) until every round sent is merged or rejected, then
+        say what became of the work: info when all of it was merged, a warning otherwise."""
+        t0 = t_beat = time.monotonic()
+        while self.fate.outstanding and time.monotonic() - t0 < self.final_wait and not self._halt.is_set():
+            self._advise()
+            if time.monotonic() - t_beat >= self.cfg.heartbeat_interval:
+                # the leaving heartbeat again: a monitor that never heard of us (it started after our
+                # last step) records us as left, and the aggregator merges what it held of ours
+                t_beat = time.monotonic()
+                await self._send_leaving()
+            await self._sleep(0.1)
+        st = self.fate
+        level = self.log.info if st.merged == st.sent else self.log.warning
+        level("work_summary", summary=st.summary(), waited_s=round(time.monotonic() - t0, 3),
+              member_state=self.member_state, **st.stats())
+
     # -- liveness and metrics -----------------------------------------------------------------------
 
     def heartbeat(self) -> dict:
@@ -179,14 +242,19 @@ class Presence:
         silence, and the aggregator still merges what we sent (tests/test_system_membership.py)."""
         beats.cancel()
         await asyncio.gather(beats, return_exceptions=True)
+        if await self._send_leaving():
+            self.log.info("left", step=self.book.step)
+
+    async def _send_leaving(self) -> bool:
         hb = self.heartbeat()
         hb["leaving"] = True
         try:
             await self.nc.publish(self.s.heartbeat(self.id), orjson.dumps(hb))
             await self.nc.flush(timeout=5)
-            self.log.info("left", step=self.book.step)
+            return True
         except Exception as e:  # the monitor then evicts us for the silence, as before
             self.log.warning("leave_failed", error=repr(e))
+            return False
 
     async def _heartbeats(self) -> None:
         interval = self.cfg.heartbeat_interval
@@ -221,6 +289,7 @@ class Presence:
             "rejected_globals": {**self.rejected_globals,
                                  **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
             "versions": {str(p): v for p, v in self.book.versions().items()},
+            "work": self.fate.stats(),
             "rss_mib": peak_rss_mib(), "state_mib": round(self.memory()["total"] / 2**20, 3),
         }
         if self.member_state:

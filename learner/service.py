@@ -57,6 +57,7 @@ from learner import loop as lp
 from learner.backends import SyntheticBackend
 from learner.config import LearnerConfig, ModelConfig
 from learner.core import IslandCore
+from learner.fate import WorkLedger
 from learner.presence import Presence
 from learner.startup import (EXIT_ERROR, EXIT_MISMATCH, EXIT_OK, BuiltinModel, StartupError, check_geometry,
                              close_quietly, connect_until, fetch_newest, global_reader, join_run_model,
@@ -122,6 +123,8 @@ class Learner(IslandCore, Presence):
         self._nonce = uuid.uuid4().hex[:12]
         self._sent: dict[tuple[int, int], bytearray] = {}  # (fragment, round) -> blob of the outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
+        self.fate = WorkLedger()  # what became of the rounds sent: merged, rejected, unresolved
+        self.final_wait = cfg.final_wait  # an island's close(wait=...) overrides it
         self.startup_error: str | None = None
         self.failure: str | None = None  # why run() failed after start-up
         self._cancel = threading.Event()
@@ -140,18 +143,20 @@ class Learner(IslandCore, Presence):
             if code is not None:
                 return code
             beats = asyncio.create_task(self._heartbeats())
+            await self._follow_feedback()
             tasks += [beats] + [asyncio.create_task(c) for c in (
-                self._metrics_loop(), self._follow_globals(), self._follow_membership())]
+                self._metrics_loop(), self._follow_globals(), self._follow_membership(), self._advise_loop())]
             if self.cfg.dynamic_h:
                 tasks.append(asyncio.create_task(self._follow_rates()))
             await self._wait_for_peers()
             await self._train()
             await self._drain()
             await self._leave(beats)
+            await self._await_fate()
             await self._publish_metrics()
             self.log.info("stopped", step=self.book.step, contributions=self.book.contributions,
                           bytes_sent=self.publisher.bytes_sent, bytes_received=self.store.bytes_received,
-                          rss_mib=peak_rss_mib())
+                          rss_mib=peak_rss_mib(), **self.fate.stats())
             return EXIT_OK
         except Exception as e:
             self.failure = f"{type(e).__name__}: {e}"  # what an island raises to its user
@@ -168,11 +173,16 @@ class Learner(IslandCore, Presence):
             self._executor.shutdown(wait=False)
 
     async def _start_noting_why(self) -> None:
+        from bus.streams import LimitsTooSmall, StorageUnavailable
+
         try:
             await self._start()
         except StartupError as e:
             self.startup_error = str(e)  # the one line an island raises to its user
             raise
+        except (StorageUnavailable, LimitsTooSmall) as e:  # an island creating its run: the server's storage
+            self.startup_error = str(e)
+            raise StartupError(EXIT_ERROR, str(e)) from None
 
     async def _relay_stop(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -186,9 +196,10 @@ class Learner(IslandCore, Presence):
     async def _start(self) -> None:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.manifest_timeout
+        data = dict(shard=self.shard_index, shards=self.num_shards) if isinstance(self.run_model, BuiltinModel) else {}
         self.log.info("starting", mode=cfg.mode, model=self.model_hash, plan=self.plan.plan_hash(),
                       fragments=self.P, sizes=list(self.plan.sizes), H=cfg.sync_every,
-                      quantiser=cfg.quantiser, shard=self.shard_index, shards=self.num_shards)
+                      quantiser=cfg.quantiser, **data)
         self.nc = await connect_until(self.common, f"learner-{self.id}", deadline, self.log)
         self.js = self.nc.jetstream(timeout=10)
         self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks)

@@ -199,7 +199,7 @@ def render_table(snapshot: MetricsSnapshot, width: int = 100, now: float | None 
 
     ev = snapshot.evaluator
     if ev is not None:
-        lines.append(f"evaluator   eval_loss {_fmt_loss(ev.eval_loss)} at version {_fmt_int(ev.version)}")
+        lines.append(f"evaluator   eval_loss {_fmt_loss(ev.eval_loss)} after {_fmt_int(ev.version)} merges")
     else:
         lines.append("evaluator   -")
 

@@ -14,7 +14,8 @@ update only some of them; missing fields keep their previous value):
   `bytes_sent`, `bytes_received`, `staleness` (versions behind, of its last contribution)
 - aggregator: `versions` ({fragment: version}), `merges`, `accepted`, `rejected` ({reason: n})
 - monitor: `counts` ({state: n})
-- evaluator: `eval_loss`, `version`
+- evaluator: `eval_loss`, `merges` (the merges of every fragment the evaluated model holds; `version` in
+  older records)
 
 `loss` and `eval_loss` may be NaN or infinite (a diverged run is worth seeing); every other
 number must be finite and non-negative. Strings must be printable: a metrics publisher must
@@ -301,7 +302,9 @@ def _fold_monitor(snap: MetricsSnapshot, msg: Mapping[str, Any], ts: float) -> M
 
 
 def _fold_evaluator(snap: MetricsSnapshot, msg: Mapping[str, Any], ts: float) -> MetricsSnapshot | str:
-    update: dict[str, Any] = {"eval_loss": _loss(msg, "eval_loss"), "version": _count(msg, "version")}
+    # merges held by the evaluated model ("version" is its old name)
+    update: dict[str, Any] = {"eval_loss": _loss(msg, "eval_loss"),
+                              "version": _count(msg, "merges" if "merges" in msg else "version")}
     old = snap.evaluator or EvaluatorRow()
     if snap.evaluator is not None and ts < old.ts:
         return "stale"

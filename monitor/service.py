@@ -43,7 +43,7 @@ from nats.js.errors import BucketNotFoundError
 from bus.signals import install_stop
 from bus.codec import dumps_json
 from bus.config import CommonConfig, ConfigError, from_env
-from bus.conn import connect
+from bus.conn import ConnectFailed, connect
 from bus.log import get_logger, setup
 from bus.streams import Limits, ensure_run
 from bus.subjects import GLOBAL, Subjects
@@ -250,6 +250,7 @@ class MonitorService(Leadership, HeartbeatIntake):
             stopping.cancel()
             if not connecting.done():
                 connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
         if connecting.cancelled():
             return
         self.nc = connecting.result()
@@ -320,7 +321,7 @@ async def _amain(common: CommonConfig, cfg: MonitorConfig) -> int:
         await svc.run(stop)
     except Exception as e:  # noqa: BLE001
         get_logger(component="monitor").error("monitor_failed", error=repr(e))
-        print(f"diloco monitor: {e!r}", file=sys.stderr)
+        print(f"diloco monitor: {e if isinstance(e, ConnectFailed) else repr(e)}", file=sys.stderr)
         return 1
     return 0
 

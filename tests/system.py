@@ -33,6 +33,8 @@ class Procs:
     def start(self, name: str, module: str, url: str | None = None, **extra: str) -> subprocess.Popen:
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")
         argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
+        if module == "aggregator":  # these runs start their own monitor (or test without one)
+            extra = {"DILOCO_EMBEDDED_MONITOR": "false", **extra}
         p = subprocess.Popen([PY, "-m", *argv], env=env(url or self.url, self.run, **extra),
                              stdout=log, stderr=log, start_new_session=True)
         log.close()

@@ -108,16 +108,16 @@ PUBLISH_MATRIX = [
     (S.metrics("learner", "us-0"), {"learner"}),
     (S.metrics("learner", "eu-0"), set()),
     (S.metrics("aggregator", "agg-0"), {"aggregator"}),
-    (S.metrics("monitor", "m-1"), {"monitor"}),
+    (S.metrics("monitor", "m-1"), {"monitor", "aggregator"}),  # its embedded monitor
     (S.metrics("evaluator", "eval-0"), {"evaluator"}),
     (S.versioned_chunk(GLOBAL, 0, 0), {"aggregator"}),
     (S.versioned_head(GLOBAL, 3), {"aggregator"}),
     (S.versioned_head(STATE, 3), {"aggregator"}),
     (S.event("merge"), {"aggregator"}),
     (S.event("reject"), {"aggregator"}),
-    (S.event("membership"), {"monitor"}),
-    ("$KV.diloco_sec_members.us-0", {"monitor"}),
-    ("$KV.diloco_sec_lease.leader", {"monitor"}),
+    (S.event("membership"), {"monitor", "aggregator"}),
+    ("$KV.diloco_sec_members.us-0", {"monitor", "aggregator"}),
+    ("$KV.diloco_sec_lease.leader", {"monitor", "aggregator"}),
     ("$KV.diloco_sec_run.manifest", {"aggregator"}),
     ("$JS.API.STREAM.CREATE.DILOCO_sec_GRAD", {"admin", "aggregator"}),
     ("$JS.API.STREAM.DELETE.DILOCO_sec_GRAD", {"admin"}),
@@ -132,10 +132,12 @@ PUBLISH_MATRIX = [
     ("$JS.API.DIRECT.GET.KV_diloco_sec_members.$KV.diloco_sec_members.us-0",
      {"aggregator", "monitor", "metrics", "learner"}),
     ("$JS.API.DIRECT.GET.KV_diloco_sec_members.$KV.diloco_sec_members.eu-0", {"aggregator", "monitor", "metrics"}),
-    ("$JS.API.CONSUMER.CREATE.DILOCO_sec_GLOBAL", {"monitor", "evaluator", "learner"}),
+    ("$JS.API.CONSUMER.CREATE.DILOCO_sec_GLOBAL", {"monitor", "aggregator", "evaluator", "learner"}),
     ("$JS.API.CONSUMER.CREATE.DILOCO_sec_EVENTS", set()),
     ("$JS.API.INFO", {"admin", "metrics"}),
     ("_INBOX.forged.reply", set()),
+    (S.feedback("us-0"), {"aggregator"}),
+    (S.feedback("eu-0"), {"aggregator"}),
     ("diloco.other.grad.0.us-0", set()),
 ]
 
@@ -151,7 +153,9 @@ def test_subscribe_lists_and_strict_mode():
     sub = {r: role_permissions(r, RUN, "us-0" if r == "learner" else None).subscribe for r in auth.ROLES}
     assert sub["monitor"] == (S.heartbeat_all, "_INBOX.>")
     assert sub["metrics"] == (S.metrics_all, S.events_all, "_INBOX.>")
-    for r in ("admin", "aggregator", "evaluator", "learner"):
+    assert sub["aggregator"] == ("_INBOX.>", S.heartbeat_all)  # its embedded monitor hears heartbeats
+    assert sub["learner"] == (S.feedback("us-0"), "_INBOX.>")  # the aggregator's notices of its own work
+    for r in ("admin", "evaluator"):
         assert sub[r] == ("_INBOX.>",), r
     strict = role_permissions("aggregator", RUN, provision=False)
     assert not may_publish(strict, "$JS.API.STREAM.CREATE.DILOCO_sec_GRAD")
@@ -547,8 +551,9 @@ async def test_monitor_and_aggregator_and_evaluator_limits(secured):
             (mon, f"$KV.{run_b}.manifest", lambda: mjs.publish(f"$KV.{run_b}.manifest", b"{}")),
             (mon, S.heartbeat("us-0"), lambda: mon.nc.publish(S.heartbeat("us-0"), b"{}")),
             (mon, f"$JS.API.STREAM.DELETE.{S.stream('grad')}", lambda: mjs.delete_stream(S.stream("grad"))),
-            (agg, f"$KV.{members}.us-0", lambda: ajs.publish(f"$KV.{members}.us-0", b"{}")),
-            (agg, S.event("membership"), lambda: ajs.publish(S.event("membership"), b"{}")),
+            # (the aggregator may write membership: it embeds a monitor, DILOCO_EMBEDDED_MONITOR)
+            (agg, S.metrics("learner", "us-0"), lambda: agg.nc.publish(S.metrics("learner", "us-0"), b"{}")),
+            (agg, S.feedback("us-0") + ".x", lambda: agg.nc.publish(S.feedback("us-0") + ".x", b"{}")),
             (agg, S.grad(0, "us-0"), lambda: ajs.publish(S.grad(0, "us-0"), b"x")),
             (agg, S.heartbeat("eu-0"), lambda: agg.nc.publish(S.heartbeat("eu-0"), b"{}")),
             (agg, f"$JS.API.STREAM.DELETE.{S.stream(GLOBAL)}", lambda: ajs.delete_stream(S.stream(GLOBAL))),

@@ -137,7 +137,7 @@ def test_run_state_folds_metrics_and_events():
     assert st.evictions_while_running({"us-0": 20.0}) == 1
     assert st.evictions_while_running({"us-0": 5.0}) == 0  # evicted after it finished: not a failure
     line = st.compact_line(now=12.0)
-    assert "us-0 10 3.000" in line and "v2..3" in line and "eval 3.500 (from 5.500)" in line
+    assert "us-0 10 3.000" in line and "fragments v2..v3" in line and "eval 3.500 (from 5.500)" in line
     # the live table takes the repeat too (it shows the evaluator between evaluations): 5 applied
     assert st.snapshot.applied == 5 and st.snapshot.skipped == {"stale": 1, "other_run": 1}
 
@@ -186,8 +186,12 @@ def test_the_plot_marks_merges_evictions_and_the_final_held_out_loss(tmp_path):
     path = tmp_path / "eval.png"
     drawn = L.plot_eval(s, st, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    legend = drawn.pop("legend")
     assert drawn == {"learners": 1, "eval_points": 2, "merge_steps": 3, "evictions": 1,
-                     "final": "final held-out 2.7500 (v7)"}
+                     "final": "final held-out 2.7500 (after 7 merges)"}
+    # every line drawn is in the one legend, the merges of the right axis too
+    assert legend == ["train us-0", "held-out (global model; labels: merges it holds)", "eviction",
+                      "merges so far (right axis)"]
 
 
 # -- real runs --------------------------------------------------------------------------------------

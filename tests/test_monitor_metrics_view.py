@@ -249,7 +249,7 @@ def test_render_table_golden():
             "us-east l1         active      1200   2.3457   12.3k    1.4MiB    3.0GiB     1  4.0s",
             "aggregator  merges 12  accepted 30  rejected 4 (evicted 1, stale 3)  versions f0=v7 f1=v9",
             "monitor     joining 0  active 2  suspect 1  evicted 0  rejoining 0",
-            "evaluator   eval_loss 2.2500 at version 17",
+            "evaluator   eval_loss 2.2500 after 17 merges",
         ]
     )
     assert text == expected

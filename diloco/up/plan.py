@@ -132,7 +132,8 @@ def plan_processes(env: dict[str, str], n_learners: int, regions: list[str]) -> 
     """Every child of a run with its environment (NATS URLs are filled in by :func:`with_urls`)."""
     procs = [
         ProcSpec("aggregator", "aggregator", None,
-                 {**env, "DILOCO_REGION": CENTRAL_REGION, "DILOCO_AGGREGATOR_ID": env.get("DILOCO_AGGREGATOR_ID", "agg-0")}),
+                 {"DILOCO_EMBEDDED_MONITOR": "false",  # the run has a monitor process of its own
+                  **env, "DILOCO_REGION": CENTRAL_REGION, "DILOCO_AGGREGATOR_ID": env.get("DILOCO_AGGREGATOR_ID", "agg-0")}),
         ProcSpec("monitor", "monitor", None,
                  {**env, "DILOCO_REGION": CENTRAL_REGION, "DILOCO_MONITOR_ID": env.get("DILOCO_MONITOR_ID") or "monitor-0"}),
         ProcSpec("evaluator", "eval", None,

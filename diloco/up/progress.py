@@ -108,7 +108,7 @@ class RunState:
             parts.append(f"{lid} {m.get('step', 0)}" + (f" {loss:.3f}" if isinstance(loss, (int, float)) else ""))
         vs = list(self.versions().values())
         if vs:
-            parts.append(f"v{min(vs)}..{max(vs)}" if min(vs) != max(vs) else f"v{vs[0]}")
+            parts.append(f"fragments v{min(vs)}..v{max(vs)}" if min(vs) != max(vs) else f"fragments v{vs[0]}")
             parts.append(f"merges {(self.aggregator or {}).get('merges', 0)}")
         if self.evals:
             e = self.evals[-1]

@@ -11,6 +11,14 @@ if TYPE_CHECKING:
     from diloco.up.progress import RunState
 
 
+def _merges(e: dict | None) -> int | None:
+    """The merges an evaluator record's model holds (``version`` in records of older evaluators)."""
+    if not e:
+        return None
+    m = e.get("merges", e.get("version"))
+    return m if isinstance(m, int) else None
+
+
 def dp_equivalent_bytes(params: int, learners: int, total_inner_steps: int, bytes_per_value: int = 2) -> int:
     """Bytes data-parallel training would move for the same inner steps: a ring all-reduce of every
     gradient in bf16 sends 2 (M-1)/M x params values per worker and step; M workers doing
@@ -62,12 +70,13 @@ def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[st
         "params": params,
         "num_learners": m_count,
         "initial_eval_loss": initial["eval_loss"] if initial else None,
-        "initial_eval_version": initial.get("version") if initial else None,
+        "initial_eval_version": initial.get("version") if initial else None,  # merges (its old name)
+        "initial_eval_merges": _merges(initial),
         "final_eval_loss": final["eval_loss"] if final else None,
         "final_eval_versions": final.get("versions") if final else None,
         "eval_loss_ratio": (final["eval_loss"] / initial["eval_loss"]) if initial and final else None,
         "eval_history": [{"t": round(float(e.get("ts", 0)) - state.t0, 3), "eval_loss": e["eval_loss"],
-                          "version": e.get("version")} for e in evals],
+                          "version": e.get("version"), "merges": _merges(e)} for e in evals],
         "merge_history": [{"t": round(t - state.t0, 3), "merges": n} for t, n in state.merge_history],
         "eviction_times": [{"t": round(float(e.get("at", 0)) - state.t0, 3), "learner": e.get("learner")}
                            for e in state.membership if e.get("new") == "evicted"
@@ -142,26 +151,28 @@ def plot_eval(summary: dict, state: RunState, path: str) -> dict | None:
     ev = summary["eval_history"]
     if ev:
         ax.plot([e["t"] for e in ev], [e["eval_loss"] for e in ev], "o-", color="black", lw=2, ms=3,
-                label="held-out (global model)")
+                label="held-out (global model; labels: merges it holds)")
         drawn["eval_points"] = len(ev)
-        every = max(1, len(ev) // 12)  # at most about a dozen version labels
+        every = max(1, len(ev) // 12)  # at most about a dozen labels: the merges the model held
         for i, e in enumerate(ev):
-            if e.get("version") is not None and (i % every == 0 or i == len(ev) - 1):
-                ax.annotate(f"v{e['version']}", (e["t"], e["eval_loss"]), textcoords="offset points",
+            m = e.get("merges", e.get("version"))
+            if m is not None and (i % every == 0 or i == len(ev) - 1):
+                ax.annotate(f"{m}", (e["t"], e["eval_loss"]), textcoords="offset points",
                             xytext=(0, 5), fontsize=6, ha="center", color="black")
         last = ev[-1]
-        drawn["final"] = f"final held-out {last['eval_loss']:.4f}" + (
-            f" (v{last['version']})" if last.get("version") is not None else "")
+        m = last.get("merges", last.get("version"))
+        drawn["final"] = f"final held-out {last['eval_loss']:.4f}" + (f" (after {m} merges)" if m is not None else "")
         ax.annotate(drawn["final"], (last["t"], last["eval_loss"]), textcoords="offset points", xytext=(-10, 18),
                     ha="right", fontsize=9, fontweight="bold", arrowprops={"arrowstyle": "->", "lw": 0.8})
     for i, e in enumerate(summary.get("eviction_times") or []):
         ax.axvline(e["t"], color="red", ls=":", lw=1, label="eviction" if i == 0 else None)
         drawn["evictions"] += 1
     merges = summary.get("merge_history") or []
+    ax2 = None
     if merges:
         ax2 = ax.twinx()
         ax2.step([m["t"] for m in merges], [m["merges"] for m in merges], where="post", color="grey", lw=1,
-                 alpha=0.7)
+                 alpha=0.7, label="merges so far (right axis)")
         ax2.set_ylabel("merges so far (aggregator)", color="grey")
         ax2.tick_params(axis="y", colors="grey")
         drawn["merge_steps"] = len(merges)
@@ -169,8 +180,13 @@ def plot_eval(summary: dict, state: RunState, path: str) -> dict | None:
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"diloco up: run {summary['run']}, {summary['num_learners']} learners")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper center")
+    handles, labels = ax.get_legend_handles_labels()
+    if ax2 is not None:  # the merges line is on the other axis: one legend for both
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="upper center")
+    drawn["legend"] = list(labels)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

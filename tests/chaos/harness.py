@@ -96,6 +96,7 @@ class ChaosRun:
         if name == "aggregator":
             env = self._env(self.server.url, **{**FAST_AGG, "DILOCO_MAX_STALENESS": "64", "DILOCO_ACK_WAIT": "3",
                                                 "DILOCO_CLIP_REFERENCE_STEPS": LEARNER["DILOCO_SYNC_EVERY"],
+                                                "DILOCO_EMBEDDED_MONITOR": "false",  # the monitor is killed on its own
                                                 **self.agg_env})
         elif name == "monitor":
             env = self._env(self.server.url, **FAST_MONITOR)
