@@ -58,6 +58,22 @@ def norm_bound(max_inner_lr: float, size: int, steps: int) -> float:
     return BOUND_SLACK * float(max_inner_lr) * math.sqrt(max(0, int(size))) * max(0, int(steps))
 
 
+def outlier_steps(inner_steps: int, period: int = 0) -> float:
+    """What an outer gradient's norm is divided by for the outlier check and its reference: its
+    inner steps s, or, for a round shorter than its learner's declared period p (a final sync, a
+    staggered first one), sqrt(s p), at most p. The norm of s steps grows like s while the steps
+    drift one way, but like sqrt(s) once their noise dominates (near a minimum, an Adam step is
+    about lr whichever way it points): divided by s, a final sync of 6 of 12 steps looked an
+    outlier and was rejected, one per island at the end of every short test run
+    (tests/test_work_fate.py, under load). A partial round's allowance never exceeds a whole
+    round's, so a contribution cannot claim more room by declaring fewer steps; and a declared
+    period counts up to 64 s (at most 8x the room of the plain rule: a period is the learner's
+    word, and 2**31 would otherwise buy sqrt(2**31))."""
+    s = max(1, int(inner_steps))
+    p = min(int(period) if period else 0, 64 * s)
+    return math.sqrt(s * p) if 0 < s < p else float(s)
+
+
 def norm_caps(norms: Sequence[float], steps: Sequence[int], *, size: int, history_median: float | None,
               history_count: int, clip_factor: float, min_history: int = 3,
               max_inner_lr: float | None = None, reference_steps: int = 8) -> np.ndarray:

@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from aggregator.contribution import Contribution, from_grad_message
+from aggregator.influence import outlier_steps
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats
 from aggregator.step import FragmentState
@@ -168,7 +169,8 @@ class Intake:
 
     def _watch_outliers(self, st: FragmentState, c: Contribution, norm: float) -> None:
         """Most learners refused as outliers on a fragment: its norm reference is stale (OutlierWatch)."""
-        restart = self.outliers.refused(st.fragment, c.learner, norm / max(1, c.inner_steps), self.active())
+        restart = self.outliers.refused(st.fragment, c.learner, norm / outlier_steps(c.inner_steps, c.period),
+                                        self.active())
         if restart is not None:
             st.norms.restart(st.fragment, restart)  # logged with the fragment's next merge (replayed)
             if st.fragment in self.logpos:

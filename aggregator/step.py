@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 from aggregator.contribution import Contribution, ContributionKey
-from aggregator.influence import norm_bound, norm_caps
+from aggregator.influence import norm_bound, norm_caps, outlier_steps
 from aggregator.merge import l2_norm, merge
 from aggregator.outer_opt import (DelayedNesterovState, NesterovState, RoundNesterov, RoundNesterovState,
                                   make_outer_optimizer)
@@ -290,7 +290,7 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
             anorms.add(state.fragment, float(n) if settings.max_inner_lr is None else min(float(n), norm_bound(
                 settings.max_inner_lr, state.params.size, min(max(1, c.inner_steps), settings.reference_steps))))
         n = min(float(n), float(cap))  # the outlier reference: as applied
-        hist.add(state.fragment, n / max(1, c.inner_steps))  # norm per inner step
+        hist.add(state.fragment, n / outlier_steps(c.inner_steps, c.period))  # norm per inner step
     clipped = int(np.sum(np.asarray(norms, dtype=np.float64) > caps))
     recent = {k: list(v) for k, v in state.recent.items()}
     for learner in sorted({c.learner for c in contribs}):

@@ -22,7 +22,8 @@ another run never costs a pass over its vector:
    13. norm_bound        |v| > the geometric bound of its inner steps at the run's declared
                          max_inner_lr (:func:`aggregator.influence.norm_bound`): needs no history,
                          so it holds from version 0
-   14. norm_outlier      |v|/steps > k * median of recent accepted norms per inner step, once at
+   14. norm_outlier      |v|/steps > k * median of recent accepted norms per inner step (steps of a
+                         partial round: sqrt(steps x period), ``influence.outlier_steps``), once at
                          least ``norm_min_history`` norms are known (one pass, shared with 12)
 
 Validation only rejects; the merge then clips every accepted vector to its cap
@@ -47,7 +48,7 @@ from typing import AbstractSet, Any
 import numpy as np
 
 from aggregator.contribution import Contribution, ContributionKey
-from aggregator.influence import norm_bound
+from aggregator.influence import norm_bound, outlier_steps
 from aggregator.merge import l2_norm
 
 
@@ -432,6 +433,6 @@ def validate(
         # norms per inner step: a fragment's first sync may cover a few warm-up steps only, and a
         # raw-norm median taken from those would reject every later honest contribution
         med = ctx.norms.median(c.fragment)
-        if med is not None and nrm / max(1, c.inner_steps) > ctx.norm_outlier_factor * med:
+        if med is not None and nrm / outlier_steps(c.inner_steps, c.period) > ctx.norm_outlier_factor * med:
             return Reason.norm_outlier
     return None

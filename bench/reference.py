@@ -402,6 +402,7 @@ class Reference:
 
     def _arrive(self, c) -> None:
         """aggregator.service._consider: validate, then buffer (or reject by reason)."""
+        from aggregator.influence import outlier_steps
         from aggregator.merge import l2_norm
         from aggregator.validate import Reason, ValidationContext, validate
 
@@ -423,7 +424,8 @@ class Reference:
         norm = l2_norm(c.vector)
         reason = validate(c, ctx, norm=norm)
         if reason == Reason.norm_outlier:  # aggregator.service._watch_outliers
-            restart = self.outliers.refused(p, c.learner, norm / max(1, c.inner_steps), alive | {c.learner})
+            restart = self.outliers.refused(p, c.learner, norm / outlier_steps(c.inner_steps, c.period),
+                                            alive | {c.learner})
             if restart is not None:
                 st.norms.restart(p, restart)
                 self.reference_restarts += 1

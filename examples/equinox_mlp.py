@@ -109,8 +109,10 @@ def main(argv=None) -> int:
             model, opt_state, loss = train_step(model, opt_state, batch)
             model = island.step(model, loss=float(loss))
         island.close()
+    st = island.stats  # what became of the work: final once closed
     print(f"island {a.island}: done, {island.step_count} steps, held-out loss "
-          f"{float(loss_fn(model, held_x, held_y)):.4f}", flush=True)
+          f"{float(loss_fn(model, held_x, held_y)):.4f}; rounds sent {st['sent']}, merged {st['merged']}, "
+          f"rejected {st['rejected_total']}", flush=True)
     return 0
 
 

@@ -158,8 +158,10 @@ def main(argv=None) -> int:
             state, opt_state, loss = train_step(state, opt_state, batch)
             params = island.step(nnx.merge(graphdef, state) if a.tree == "module" else state, loss=float(loss))
         island.close()
+    st = island.stats  # what became of the work: final once closed
     print(f"island {a.island}: done, {island.step_count} steps, held-out loss "
-          f"{held_out_loss(graphdef, params, held_x, held_y):.4f}", flush=True)
+          f"{held_out_loss(graphdef, params, held_x, held_y):.4f}; rounds sent {st['sent']}, merged "
+          f"{st['merged']}, rejected {st['rejected_total']}", flush=True)
     return 0
 
 

@@ -295,7 +295,9 @@ class Island:
 
     @property
     def step_count(self) -> int:
-        return self.learner.book.step
+        """Inner steps this island took: ``island.step`` calls that returned (the core counts a step
+        the user's thread served itself a moment later: ``metrics()["step"]`` may lag by one)."""
+        return max(self.learner.book.step, self._backend._served - 1)
 
     def metrics(self) -> dict:
         """The learner metrics this island publishes (steps, contributions, bytes, staleness...)."""
@@ -313,10 +315,10 @@ class Island:
         lr = self.learner
         for _ in range(5):  # the counts move in the island's thread: copy until a copy is whole
             try:
-                return {"steps": lr.book.step, **lr.fate.stats(), "member_state": lr.member_state}
+                return {"steps": self.step_count, **lr.fate.stats(), "member_state": lr.member_state}
             except RuntimeError:
                 time.sleep(0.001)
-        return {"steps": lr.book.step, "sent": lr.fate.sent, "merged": lr.fate.merged,
+        return {"steps": self.step_count, "sent": lr.fate.sent, "merged": lr.fate.merged,
                 "member_state": lr.member_state}
 
     def step(self, params: Any, loss: float | None = None) -> Any:

@@ -52,3 +52,4 @@ try:
         _hsettings.load_profile("ci")
 except ImportError:  # pragma: no cover
     pass
+

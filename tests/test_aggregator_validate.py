@@ -117,6 +117,22 @@ def test_cheap_checks_come_first():
     assert validate(c, context(applied=_applied_with(make(base_version=1)))) is Reason.too_stale
 
 
+def test_a_partial_round_is_judged_by_sqrt_of_its_steps_times_its_period():
+    """A final sync of 5 of a period of 10 steps: its norm grows like sqrt(5) once the steps' noise
+    dominates, so divided by 5 it looked an outlier (two honest islands refused at the end of a
+    run); divided by sqrt(5 x 10) it is judged as a round. Never more room than a whole round, and
+    a declared period counts up to 64 x the steps."""
+    from aggregator.influence import outlier_steps
+
+    v = np.full(SIZE, 2.0, dtype=np.float32)  # |v| = 5.66: 1.13 per step over 5 steps > 10 x median 0.1
+    assert validate(make(vector=v, inner_steps=5), context()) is Reason.norm_outlier  # no period declared
+    assert validate(make(vector=v, inner_steps=5, period=10), context()) is None  # 5.66 / 7.07 = 0.8 < 1
+    assert validate(make(vector=v * 2, inner_steps=5, period=10), context()) is Reason.norm_outlier
+    assert outlier_steps(10, 10) == 10 and outlier_steps(20, 10) == 20  # whole and longer rounds: s
+    assert outlier_steps(5, 10) < 10  # a partial round gets less room than a whole one
+    assert outlier_steps(1, 2**31) == 8.0  # sqrt(1 x 64): a huge declared period buys little
+
+
 def test_norm_outlier_needs_history_and_can_be_disabled():
     big = make(vector=np.full(SIZE, 5.0, dtype=np.float32))
     few = NormHistory()

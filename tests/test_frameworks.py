@@ -53,6 +53,9 @@ async def _train_and_export(nats_server, tmp_path, run: str, script: str, args_a
             outs.append(out)
         joined = [float(re.search(r"joined, held-out loss ([\d.]+)", o).group(1)) for o in outs]
         done = [float(re.search(rf"done, {STEPS} steps, held-out loss ([\d.]+)", o).group(1)) for o in outs]
+        # each island waited in close() for its last rounds: every one it sent was merged
+        fates = [re.search(r"rounds sent (\d+), merged (\d+), rejected (\d+)", o).groups() for o in outs]
+        assert all(int(s) > 0 and m == s and r == "0" for s, m, r in fates), fates
         assert max(done) < 0.5 * min(joined), (joined, done)
         out = str(tmp_path / f"{run}.npz")
         exp = subprocess.run([PY, "-m", "diloco.cli", "export", "--out", out], cwd=ROOT,

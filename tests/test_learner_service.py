@@ -61,14 +61,16 @@ def learner_env(server, **kw) -> dict:
     env.update(MODEL_ENV)
     env.update(DILOCO_NATS_URL=server.url, DILOCO_RUN=RUN, DILOCO_MODE="synthetic", DILOCO_BATCH_SIZE="4",
                DILOCO_DATA_MAX_BYTES="200000", DILOCO_HEARTBEAT_INTERVAL="0.2", DILOCO_METRICS_INTERVAL="0.3",
-               DILOCO_MANIFEST_TIMEOUT="20", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+               DILOCO_MANIFEST_TIMEOUT="20", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               DILOCO_FINAL_WAIT="0")  # most of these learners have no aggregator to wait for
     env.update({f"DILOCO_{k.upper()}": str(v) for k, v in kw.items()})
     return env
 
 
 def configs(server, **kw) -> tuple[CommonConfig, ModelConfig, LearnerConfig]:
     common = CommonConfig(nats_url=server.url, run=RUN, metrics_interval=0.3)
-    base = dict(mode="synthetic", batch_size=4, heartbeat_interval=0.2, manifest_timeout=20.0)
+    base = dict(mode="synthetic", batch_size=4, heartbeat_interval=0.2, manifest_timeout=20.0,
+                final_wait=0.0)  # most of these learners have no aggregator to wait for
     base.update(kw)
     return common, MC, LearnerConfig(**base)
 
