@@ -342,8 +342,9 @@ def test_an_arrival_after_the_hand_back_reaches_the_users_next_step(nats_server,
     def serve_then_arrive(self):
         serve(self)
         learner = injected.get("learner")
-        if learner is not None and self._served == 3 and "vec" not in injected:
-            # a version of fragment 0 lands right after the hand-back of step 2
+        if learner is not None and self._served >= 3 and "vec" not in injected:
+            # a version of fragment 0 lands right after a hand-back by the core (step 2, or the first
+            # one after it that the core served: quiet steps are served in the user's thread)
             v = learner.book.frags[0].base_version + 1
             vec = learner.base[0] + 1.0
             injected["vec"] = vec
@@ -358,9 +359,19 @@ def test_an_arrival_after_the_hand_back_reaches_the_users_next_step(nats_server,
         injected["learner"] = isl.learner
         p = isl.params
         seen = []
-        for _ in range(6):
+        for _ in range(12):
             p = isl.step(p, loss=0.0)  # the user's step changes nothing: what comes back is the run's
             seen.append(float(np.asarray(p["w"]).mean()))
+            if seen[-1] == 1.0 and len(seen) >= 6:
+                break
+            if "vec" in injected and not isl.learner.pending and seen[-1] != 1.0:
+                # the arrival is handed to the core's loop thread: on a loaded machine that thread
+                # may not run before the user's next few (instant) steps, served in the user's
+                # thread meanwhile; what is tested is that it reaches the next step once it is there
+                t_end = time.monotonic() + 10
+                while (not isl.learner.pending and not np.array_equal(isl.learner.base[0], injected["vec"])
+                       and time.monotonic() < t_end):
+                    time.sleep(0.005)
         assert "vec" in injected
         assert seen[-1] == 1.0, seen  # the arrival reached the user
         np.testing.assert_array_equal(isl.learner.base[0], injected["vec"])
