@@ -76,7 +76,10 @@ async def test_every_command_exits_within_the_connect_timeout_with_one_line(stop
     results = await asyncio.gather(*(run(env, *args) for args in commands.values()))
     for (name, _), (rc, out, err, took) in zip(commands.items(), results):
         lines = plain_lines(err)
-        assert rc != 0 and 9.0 < took < 16.0, (name, rc, took, err)
+        # at least the 10 s window, and far from the next deadline (export's --timeout 60, a learner's
+        # manifest timeout 300, or never): took includes starting Python and JAX, which five
+        # processes at once on a loaded 2-core machine stretched to 17.7 s (a full -n 2 run)
+        assert rc != 0 and 9.0 < took < 40.0, (name, rc, took, err)
         assert len(lines) == 1, (name, err)
         assert re.match(rf"diloco {name}( learner-0)?: cannot connect to {re.escape(stopped_server)} within 10s "
                         r"\(DILOCO_CONNECT_TIMEOUT\): connection refused: is a nats-server running there", lines[0]), \
@@ -108,14 +111,14 @@ def test_an_island_raises_a_connection_error_within_the_connect_timeout(stopped_
 async def test_export_timeout_bounds_the_connect_and_one_line_errors_before_connecting(stopped_server, tmp_path):
     env = env_for(stopped_server)
     rc, out, err, took = await run(env, "export", "--out", str(tmp_path / "m.npz"), "--timeout", "1.5")
-    assert rc == 1 and took < 6.0, (took, err)
+    assert rc == 1 and took < 9.0, (took, err)  # --timeout's 1.5 s, not the 10 s default (+ Python's start)
     assert plain_lines(err) == [plain_lines(err)[0]] and "within 1.5s (DILOCO_CONNECT_TIMEOUT)" in err
     # --out in a folder that does not exist: one line naming it, at once (no connection tried)
     missing = tmp_path / "missing" / "dir" / "model.npz"
     rc, out, err, took = await run(env, "export", "--out", str(missing))
     assert rc == 2 and err.strip() == (f"diloco export: --out {missing}: the folder {missing.parent} does not exist "
                                        "(create it first)"), err
-    assert took < 5.0 and not missing.parent.exists()
+    assert took < 9.0 and not missing.parent.exists()  # before any connect attempt (10 s) could end
     rc, out, err, _ = await run(env, "export", "--out", str(tmp_path))
     assert rc == 2 and "is a folder" in err and len(err.strip().splitlines()) == 1
 
