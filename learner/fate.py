@@ -60,7 +60,7 @@ class WorkLedger:
     rejected: dict[str, int] = field(default_factory=dict)
     held: int = 0  # contributions the aggregator said it holds (not admitted yet); not a fate
     last_merged_version: dict[int, int] = field(default_factory=dict)
-    outstanding: dict[tuple[int, int], float] = field(default_factory=dict)  # (fragment, round) -> sent at
+    outstanding: set[tuple[int, int]] = field(default_factory=set)  # (fragment, round) sent, fate unknown
     heads_seen: int = 0  # global versions seen at all (is an aggregator publishing?)
     last_merge_at: float | None = None
     first_sent_at: float | None = None
@@ -76,7 +76,7 @@ class WorkLedger:
         if self.first_sent_at is None:
             self.first_sent_at = now
         if len(self.outstanding) < MAX_OUTSTANDING:
-            self.outstanding[(int(fragment), int(round_))] = now
+            self.outstanding.add((int(fragment), int(round_)))
 
     def on_head(self, fragment: int, version: int, rounds: Iterable[int], now: float) -> int:
         """A global head of ``fragment`` at ``version`` listing our ``rounds``: how many of them are
@@ -87,7 +87,7 @@ class WorkLedger:
         for r in rounds:
             key = (int(fragment), int(r))
             if key in self.outstanding:
-                del self.outstanding[key]
+                self.outstanding.remove(key)
                 new += 1
         if new:
             self.merged += new
@@ -104,7 +104,7 @@ class WorkLedger:
         named = 0
         for p, r in rounds:
             named += 1
-            self.outstanding.pop((int(p), int(r)), None)
+            self.outstanding.discard((int(p), int(r)))
         self.rejected[reason] = self.rejected.get(reason, 0) + max(int(count), named)
         if first:
             self.warned.append(f"rejected:{reason}")

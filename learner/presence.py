@@ -214,7 +214,6 @@ class Presence:
         say what became of the work: info when all of it was merged, a warning otherwise."""
         t0 = t_beat = time.monotonic()
         while self.fate.outstanding and time.monotonic() - t0 < self.final_wait and not self._halt.is_set():
-            self._advise()
             if time.monotonic() - t_beat >= self.cfg.heartbeat_interval:
                 # the leaving heartbeat again: a monitor that never heard of us (it started after our
                 # last step) records us as left, and the aggregator merges what it held of ours
