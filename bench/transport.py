@@ -6,7 +6,7 @@ dedupe ids, assembly), against raw ``js.publish_async`` of the same bytes in mes
 size with the same in-flight window, pulled with ``fetch`` and acked. Both run against the same
 embedded server in the same process, interleaved, so the ratio is fair on a noisy shared machine.
 
-Also encode/decode GB/s of every quantiser (``codec_gbps``, GB of float32 input per second), and
+Also encode/decode GB/s of every codec (``bench.codecs``) (``codec_gbps``, GB of float32 input per second), and
 how long a polling consumer holds what arrived (``poll_delay_ms``): bursts of 16 small messages at
 random 0.2-0.3 s intervals against a loop of polls with a 0.2 s timeout, publish -> returned by the
 poll, for nats-py's ``fetch(32, timeout)`` and for :func:`bus.transport.prompt_fetch` (what
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from bench.common import finish, parser, progress
-from bus import codec, quant
+from bench.codecs import codec_speed
 from bus.config import CommonConfig
 from bus.conn import connect
 from bus.server import EmbeddedServer
@@ -172,26 +172,6 @@ async def poll_delay(quick: bool) -> dict:
                      "p99": round(float(np.percentile(ms, 99)), 2), "max": round(float(ms.max()), 2),
                      "share_over_20ms": round(float((ms > 20).mean()), 4)}
         progress(f"poll delay, {name}: {out[name]}")
-    return out
-
-
-def codec_speed(quick: bool) -> dict:
-    n = (4 if quick else 16) * MiB
-    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    out = {}
-    for q in quant.QUANTISERS:
-        enc, dec = [], []
-        for _ in range(2 if quick else 4):
-            t0 = time.perf_counter()
-            blob = codec.encode_array(x, q)
-            t1 = time.perf_counter()
-            codec.decode_array(blob)
-            t2 = time.perf_counter()
-            enc.append(t1 - t0)
-            dec.append(t2 - t1)
-        gb = x.nbytes / 1e9
-        out[q] = {"encode": round(gb / min(enc), 3), "decode": round(gb / min(dec), 3)}
-        progress(f"codec {q}: {out[q]}")
     return out
 
 

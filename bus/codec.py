@@ -4,9 +4,9 @@ Wire layout of one encoded array (a "blob")::
 
     u32 little-endian header length | msgpack header | part 0 bytes | part 1 bytes | ...
 
-The header is ``{"v": 1, "q": quantiser, "b": block, "dt": original dtype, "sh": shape}``; the
-parts are the quantiser's arrays (see :mod:`bus.quant`), whose sizes follow from shape, quantiser
-and block. Encoding makes one copy (into a preallocated buffer); decoding is zero-copy for fp32
+The header is ``{"v": 1, "q": quantiser, "b": block, "dt": original dtype, "sh": shape}`` (a
+sparse codec adds ``"k"``, its values per chunk of ``b``); the parts are the quantiser's arrays
+(see :mod:`bus.quant` and :mod:`bus.sparse`), whose sizes follow from shape, codec, block and k. Encoding makes one copy (into a preallocated buffer); decoding is zero-copy for fp32
 (a read-only view on the received buffer).
 
 Heartbeats and metrics are JSON via orjson (:func:`dumps_json`, :func:`loads_json`).
@@ -21,9 +21,11 @@ import msgpack
 import numpy as np
 import orjson
 
-from bus import quant
+from bus import quant, sparse
 
 VERSION = 1
+#: every outer-gradient codec: the dense quantisers and the sparse top-k ones (``bus.sparse``)
+CODECS = quant.QUANTISERS + sparse.SPARSE
 MAX_HEADER = 4096
 MAX_ELEMENTS = 2**34  # 64 GiB of float32: anything larger in a header is garbage
 
@@ -32,13 +34,25 @@ class CodecError(ValueError):
     """A blob is malformed: the message names what is wrong."""
 
 
-def encode_array(arr: np.ndarray, q: str = "fp32", block: int = quant.DEFAULT_BLOCK) -> bytearray:
-    """Blob of ``arr`` (any float dtype; sent as float32 under quantiser ``q``)."""
+def encode_array(arr: np.ndarray, q: str = "fp32", block: int | None = None, k: int | None = None) -> bytearray:
+    """Blob of ``arr`` (any float dtype; sent as float32 under codec ``q``). ``block``: the dense
+    quantisers' block (``quant.DEFAULT_BLOCK``) or a sparse codec's chunk (``sparse.DEFAULT_CHUNK``);
+    ``k``: a sparse codec's values per chunk (``sparse.DEFAULT_K``)."""
     a = np.asarray(arr)
     if a.dtype.kind != "f":
         raise CodecError(f"dtype {a.dtype}: expected a floating-point array")
-    parts = quant.quantise(a.reshape(-1), q, block)
-    header = msgpack.packb({"v": VERSION, "q": q, "b": block, "dt": a.dtype.str, "sh": list(a.shape)})
+    head = {"v": VERSION, "q": q, "b": block, "dt": a.dtype.str, "sh": list(a.shape)}
+    if q in sparse.SPARSE:
+        head["b"], head["k"] = block or sparse.DEFAULT_CHUNK, k or sparse.DEFAULT_K
+        parts = sparse.encode_parts(a.reshape(-1), q, head["b"], head["k"])[0]
+    else:
+        head["b"] = block or quant.DEFAULT_BLOCK
+        parts = quant.quantise(a.reshape(-1), q, head["b"])
+    return _write_blob(head, parts)
+
+
+def _write_blob(head: dict, parts: list[np.ndarray]) -> bytearray:
+    header = msgpack.packb(head)
     total = 4 + len(header) + sum(p.nbytes for p in parts)
     out = bytearray(total)
     struct.pack_into("<I", out, 0, len(header))
@@ -51,8 +65,9 @@ def encode_array(arr: np.ndarray, q: str = "fp32", block: int = quant.DEFAULT_BL
 
 
 def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str, *, keep_residual: bool,
-                         block: int = quant.DEFAULT_BLOCK, chunk: int = 1 << 16, want_sent: bool = True,
-                         in_place: bool = False) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
+                         block: int | None = None, chunk: int = 1 << 16, want_sent: bool = True,
+                         in_place: bool = False, k: int | None = None,
+                         decay: float = 1.0) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
     """One error-feedback round, fused: (blob, sent, new residual, relative error).
 
     ``want_sent=False`` returns None for ``sent`` and allocates no array of the fragment's size for
@@ -68,7 +83,12 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     ``encode_array`` / ``decode_array`` / ``learner.outer.feedback_step`` give (quantiser blocks
     are independent, and chunks are whole blocks), but in chunks of ``chunk`` values written
     straight into the blob: no temporary of the fragment's size, and the chunk's temporaries stay
-    in cache (2-3x faster for a fragment of millions of values)."""
+    in cache (2-3x faster for a fragment of millions of values).
+
+    ``decay`` (error-feedback decay, SparseLoCo's beta): ``corrected = delta + decay x residual``
+    (with ``in_place`` the caller has folded the residual in already, decayed or not). A sparse
+    codec (``bus.sparse``; ``block`` its chunk, ``k`` its values per chunk) keeps everything it does
+    not send in the residual: the new residual is ``corrected`` with the sent values taken off."""
     x = np.asarray(delta)
     if x.dtype != np.float32 or x.ndim != 1 or not x.flags.c_contiguous or not x.flags.writeable:
         raise CodecError("encode_with_feedback: delta must be a writeable contiguous 1-D float32 array")
@@ -78,9 +98,15 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
             raise CodecError(f"residual {residual.shape} {residual.dtype} does not match delta {x.shape} float32")
         if keep_residual and not residual.flags.writeable:
             residual = residual.copy()
-    out, views = _blob_for(n, q, block)
     if in_place and (residual is not None or not keep_residual):
         raise CodecError("encode_with_feedback: in_place wants residual=None and keep_residual=True")
+    if not (0.0 <= decay <= 1.0):
+        raise CodecError(f"decay {decay!r}: expected a number in 0..1")
+    if q in sparse.SPARSE:
+        return _sparse_feedback(x, residual, q, keep_residual, block or sparse.DEFAULT_CHUNK, k or sparse.DEFAULT_K,
+                                want_sent, in_place, decay, chunk)
+    block = block or quant.DEFAULT_BLOCK
+    out, views = _blob_for(n, q, block)
     sent = np.empty(n, dtype=np.float32) if want_sent else None
     if in_place:
         new_res = x
@@ -92,7 +118,10 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
         e = min(n, s + step)
         c = x[s:e]
         if residual is not None:
-            c += residual[s:e]
+            if decay == 1.0:
+                c += residual[s:e]
+            else:
+                c += np.float32(decay) * residual[s:e]
         parts = quant.quantise(c, q, block)
         _place(views, parts, q, s, block)
         sc = quant.dequantise(parts, q, e - s, block)
@@ -111,6 +140,46 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     else:
         err = math.sqrt(num / den)
     return out, sent, new_res, err
+
+
+def _sparse_feedback(x: np.ndarray, residual: np.ndarray | None, q: str, keep_residual: bool, block: int, k: int,
+                     want_sent: bool, in_place: bool, decay: float,
+                     step: int) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
+    """encode_with_feedback for a sparse codec: corrected in ``x``'s memory, the top-k of each chunk
+    sent, the rest (and each sent value's quantisation error) kept."""
+    try:
+        sparse.check_settings(q, block, k)
+    except sparse.SparseError as e:
+        raise CodecError(str(e)) from None
+    n = x.size
+    if residual is not None:
+        for s in range(0, n, step):
+            if decay == 1.0:
+                x[s:s + step] += residual[s:s + step]
+            else:
+                x[s:s + step] += np.float32(decay) * residual[s:s + step]
+    with np.errstate(over="ignore", invalid="ignore"):
+        den = float(np.dot(x, x))
+    parts, idx, vals = sparse.encode_parts(x, q, block, k, sumsq=den)
+    head = {"v": VERSION, "q": q, "b": block, "dt": np.dtype(np.float32).str, "sh": [n], "k": k}
+    out = _write_blob(head, parts)
+    picked = x[idx]
+    err = picked - vals
+    num = max(0.0, den - float(np.dot(picked, picked)) + float(np.dot(err, err)))
+    sent = None
+    if want_sent:
+        sent = np.zeros(n, dtype=np.float32)
+        sent[idx] = vals
+    new_res = None
+    if in_place:
+        new_res = x
+    elif keep_residual:
+        new_res = residual if residual is not None else np.empty(n, dtype=np.float32)
+        np.copyto(new_res, x)
+    if new_res is not None:
+        new_res[idx] = err
+    rel = (0.0 if num == 0.0 else float("inf")) if den == 0.0 else math.sqrt(num / den)
+    return out, sent, new_res, rel
 
 
 def encode_delta(x: np.ndarray, ref: np.ndarray, q: str, block: int = quant.DEFAULT_BLOCK,
@@ -158,7 +227,7 @@ def _place(views: list[np.ndarray], parts: list[np.ndarray], q: str, start: int,
         return
     b0 = start // block
     views[0][b0:b0 + parts[0].size] = parts[0]  # one scale per block
-    per = 1 if q == "int8" else 2  # values per byte of the codes part
+    per = {"int8": 1, "int2": 4}.get(q, 2)  # values per byte of the codes part
     views[1][start // per:start // per + parts[1].size] = parts[1]
 
 
@@ -177,9 +246,14 @@ def decode_header(buf: bytes | bytearray | memoryview) -> tuple[dict, int]:
     if not isinstance(h, dict) or h.get("v") != VERSION:
         raise CodecError(f"header {h!r:.80}: expected a version-{VERSION} map")
     qn, block, shape, dt = h.get("q"), h.get("b"), h.get("sh"), h.get("dt")
-    if qn not in quant.QUANTISERS:
-        raise CodecError(f"quantiser {qn!r}: expected one of {', '.join(quant.QUANTISERS)}")
-    if not isinstance(block, int) or block < 2 or block % 2 or block > 1 << 20:
+    if qn not in CODECS:
+        raise CodecError(f"quantiser {qn!r}: expected one of {', '.join(CODECS)}")
+    if qn in sparse.SPARSE:
+        try:
+            sparse.check_settings(qn, block, h.get("k"))
+        except sparse.SparseError as e:
+            raise CodecError(str(e)) from None
+    elif not isinstance(block, int) or block < 2 or block % 2 or block > 1 << 20:
         raise CodecError(f"block {block!r}: expected an even integer in 2..{1 << 20}")
     if not isinstance(shape, list) or len(shape) > 8 or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise CodecError(f"shape {shape!r}: expected a list of at most 8 non-negative integers")
@@ -196,13 +270,14 @@ def decode_header(buf: bytes | bytearray | memoryview) -> tuple[dict, int]:
 def decode_array(buf: bytes | bytearray | memoryview, out=None) -> np.ndarray:
     """The float32 array of a blob, with its shape. fp32 blobs decode to a view on ``buf``.
 
-    ``out(n)``: a callable giving a float32 buffer of n values to decode an int8 blob into (or
+    ``out(n)``: a callable giving a float32 buffer of n values to decode an int8 or sparse blob into (or
     None): the aggregator reuses its buffers, since a fresh array of a fragment's size costs page
     faults that took longer than the decode itself."""
     h, off = decode_header(buf)
     shape = tuple(h["sh"])
     n = math.prod(shape)
-    specs = quant.part_specs(h["q"], n, h["b"])
+    sparse_codec = h["q"] in sparse.SPARSE
+    specs = sparse.part_sizes(h["q"], n, h["b"], h["k"]) if sparse_codec else quant.part_specs(h["q"], n, h["b"])
     need = off + sum(d.itemsize * c for d, c in specs)
     mv = memoryview(buf)
     if mv.nbytes != need:
@@ -211,6 +286,18 @@ def decode_array(buf: bytes | bytearray | memoryview, out=None) -> np.ndarray:
     for d, c in specs:
         parts.append(np.frombuffer(mv, dtype=d, count=c, offset=off))
         off += d.itemsize * c
+    if sparse_codec:
+        try:
+            idx, vals = sparse.decode_parts(parts, h["q"], n, h["b"], h["k"])
+        except sparse.SparseError as e:
+            raise CodecError(str(e)) from None
+        dst = out(n) if out is not None else None
+        if dst is None:
+            dst = np.zeros(n, dtype=np.float32)
+        else:
+            dst[...] = 0.0
+        dst[idx] = vals
+        return dst.reshape(shape)
     if out is not None and h["q"] == "int8" and n % h["b"] == 0:
         dst = out(n)
         if dst is not None:

@@ -7,6 +7,8 @@ back. The error bounds below are per element and are checked by ``tests/test_bus
 * ``bf16`` (round to nearest even on the top 16 bits): ``|x - q| <= 2**-8 * |x|`` for normal x.
 * ``int8`` (blocks of B values, scale s = absmax(block) / 127): ``|x - q| <= s / 2``.
 * ``int4`` (blocks of B, s = absmax(block) / 7, codes -7..7): ``|x - q| <= s / 2``.
+* ``int2`` (blocks of B, s = absmax(block), codes 0..3 -> (2c - 3) / 3 x s, four a byte):
+  ``|x - q| <= s / 3``. Only with error feedback (uplink) or against a keyframe (downlink).
 * ``e3m0`` (Streaming DiLoCo's 4-bit float: sign + 3 exponent bits, no mantissa; blocks of B with
   scale s = absmax(block); magnitudes {0} U {s * 2**-k, k = 0..6}, rounded to the nearest power of
   two in linear space): ``|x - q| <= max(|x| / 3, 0.75 * s * 2**-6)``.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-QUANTISERS = ("fp32", "bf16", "int8", "int4", "e3m0")
+QUANTISERS = ("fp32", "bf16", "int8", "int4", "e3m0", "int2")
 DEFAULT_BLOCK = 256
 
 
@@ -33,8 +35,8 @@ class QuantError(ValueError):
 
 def bits_per_value(name: str, block: int = DEFAULT_BLOCK) -> float:
     """Wire bits per element, scales included (what a bandwidth estimate should use)."""
-    base = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "e3m0": 4}[name]
-    return base + (32 / block if name in ("int8", "int4", "e3m0") else 0)
+    base = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "e3m0": 4, "int2": 2}[name]
+    return base + (32 / block if name in ("int8", "int4", "e3m0", "int2") else 0)
 
 
 def _blocks(x: np.ndarray, block: int) -> np.ndarray:
@@ -68,6 +70,21 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return (c[:, 0] | (c[:, 1] << 4)).astype(np.uint8)
 
 
+def _pack_crumbs(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..3 -> bytes, four per byte (lowest bits first); the tail padded with zeros."""
+    pad = -codes.size % 4
+    c = np.concatenate([codes, np.zeros(pad, np.uint8)]) if pad else codes
+    c = c.reshape(-1, 4)
+    return (c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)).astype(np.uint8)
+
+
+def _unpack_crumbs(packed: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty((packed.size, 4), dtype=np.uint8)
+    for j in range(4):
+        out[:, j] = (packed >> (2 * j)) & 3
+    return out.reshape(-1)[:n]
+
+
 def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
     out = np.empty(packed.size * 2, dtype=np.uint8)
     out[0::2] = packed & 0x0F
@@ -99,6 +116,11 @@ def quantise(x: np.ndarray, name: str, block: int = DEFAULT_BLOCK) -> list[np.nd
             return [scale, q.astype(np.int8).reshape(-1)[: x.size]]
         codes = (q.astype(np.int8) + 8).astype(np.uint8).reshape(-1)
         return [scale, _pack_nibbles(codes)]
+    if name == "int2":
+        inv = np.divide(np.float32(1.0), amax, out=np.zeros_like(amax), where=amax > 0)
+        c = np.rint((xb * inv[:, None] * 3 + 3) * 0.5)
+        np.clip(c, 0, 3, out=c)
+        return [amax, _pack_crumbs(c.astype(np.uint8).reshape(-1))]
     # e3m0: magnitude level k in 1..7 means s * 2**(k-7); k = 0 means zero. With y = |x| / s in
     # [0, 1] written as 1.m * 2**E, the nearest power of two in linear space is 2**(E+1) when the
     # top mantissa bit is set (1.m >= 1.5), else 2**E: pure integer work on the float bits.
@@ -147,6 +169,8 @@ def part_specs(name: str, n: int, block: int = DEFAULT_BLOCK) -> list[tuple[np.d
         return [(np.dtype(np.float32), nb), (np.dtype(np.int8), n)]
     if name in ("int4", "e3m0"):
         return [(np.dtype(np.float32), nb), (np.dtype(np.uint8), nb * block // 2)]
+    if name == "int2":
+        return [(np.dtype(np.float32), nb), (np.dtype(np.uint8), -(-nb * block // 4))]
     raise QuantError(f"unknown quantiser {name!r}: expected one of {', '.join(QUANTISERS)}")
 
 
@@ -169,6 +193,9 @@ def dequantise(parts: list[np.ndarray], name: str, n: int, block: int = DEFAULT_
         padded = np.zeros(full, dtype=np.int8)
         padded[:n] = q
         return (padded.reshape(nb, block) * scale[:, None]).reshape(-1)[:n]
+    if name == "int2":
+        c2 = _unpack_crumbs(parts[1], nb * block).reshape(nb, block).astype(np.float32)
+        return (((2 * c2 - 3) * np.float32(1 / 3)) * scale[:, None]).reshape(-1)[:n]
     codes = _unpack_nibbles(parts[1], nb * block).reshape(nb, block)
     if name == "int4":
         vals = codes.astype(np.int8) - np.int8(8)

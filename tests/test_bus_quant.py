@@ -26,6 +26,8 @@ def _bound(name, x, block=quant.DEFAULT_BLOCK):
         return amax / 127 / 2 * (1 + 1e-6)
     if name == "int4":
         return amax / 7 / 2 * (1 + 1e-6)
+    if name == "int2":
+        return amax / 3 * (1 + 1e-6)
     if name == "e3m0":
         return np.maximum(np.abs(x) / 3, 0.75 * amax * 2.0**-6) * (1 + 1e-6)
 
