@@ -289,3 +289,42 @@ async def test_the_exporter_says_it_is_disconnected_and_logs_one_line_each_way(n
     events = [e["event"] for e in log_events(err.decode())]
     assert events.count("nats_disconnected") == 1 and events.count("nats_reconnected") == 1, events
     assert "nats_error" not in events and len(events) <= 4, events
+
+
+async def test_a_late_api_reply_while_waiting_for_the_manifest_is_not_the_end(nats_server):
+    """The server stops answering for a while (SIGSTOP: a loaded machine, a GC pause) while a
+    learner waits for the run's manifest: its JetStream calls time out, and it keeps waiting until
+    its own deadline instead of exiting on the first late reply (compose's test lost a learner and
+    the evaluator to "nats: timeout" 8 s into a 120 s window, on 2 loaded cores)."""
+    import signal
+
+    from bus.config import CommonConfig
+    from bus.conn import connect
+    from bus.runs import wait_manifest
+    from learner.builtin import create_builtin_run
+    from tests.agg_helpers import MODEL
+
+    common = CommonConfig(nats_url=nats_server.url, run="late")
+    nc = await connect(common, name="waiter")
+    try:
+        js = nc.jetstream(timeout=0.5)
+        waiter = asyncio.create_task(wait_manifest(js, "late", timeout=30))
+        await asyncio.sleep(0.3)
+        nats_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(2.0)  # several 0.5 s API timeouts
+        finally:
+            nats_server.proc.send_signal(signal.SIGCONT)
+        assert not waiter.done(), waiter.exception() if waiter.done() else None
+        maker = await connect(common, name="maker")
+        try:
+            await create_builtin_run(maker.jetstream(timeout=10), common, MODEL)
+        finally:
+            await maker.close()
+        m = await asyncio.wait_for(waiter, 20)
+        assert m is not None
+        # and the deadline still holds: no manifest for another run ends with the one line
+        with pytest.raises(TimeoutError, match="has no manifest after 1.0s"):
+            await wait_manifest(js, "never", timeout=1.0)
+    finally:
+        await nc.close()
