@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus import quant
+from bus import codec, sparse
 from bus.config import boolean, choice, integer, number, register, token, var
 
 
@@ -93,8 +93,15 @@ class AggregatorConfig:
                                 "accepted norms of a fragment before the outlier check starts (past the LR warm-up)")
     require_membership: bool = var(True, boolean(),
                                    "accept only learners the monitor lists as active (false: anyone is active)")
-    downlink_quantiser: str = var("fp32", choice(*quant.QUANTISERS),
-                                  "global versions: fp32 = whole; else this quantiser of the delta against a keyframe")
+    downlink_quantiser: str = var("fp32", choice(*codec.CODECS),
+                                  "global versions: fp32 = whole; else this codec of the delta against a keyframe, or "
+                                  "with DILOCO_DOWNLINK_CHAIN against the previous version (topk2 / topk4 only chained)")
+    downlink_chain: bool = var(False, boolean(),
+                               "send each global version against the previous one as learners reconstruct it (error "
+                               "feedback on the way down; learners then download every version, and a learner "
+                               "without the previous one takes the whole reconstruction from the keyframe subjects)")
+    downlink_topk_k: int = var(256, integer(1, sparse.DEFAULT_CHUNK),
+                               f"a topk downlink: values sent per chunk of {sparse.DEFAULT_CHUNK}")
     keyframe_every: int = var(64, integer(1, 1_000_000),
                               "quantised downlink: versions of a fragment between two whole fp32 keyframes")
     admission_wait: float = var(30.0, number(0.0, 3600),
@@ -113,3 +120,8 @@ class AggregatorConfig:
                           "create missing streams and apply the limits sized from the run at start (false: the "
                           "streams must exist; `diloco auth init --strict` writes false, admin runs `diloco run "
                           "create --streams-only`)")
+
+    def __post_init__(self) -> None:
+        if self.downlink_quantiser in sparse.SPARSE and not self.downlink_chain:
+            raise ValueError(f"DILOCO_DOWNLINK_QUANTISER={self.downlink_quantiser} needs DILOCO_DOWNLINK_CHAIN=true "
+                             "(a sparse delta against a keyframe would drop most of the model's movement)")

@@ -251,12 +251,14 @@ class Durability:
         gstore, sstore = self.gstore, self.sstore
         for p in self.owned:
             gh = await gstore.head(p)
+            if self.cfg.downlink_chain:
+                await self._recover_view(p)
             st = await self._recover_fragment(p, -1 if gh is None else gh.version)
             if st is None:
                 if gh is None:
                     raise RuntimeError(f"fragment {p} has neither state nor global version (the run's creator writes version 0 before the manifest)")
                 gh, blob = await gstore.get(p)
-                if "ref" in gh.meta:
+                if "ref" in gh.meta or "prev" in gh.meta:
                     raise RunMismatch(f"fragment {p}: no aggregator state, and global version {gh.version} is a "
                                       "delta against a keyframe: the state stream was lost")
                 st = FragmentState.initial(p, gh.version, np.array(codec.decode_array(blob)), self.settings)

@@ -54,7 +54,7 @@ from bus import codec
 from bus.signals import install_stop
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect
-from bus.downlink import Keyframe
+from bus.downlink import Keyframe, View
 from bus.log import get_logger, setup
 from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, ensure_run, missing_parts
 from bus.subjects import GLOBAL, STATE, Subjects
@@ -117,6 +117,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
         # newest keyframe per fragment (quantised downlink); after a restart taken back from the
         # keyframe subjects while current (see _recover_keyframe)
         self.keys: dict[int, Keyframe] = {}
+        # a chained downlink (DILOCO_DOWNLINK_CHAIN): per fragment, the newest version as readers
+        # reconstruct it; after a restart taken back from the keyframe subjects (_recover_view)
+        self.views: dict[int, View] = {}
         self.unpublished: set[int] = set()
         self.logpos: dict[int, LogPosition] = {}  # per fragment: newest checkpoint, log beyond it
         self.uncommitted: dict[int, tuple] = {}  # fragment -> a merge whose log record is not stored yet
@@ -217,11 +220,36 @@ class AggregatorService(Intake, VersionMaker, Durability):
 
     # -- start-up and recovery --------------------------------------------------------------------
 
+    async def _recover_view(self, p: int) -> None:
+        """A chained downlink after a (re)start: the newest reconstruction on the keyframe subjects
+        (the aggregator puts each version's there before its head). The next version published is
+        a delta against it if it is the previous version, the view itself whole if it is that
+        version, else the exact parameters whole (bus.downlink.encode_chain)."""
+        try:
+            got = await self.kstore.get(p)
+        except Exception as e:
+            self.log.warning("view_recovery_failed", fragment=p, error=repr(e))
+            return
+        if got is None:
+            return
+        head, blob = got
+        try:
+            vec = np.array(codec.decode_array(blob), dtype=np.float32).reshape(-1)
+        except codec.CodecError as e:
+            self.log.warning("view_recovery_failed", fragment=p, version=head.version, error=str(e))
+            return
+        if vec.size == self.plan.sizes[p] and np.isfinite(vec).all():
+            self.views[p] = View(head.version, vec)
+
     async def _recover_keyframe(self, p: int, st: FragmentState) -> None:
         """Quantised downlink: the keyframe deltas refer to after a (re)start. The newest one on the
         keyframe subjects while it is still current; else, for a fresh fragment, version 0 (every
         reader holds it whole, learners build it from the seed), put on the keyframe subjects for
         readers that join later. Otherwise the first version published is a keyframe."""
+        if self.cfg.downlink_chain:
+            if p not in self.views and st.version == 0:  # every reader holds version 0 whole
+                self.views[p] = View(0, np.array(st.params, dtype=np.float32, copy=True))
+            return
         if self.settings.downlink_quantiser == "fp32":
             return
         got = await self.kstore.get(p)

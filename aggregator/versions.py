@@ -23,7 +23,8 @@ from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, decide
 from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, merge_step, participation_scale, round_work
-from bus.downlink import encode_version
+from bus import codec, sparse
+from bus.downlink import encode_chain, encode_version
 from bus.transport import VersionConflict, ack_all
 
 
@@ -181,6 +182,16 @@ class VersionMaker:
         place, so the blob is taken before the next merge), to be published in order."""
         st = self.states[p]
         meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
+        if self.cfg.downlink_chain:
+            # every version against the previous reconstruction; the reconstruction itself, whole,
+            # on the keyframe subjects for a reader that lost the chain (bus.downlink.encode_chain)
+            q = self.settings.downlink_quantiser
+            args = {"block": sparse.DEFAULT_CHUNK, "k": self.cfg.downlink_topk_k} if q in sparse.SPARSE else {}
+            blob, extra, view = encode_chain(st.params, st.version, self.views.get(p), q, **args)
+            self.views[p] = view
+            whole = blob if "prev" not in extra else codec.encode_array(view.params)
+            return PublishJob(p, st.version, blob, {**meta, **extra}, True, [list(k) for k in st.last_merge],
+                              st.last_scale, st.last_per_round, key_blob=whole)
         blob, extra, key = encode_version(st.params, st.version, self.keys.get(p),
                                           self.settings.downlink_quantiser, self.cfg.keyframe_every)
         if key is not None:
@@ -220,7 +231,11 @@ class VersionMaker:
         p = job.fragment
         try:
             if job.keyframe:  # a keyframe: on its own subjects first, then as the version
-                await self.kstore.put(p, job.version, job.blob, job.meta)
+                if job.key_blob is None:
+                    await self.kstore.put(p, job.version, job.blob, job.meta)
+                else:  # a chained version: the whole reconstruction (a keyframe of the view)
+                    await self.kstore.put(p, job.version, job.key_blob,
+                                          {**{k: v for k, v in job.meta.items() if k != "prev"}, "key": job.version})
             await self.gstore.put(p, job.version, job.blob, {**job.meta, "applied": job.applied})
         except VersionConflict as e:  # a newer version is out already (a recovery republished it)
             if e.committed.version < job.version:
@@ -273,3 +288,4 @@ class PublishJob:
     applied: list
     scale: float
     per_round: int
+    key_blob: bytearray | bytes | None = None  # a chained downlink: the whole reconstruction

@@ -77,10 +77,73 @@ def decode_version(blob, meta: dict, key: Keyframe | None) -> np.ndarray:
     vec = codec.decode_array(blob).reshape(-1)
     if ref is None:
         return vec
+    return _plus(vec, ref, key, "keyframe")
+
+
+def _plus(vec: np.ndarray, ref, base, what: str) -> np.ndarray:
+    """``base.params + vec`` once ``ref`` is a version number and ``base`` (a Keyframe or View) is
+    that version of the same size; else MissingKeyframe or ValueError."""
     if not isinstance(ref, int) or isinstance(ref, bool) or ref < 0:
-        raise ValueError(f"bad keyframe reference {ref!r}")
-    if key is None or key.version != ref:
+        raise ValueError(f"bad {what} reference {ref!r}")
+    if base is None or base.version != ref:
         raise MissingKeyframe(ref)
-    if vec.size != key.params.size:
-        raise ValueError(f"delta has {vec.size} values, keyframe v{ref} {key.params.size}")
-    return (key.params + vec).astype(np.float32, copy=False)
+    if vec.size != base.params.size:
+        raise ValueError(f"delta has {vec.size} values, {what} v{ref} {base.params.size}")
+    return (base.params + vec).astype(np.float32, copy=False)
+
+
+# -- the chained downlink (error feedback on the way down) ------------------------------------------
+#
+# Against a keyframe, the error of a reconstruction is one quantisation step of everything since
+# the keyframe: at 2 bits that is most of the model's movement, and training diverged (bench.frontier).
+# A chain sends each version against the *previous reconstruction* instead:
+#
+#     D_v = Q(Theta_v - V_{v-1}),  V_v = V_{v-1} + deQ(D_v)
+#
+# where V is what every follower holds. What Q leaves out stays in Theta - V and goes out with a later
+# version (error feedback, with the aggregator's exact parameters as the reference), so the error of a
+# reconstruction is bounded by one quantisation step of one version's change, and a sparse codec works
+# on the way down too. The cost: a follower must apply every version in order (a joiner starts from a
+# whole copy of V, which the aggregator keeps on the keyframe subjects for every version).
+# ``DILOCO_DOWNLINK_CHAIN`` (aggregator) and bench.reference's ``downlink_chain``.
+
+
+@dataclass(frozen=True)
+class View:
+    """Version ``version`` of a fragment as every follower of the chain reconstructs it."""
+
+    version: int
+    params: np.ndarray
+
+
+def encode_chain(params: np.ndarray, version: int, view: View | None, q: str,
+                 **codec_args) -> tuple[bytearray, dict, View]:
+    """(blob, meta, the new view) of global version ``version`` on a chained downlink; meta always
+    holds ``"chain": 1`` (readers keep their view and follow every version).
+
+    * ``view`` at ``version - 1``: ``Q(params - view)``, ``{"prev": version - 1}``; the new view is
+      ``view + deQ(blob)``, computed as a follower computes it (:func:`decode_chain`), bit for bit.
+    * ``view`` at ``version`` already (a version published again after a restart): that view whole.
+    * otherwise (no view: a fresh start, or a restart that lost it): the exact parameters whole,
+      ``{"key": version}``, and the view becomes exact.
+    """
+    p = np.asarray(params, dtype=np.float32).reshape(-1)
+    if view is not None and view.params.shape != p.shape:
+        raise ValueError(f"view has {view.params.size} values, the parameters {p.size}")
+    if view is not None and view.version == version:
+        return codec.encode_array(view.params), {"key": int(version), "chain": 1}, view
+    if view is None or view.version != version - 1:
+        return codec.encode_array(p), {"key": int(version), "chain": 1}, View(int(version), p.copy())
+    blob = codec.encode_array((p - view.params).astype(np.float32, copy=False), q, **codec_args)
+    meta = {"prev": view.version, "chain": 1}
+    return blob, meta, View(int(version), decode_chain(blob, meta, view))
+
+
+def decode_chain(blob, meta: dict, view: View | None) -> np.ndarray:
+    """A follower's reconstruction of a chained version: whole, or its view plus the delta.
+    Raises MissingKeyframe (``ref`` = the version it needs first) when the view is not the one the
+    delta was taken against."""
+    vec = np.asarray(codec.decode_array(blob), dtype=np.float32).reshape(-1)
+    if "prev" not in meta:
+        return vec
+    return _plus(vec, meta.get("prev"), view, "view")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus import quant
+from bus import codec, sparse
 from bus.config import boolean, choice, integer, number, register, text, token, var
 
 
@@ -98,8 +98,15 @@ class LearnerConfig:
     dynamic_h: bool = var(False, boolean(),
                           "Dynamic Local Updates: sync every floor(v / v_max x H) steps (v: tokens/s of the active "
                           "learners, from the members bucket), so a slower learner's round lasts as long as the fastest's")
-    quantiser: str = var("int8", choice(*quant.QUANTISERS), "outer-gradient quantiser")
+    quantiser: str = var("int8", choice(*codec.CODECS), "outer-gradient codec: a dense quantiser, or topk2 / topk4 "
+                         "(the DILOCO_TOPK_K largest of each DILOCO_TOPK_CHUNK values, 2 or 4 bits each, the rest "
+                         "kept by error feedback)")
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
+    feedback_decay: float = var(1.0, number(0.0, 1.0), "error-feedback decay: the residual kept is multiplied by "
+                                "this before it joins the next outer gradient (SparseLoCo used 0.95)")
+    topk_chunk: int = var(sparse.DEFAULT_CHUNK, integer(2, sparse.MAX_CHUNK), "topk codecs: values per chunk")
+    topk_k: int = var(sparse.DEFAULT_K, integer(1, sparse.MAX_CHUNK), "topk codecs: values sent per chunk "
+                      "(64 of 4096: 1.56%)")
     batch_size: int = var(16, integer(1, 1 << 20), "sequences per inner step")
     inner_lr: float = var(0.0, number(0.0, 10.0), "peak AdamW learning rate of the built-in model (0: by its width, "
                           "0.008 x 64 / DILOCO_D_MODEL, at most 0.008; an island's optimizer is its own)",
@@ -132,6 +139,8 @@ class LearnerConfig:
                            "(`diloco auth init` writes false into learners' env files)")
 
     def __post_init__(self) -> None:
+        if self.topk_k > self.topk_chunk:
+            raise ValueError(f"DILOCO_TOPK_K={self.topk_k} must be <= DILOCO_TOPK_CHUNK={self.topk_chunk}")
         if not self.synthetic and self.warmup >= self.total_steps:
             raise ValueError(f"DILOCO_WARMUP_STEPS={self.warmup_steps} must be < DILOCO_TOTAL_STEPS={self.total_steps}")
         if self.dynamic_h and self.mode == "sync":

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from nats.js.errors import NotFoundError
 
-from bus import codec
+from bus import codec, sparse
 from bus.protocol import grad_meta, grad_obj_id
 from bus.transport import Head, follow_heads
 from learner import loop as lp
@@ -147,12 +147,14 @@ class IslandCore:
             # new residual is then written over the corrected vector: a sync allocates nothing of
             # the fragment's size but its blob (bench.island; bitwise the path below without unsent
             # work, since r + d == d + r)
+            if self.cfg.feedback_decay != 1.0:
+                res *= np.float32(self.cfg.feedback_decay)
             self.backend.fold_progress(p, base, res)
             if self.unsent[p] is not None:
                 res += self.unsent[p]
                 self.unsent[p] = None
             blob, _, _, self.quant_error = codec.encode_with_feedback(  # the new residual is in res
-                res, None, q, keep_residual=True, want_sent=False, in_place=True)
+                res, None, q, keep_residual=True, want_sent=False, in_place=True, **self._codec_args())
             return self._finish_prepare(c, blob)
         theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
         # the base is ours alone (never an alias of the parameters or a keyframe) and replaced
@@ -165,10 +167,17 @@ class IslandCore:
         # error feedback, quantisation and the decoded copy in one chunked pass (bitwise the
         # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
         blob, _, residual, self.quant_error = codec.encode_with_feedback(
-            delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False)
+            delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False,
+            decay=self.cfg.feedback_decay, **self._codec_args())
         if ef:
             self.residual[p] = residual
         return self._finish_prepare(c, blob)
+
+    def _codec_args(self) -> dict:
+        """A sparse codec's chunk and k (DILOCO_TOPK_CHUNK, DILOCO_TOPK_K); nothing for a dense one."""
+        if self.cfg.quantiser in sparse.SPARSE:
+            return {"block": self.cfg.topk_chunk, "k": self.cfg.topk_k}
+        return {}
 
     def _finish_prepare(self, c: lp.Contribution, blob: bytearray) -> tuple[bytearray, dict]:
         p = c.fragment
@@ -311,7 +320,8 @@ class IslandCore:
             ours = lp.applied_rounds(head.meta, self.id, self.incarnation, p)
             self.book.on_applied(p, ours, head.version)
             self.fate.on_head(p, head.version, ours, time.monotonic())
-            if self._fetch_all:
+            if self._fetch_all or head.meta.get("chain"):
+                # (a chained downlink: every version, so the next one is a small delta against it)
                 due = self.book.wants(p, head.version)
             else:
                 # download later, once per own sync: remember the newest head (the latest received,

@@ -218,6 +218,8 @@ class Learner(IslandCore, Presence):
             vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
         finally:
             local_hits, self.store.local = self.store.local_hits, None
+        if isinstance(self.run_model, BuiltinModel):  # a chained downlink's first delta is against v0
+            self.store.v0_source = self.run_model.initial_blob(manifest)
         self.backend = await self._in_worker(self._make_backend)
         # an island whose own parameters are the run's version 0 (every fragment's bytes equal:
         # the reader took each from our local copy) has nothing to load
@@ -255,7 +257,7 @@ class Learner(IslandCore, Presence):
         return builtin_backend(spec, self.plan, self.cfg, shard)
 
     def memory(self) -> dict[str, int]:
-        keys = self.store.keys.values() if self.store is not None else ()
+        keys = list(self.store.keys.values()) + list(self.store.views.values()) if self.store is not None else []
         return lp.memory_bytes(self.run_model.num_params, self.plan.sizes,
                                error_feedback=self.cfg.error_feedback and self.cfg.quantiser != "fp32",
                                synthetic=self.cfg.synthetic, keyframe_params=sum(k.params.size for k in keys))

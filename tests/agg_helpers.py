@@ -45,14 +45,17 @@ class FakeLearner:
         self.scale = scale
         self.s = Subjects(run)
 
-    async def send(self, p: int, base: int, vector=None, q: str = "fp32", obj_suffix: str = "", **over) -> tuple:
+    async def send(self, p: int, base: int, vector=None, q: str = "fp32", obj_suffix: str = "", blob=None,
+                   **over) -> tuple:
+        """``blob``: these bytes instead of the encoded vector (a hostile encoding)."""
         self.round[p] += 1
         vec = vector if vector is not None else (self.rng.standard_normal(PLAN.sizes[p]) * self.scale).astype(np.float32)
         meta = grad_meta(run=self.run, model=HASH, learner=self.learner, incarnation=self.inc, fragment=p,
                          round_=self.round[p], base_version=base, inner_steps=10, tokens=10 * 64, region="r")
         meta.update(over)
         oid = grad_obj_id(self.run, self.learner, self.inc, p, self.round[p]) + obj_suffix
-        await self.pub.publish(self.s.grad(p, self.learner), oid, codec.encode_array(vec, q), meta)
+        await self.pub.publish(self.s.grad(p, self.learner), oid,
+                               codec.encode_array(vec, q) if blob is None else blob, meta)
         return (self.learner, self.inc, p, self.round[p])
 
 

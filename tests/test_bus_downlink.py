@@ -170,3 +170,98 @@ async def test_reader_builds_version_0_locally_when_its_crc_matches(nats_server,
     reader.local = initial_blobs(SPEC, PLAN, 0)
     head, vec = await reader.newest(2)
     assert head.version == 3 and reader.local_hits == 1 and reader.bytes_received > before
+
+
+# -- the chained downlink (DILOCO_DOWNLINK_CHAIN) ------------------------------------------------------
+
+
+def test_chain_views_follow_bit_for_bit_and_a_gap_needs_the_whole_view():
+    from bus.downlink import View, decode_chain, encode_chain
+
+    rng = np.random.default_rng(0)
+    theta = rng.standard_normal(5000).astype(np.float32)
+    view = View(0, theta.copy())
+    follower = View(0, theta.copy())
+    for v in range(1, 30):
+        theta = theta + (rng.standard_normal(5000) * 1e-2).astype(np.float32)
+        blob, meta, view = encode_chain(theta, v, view, "topk4", k=256)
+        assert meta == {"prev": v - 1, "chain": 1}
+        follower = View(v, decode_chain(blob, meta, follower))
+        assert np.array_equal(follower.params, view.params)  # the aggregator's view is the follower's
+    # error feedback on the way down: the view lags the exact parameters by a bounded residual
+    lag = np.abs(theta - view.params)
+    assert lag.max() < 0.2, lag.max()
+    with pytest.raises(MissingKeyframe) as e:
+        decode_chain(blob, meta, View(v - 2, view.params))
+    assert e.value.ref == v - 1
+    # republished after a restart that kept the view: the view whole; one that lost it: exact whole
+    blob2, meta2, same = encode_chain(theta, v, view, "topk4", k=256)
+    assert meta2 == {"key": v, "chain": 1} and same is view
+    assert np.array_equal(decode_chain(blob2, meta2, None), view.params)
+    blob3, meta3, exact = encode_chain(theta, v + 5, view, "topk4", k=256)
+    assert meta3 == {"key": v + 5, "chain": 1} and np.array_equal(exact.params, theta)
+    with pytest.raises(ValueError):
+        decode_chain(blob, {"prev": True, "chain": 1}, view)
+
+
+async def test_aggregator_chains_versions_that_readers_follow_and_recover(nats_server, js):
+    from tests.test_aggregator_service import RUN, _start, _until
+    from tests.agg_helpers import FakeLearner
+    from bus.global_reader import GlobalReader
+    from bus.subjects import GLOBAL
+    from bus.transport import VersionedStore
+
+    opts = dict(require_membership=False, grace="fixed", grace_seconds=0.02, quorum=1, downlink_quantiser="topk4",
+                downlink_chain=True, downlink_topk_k=256, max_staleness=100)
+    from learner.startup import initial_blobs
+    from tests.agg_helpers import PLAN, SPEC
+
+    svc, stop, task = await _start(nats_server, **opts)
+    reader = GlobalReader(js, RUN, lambda head, vec: vec)
+    local = GlobalReader(js, RUN, lambda head, vec: vec)  # a built-in learner: version 0 from the seed
+    local.local = local.v0_source = initial_blobs(SPEC, PLAN, 0)
+    store = VersionedStore(js, RUN, GLOBAL)
+    learner = FakeLearner(js, RUN, "a", 1, scale=1e-2)
+    try:
+        head, _ = await reader.newest(0)
+        assert head.version == 0 and svc.views[0].version == 0
+        head, _ = await local.newest(0)
+        assert head.version == 0 and local.local_hits == 1 and local.bytes_received == 0
+        sizes = []
+        for v in range(6):
+            await learner.send(0, base=v)
+            assert await _until(lambda: svc.published.get(0) == v + 1)
+            head = await store.head(0)
+            assert head.version == v + 1 and head.meta.get("prev") == v and head.meta.get("chain") == 1
+            got = await reader.read(head)
+            assert np.array_equal(got, svc.views[0].params)  # bit for bit the aggregator's view
+            assert np.array_equal(await local.read(head), got)
+            sizes.append(head.size)
+        # the first delta needed the whole view of version 1 (the reader held version 0 only as the
+        # run's whole version, not as a view); every later one was a small delta
+        assert reader.views_fetched == 1
+        # the built-in learner rebuilt version 0 from the seed instead: nothing whole downloaded
+        assert local.views_fetched == 0 and local.views_built == 1 and local.bytes_received == sum(sizes)
+        assert max(sizes) < 0.2 * 4 * svc.states[0].params.size
+        # the view lags the exact parameters by what is still to send (error feedback)
+        assert not np.array_equal(svc.views[0].params, svc.states[0].params)
+        late = GlobalReader(js, RUN, lambda head, vec: vec)
+        head, vec = await late.newest(0)
+        assert head.version == 6 and late.views_fetched == 1 and np.array_equal(vec, svc.views[0].params)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    # a restarted aggregator takes the view back from the keyframe subjects: version 7 is a delta
+    # against version 6, and a reader that followed needs nothing whole
+    svc, stop, task = await _start(nats_server, **opts)
+    try:
+        assert svc.views[0].version == 6
+        await learner.send(0, base=6)
+        assert await _until(lambda: svc.published.get(0) == 7)
+        head = await store.head(0)
+        assert head.meta.get("prev") == 6
+        got = await reader.read(head)
+        assert reader.views_fetched == 1 and np.array_equal(got, svc.views[0].params)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)

@@ -199,16 +199,21 @@ def versions_of(hb: dict) -> dict[int, int]:
 # -- (a) real JAX learner publishes outer-gradient fragments --------------------------------------
 
 
-async def test_jax_learner_publishes_outer_gradients(nats_server, js):
-    await bootstrap(js)
-    metrics = await Sniff().start(js._nc, S.metrics("learner", "learner-1"))
+async def _twelve_steps_of_one_learner(nats_server, js, **env) -> list:
+    """A real JAX learner process, H=4 over P=4 fragments for 12 steps; its 15 outer gradients."""
     proc = await Proc(learner_env(nats_server, mode="async", learner_id="learner-1", sync_every=4, max_steps=12,
-                                  quantiser="int8", error_feedback=1, warmup_steps=0, total_steps=100)).start()
+                                  warmup_steps=0, total_steps=100, **env)).start()
     try:
         assert await proc.wait(60) == 0, "\n".join(proc.err[-20:])
     finally:
         proc.kill()
-    grads = await consume_grads(js, 15)
+    return await consume_grads(js, 15)
+
+
+async def test_jax_learner_publishes_outer_gradients(nats_server, js):
+    await bootstrap(js)
+    metrics = await Sniff().start(js._nc, S.metrics("learner", "learner-1"))
+    grads = await _twelve_steps_of_one_learner(nats_server, js, quantiser="int8", error_feedback=1)
     # 12 steps, H = 4, P = 4: one fragment per step, then the final sync of fragments 1-3 (their
     # 3, 2 and 1 steps since their last sync; fragment 0 synced at step 12)
     assert len(grads) == 15
@@ -241,6 +246,27 @@ async def test_jax_learner_publishes_outer_gradients(nats_server, js):
     # a fresh run (every fragment at version 0): built from the manifest's seed, nothing downloaded
     assert last["bytes_received"] == 0 and last["rss_mib"] > 0 and last["loss"] < 5.6
     assert 0 < last["quant_error"] < 0.1 and last["step_seconds_total"] > 0
+
+
+async def test_a_jax_learner_sends_sparse_outer_gradients_with_its_codec_settings(nats_server, js):
+    """DILOCO_QUANTISER=topk2 with its chunk and k: every blob is that sparse codec, at most k values
+    of every chunk, and the first round of a fragment sends its k largest (no residual yet)."""
+    from bus import sparse
+
+    await bootstrap(js)
+    grads = await _twelve_steps_of_one_learner(nats_server, js, quantiser="topk2", topk_chunk=256, topk_k=8,
+                                               feedback_decay=0.95)
+    assert len(grads) == 15
+    for g in grads:
+        h, _ = codec.decode_header(g.blob)
+        assert (h["q"], h["b"], h["k"]) == ("topk2", 256, 8)
+        meta = parse_grad_meta(g.meta)
+        n = PLAN.sizes[meta["frag"]]
+        delta = np.asarray(codec.decode_array(g.blob))
+        assert delta.shape == (n,) and np.all(np.isfinite(delta))
+        nz = np.count_nonzero(delta)
+        assert 0 < nz <= sparse.layout(n, 256, 8)[1]
+        assert len(g.blob) < 0.1 * 4 * n  # under a tenth of fp32
 
 
 async def test_delta_is_base_minus_theta_exactly(nats_server, js):
