@@ -4,7 +4,7 @@ data-parallel ring all-reduce in bf16, for outer-gradient precisions x H, each w
 Every configuration is a fresh run: embedded server, one aggregator (its defaults, as ``diloco up``
 runs it: K = every active learner, mean merge, outer Nesterov 0.7/0.5 once per round;
 ``DILOCO_DOWNLINK_QUANTISER`` int8, i.e. int8 deltas against fp32 keyframes, or fp32 whole
-versions), M=4 real JAX learners
+versions; the ``lean`` rows: ``diloco up --preset lean``), M=4 real JAX learners
 (defaults: one download per fragment and own sync, rebase on arrival, final sync) of a small model (``SMALL_MODEL``: d_model 64,
 2 layers, seq 64, ~0.12M parameters; batch 8) that run ``steps`` inner steps with P=8 staggered
 fragments and exit, then ``diloco eval --once``. A learner's traffic is what the server counts for
@@ -37,7 +37,7 @@ import asyncio
 
 from bench.common import finish, parser, progress
 from bench.dp import train_dp
-from bench.runs import SMALL_MODEL, aggregator_settings, model_config, run_learners
+from bench.runs import SMALL_MODEL, aggregator_settings, learner_settings, model_config, run_learners
 from learner.spec import count_params
 
 M = 4
@@ -46,9 +46,11 @@ M = 4
 def configs(quick: bool) -> list[tuple[str, int, str, str]]:
     """(uplink quantiser, H, downlink quantiser, aggregator variant)."""
     if quick:
-        return [("int8", 25, "int8", "defaults"), ("e3m0", 100, "int8", "defaults")]
+        return [("int8", 25, "int8", "defaults"), ("topk2", 25, "topk4", "lean")]
     out = [(q, h, "int8", "defaults") for h in (25, 100, 250) for q in ("fp32", "bf16", "int8", "e3m0")]
     out += [("e3m0", 100, "fp32", "defaults")]  # the same with whole fp32 versions on the downlink
+    # the lean preset (diloco up --preset lean): sparse 2-bit up, chained sparse 4-bit down, outer SGD
+    out += [("topk2", h, "topk4", "lean") for h in (12, 25, 100)]
     return out
 
 
@@ -65,7 +67,7 @@ async def main_async(quick: bool, steps: int, plot: str | None) -> dict:
     for up, H, down, variant in configs(quick):
         label = f"{up}/H{H}/down-{down}/{variant}"
         r = await run_learners(env, M, steps, label=label, sample_connz=True,
-                               learner={"DILOCO_QUANTISER": up, "DILOCO_SYNC_EVERY": str(H)},
+                               learner={**learner_settings(variant), "DILOCO_QUANTISER": up, "DILOCO_SYNC_EVERY": str(H)},
                                agg={**aggregator_settings(variant, M), "DILOCO_DOWNLINK_QUANTISER": down})
         ls = list(r["learners"].values())
         steps_done = sum(x["step"] or 0 for x in ls) / len(ls)
@@ -121,9 +123,9 @@ def make_plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    marks = {"fp32": "o", "bf16": "s", "int8": "^", "e3m0": "v", "int4": "D"}
+    marks = {"fp32": "o", "bf16": "s", "int8": "^", "e3m0": "v", "int4": "D", "topk2": "*"}
     for r in rows:
-        color = "C0" if r["downlink"] == "fp32" else ("C1" if r["downlink"] == "int8" else "C2")
+        color = {"fp32": "C0", "int8": "C1", "topk4": "C3"}.get(r["downlink"], "C2")
         ax.scatter(r["reduction_vs_dp"], 100 * r["loss_gap"], marker=marks.get(r["uplink"], "x"), color=color, s=40)
         ax.annotate(f"H{r['H']}", (r["reduction_vs_dp"], 100 * r["loss_gap"]), fontsize=7,
                     xytext=(3, 3), textcoords="offset points")
@@ -136,7 +138,8 @@ def make_plot(rows: list[dict], path: str) -> None:
     handles = [Line2D([], [], marker=m, ls="", color="k", label=f"uplink {q}") for q, m in marks.items()
                if any(r["uplink"] == q for r in rows)]
     handles += [Line2D([], [], marker="o", ls="", color=c, label=f"downlink {d}")
-                for d, c in (("fp32", "C0"), ("int8", "C1"), ("bf16", "C2")) if any(r["downlink"] == d for r in rows)]
+                for d, c in (("fp32", "C0"), ("int8", "C1"), ("bf16", "C2"), ("topk4", "C3"))
+                if any(r["downlink"] == d for r in rows)]
     ax.legend(handles=handles, fontsize=7)
     ax.set_title("Bandwidth vs quality (M=4, small model, /connz bytes)", fontsize=9)
     fig.tight_layout()

@@ -37,7 +37,7 @@ import asyncio
 
 from bench.common import finish, parser, progress
 from bench.dp import train_dp
-from bench.runs import AGG_VARIANTS, SMALL_MODEL, aggregator_settings, run_learners
+from bench.runs import AGG_VARIANTS, SMALL_MODEL, aggregator_settings, learner_settings, run_learners
 
 
 def settings(quick: bool, steps: int, corpus: str | None = None) -> dict:
@@ -74,14 +74,18 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
     slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
     for v in variants:
         progress(f"decoupled ({v}): M={M} learners x {steps} steps, settings {env} {slow}")
-        dec = await run_learners(env, M, steps, label=f"decoupled {v}", agg=aggregator_settings(v, M), learner=slow)
+        dec = await run_learners(env, M, steps, label=f"decoupled {v}", agg=aggregator_settings(v, M),
+                                 learner={**learner_settings(v), **slow})
         progress(f"decoupled ({v}) eval {dec['eval']['eval_loss']:.4f} ({dec['wall_s']} s)")
         agg = dec["aggregator"]
         runs[v] = {"loss": dec["eval"]["eval_loss"], "aggregator": aggregator_settings(v, M),
                    "wall_s": dec["wall_s"], "merges": agg.get("merges"), "rejected": agg.get("rejected"),
                    "staleness_hist": agg.get("staleness_hist"), "versions": agg.get("versions"),
                    "learner_steps": [x["step"] for x in dec["learners"].values()],
-                   "learner_bytes_received": [x["bytes_received"] for x in dec["learners"].values()]}
+                   "learner_bytes_received": [x["bytes_received"] for x in dec["learners"].values()],
+                   # what the server counted for each learner's connection, both ways (bench.bandwidth)
+                   "learner_bytes": round(sum(x["connz_in"] + x["connz_out"] for x in dec["learners"].values())
+                                          / max(1, len(dec["learners"])))}
     progress(f"data-parallel: batch {M} x b, {steps} steps")
     dp = reuse(reuse_dp, env, M, steps) or await asyncio.to_thread(train_dp, env, M, steps, progress)
     progress(f"data-parallel eval {dp['eval_loss']:.4f} ({dp['train_seconds']} s)")

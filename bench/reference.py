@@ -172,6 +172,11 @@ class Reference:
         self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(self.P)]
         self.buffers: list[list[_Pending]] = [[] for _ in range(self.P)]
         self.keys: list = [None] * self.P
+        from bus.downlink import View
+
+        self.views: list = [View(0, v.copy()) for v in v0]  # the chained downlink's (cfg.downlink_chain)
+        self.bytes_up = 0  # every contribution's blob
+        self.bytes_down = 0  # every global version's blob (one learner's download of each)
         self.published: list[tuple[int, np.ndarray]] = [(0, v.copy()) for v in v0]  # newest (version, params)
         self.timers: dict[int, float] = {}
         self.rejected: dict[str, int] = {}
@@ -210,15 +215,21 @@ class Reference:
             if self.buffers[p]:
                 self._merge(p, "end of run")
         final = s.evaluate_fragments([st.params for st in self.states])
+        # what the system's evaluator reads: each fragment's newest version as a reader rebuilds it
+        # (the same as the aggregator's parameters with a whole fp32 downlink)
+        quantised = cfg.downlink != "fp32" or cfg.downlink_chain
+        published = s.evaluate_fragments([vec for _, vec in self.published]) if quantised else final
         if not self.curve or self.curve[-1][0] != cfg.steps * cfg.M * s.tokens_per_step:
             self.curve.append([cfg.steps * cfg.M * s.tokens_per_step, final])
         else:
             self.curve[-1][1] = final
-        return {"eval_loss": final, "curve": self.curve, "merges": self.merges, "rejected": self.rejected,
+        return {"eval_loss": final, "eval_loss_published": published, "curve": self.curve, "merges": self.merges,
+                "rejected": self.rejected,
                 "reference_restarts": self.reference_restarts,
                 "versions": [st.version for st in self.states], "virtual_s": round(self.now, 3),
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                 "learner_steps": [ln.book.step for ln in self.learners],
+                "bytes_per_learner": {"up": self.bytes_up // cfg.M, "down": self.bytes_down},
                 "train_losses": [ln.losses for ln in self.learners]}
 
     # -- a learner ----------------------------------------------------------------------------------
@@ -283,10 +294,15 @@ class Reference:
         delta = outer_gradient(ln.base[p], theta)
         ln.base[p] = theta
         ef = cfg.error_feedback and cfg.quantiser != "fp32"
+        from bus import sparse
+
+        extra = {"block": cfg.topk_chunk, "k": cfg.topk_k} if cfg.quantiser in sparse.SPARSE else {}
         blob, _, residual, _ = codec.encode_with_feedback(delta, ln.residual[p] if ef else None, cfg.quantiser,
-                                                          keep_residual=ef, want_sent=False)
+                                                          keep_residual=ef, want_sent=False,
+                                                          decay=cfg.feedback_decay, **extra)
         if ef:
             ln.residual[p] = residual
+        self.bytes_up += len(blob)
         ln.book.end_sync(c, True)
         vec = np.array(codec.decode_array(blob), dtype=np.float32).reshape(-1)
         contrib = Contribution(run="reference", model_hash="reference", learner=ln.name, incarnation=ln.incarnation,
@@ -481,12 +497,21 @@ class Reference:
         for x in items:
             d = st.version - x.c.base_version
             self.staleness_hist[d] = self.staleness_hist.get(d, 0) + 1
-        key_before = self.keys[p]
-        blob, extra, key = encode_version(new.params, new.version, key_before, cfg.downlink, cfg.keyframe_every)
-        if key is not None:
-            self.keys[p] = key
-        vec = np.array(decode_version(blob, extra, self.keys[p] if key is not None else key_before),
-                       dtype=np.float32).reshape(-1)
+        if cfg.downlink_chain:
+            from bus import sparse
+            from bus.downlink import encode_chain
+
+            extra = {"block": cfg.topk_chunk, "k": cfg.down_k} if cfg.downlink in sparse.SPARSE else {}
+            blob, _, self.views[p] = encode_chain(new.params, new.version, self.views[p], cfg.downlink, **extra)
+            vec = self.views[p].params
+        else:
+            key_before = self.keys[p]
+            blob, extra, key = encode_version(new.params, new.version, key_before, cfg.downlink, cfg.keyframe_every)
+            if key is not None:
+                self.keys[p] = key
+            vec = np.array(decode_version(blob, extra, self.keys[p] if key is not None else key_before),
+                           dtype=np.float32).reshape(-1)
+        self.bytes_down += len(blob)
         self.published[p] = (new.version, vec)
         applied = [list(k) for k in new.last_merge]
         for ln in self.learners:

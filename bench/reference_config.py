@@ -66,6 +66,9 @@ class RefConfig:
     P: int = _MODEL("num_fragments")
     quantiser: str = _L("quantiser")
     error_feedback: bool = _L("error_feedback")
+    feedback_decay: float = _L("feedback_decay")
+    topk_chunk: int = _L("topk_chunk")
+    topk_k: int = _L("topk_k")
     on_arrival: str = _L("on_arrival")
     mix_alpha: float = _L("mix_alpha")
     fetch: str = _L("fetch")
@@ -91,6 +94,11 @@ class RefConfig:
     momentum_open_rounds: int = _A("momentum_open_rounds")
     downlink: str = _A("downlink_quantiser")
     keyframe_every: int = _A("keyframe_every")
+    # the chained downlink (bus.downlink.encode_chain: each version against the previous
+    # reconstruction, error feedback on the way down; the roles do not publish it yet), and a sparse
+    # downlink codec's values per chunk (its chunk: topk_chunk)
+    downlink_chain: bool = False
+    down_k: int = _L("topk_k")
     # timing (virtual seconds) and faults
     step_times: tuple[float, ...] | None = None  # per learner; None: 1.0 each
     up_delay: float = 0.0  # a contribution's send -> arrival at the aggregator

@@ -276,7 +276,7 @@ class Cluster:
 #: aggregator variants of the end-to-end benchmarks: ``defaults`` (the aggregator's own: K = every
 #: active learner), ``quorum`` (K = M, given explicitly), ``k1`` (K = 1: a merge per arrival, the grace
 #: window for more), ``k1dn`` (K = 1 with Delayed Nesterov, N = M, no participation scale)
-AGG_VARIANTS = ("defaults", "quorum", "k1", "k1dn")
+AGG_VARIANTS = ("defaults", "quorum", "k1", "k1dn", "lean")
 
 
 def aggregator_settings(variant: str, M: int) -> dict:
@@ -286,10 +286,23 @@ def aggregator_settings(variant: str, M: int) -> dict:
         return {"DILOCO_QUORUM": str(M)}
     if variant == "k1":
         return {"DILOCO_QUORUM": "1"}
+    if variant == "lean":  # diloco up --preset lean (its learners' half: learner_settings)
+        from diloco.up.plan import BANDWIDTH_PRESETS
+
+        return dict(BANDWIDTH_PRESETS["lean"])
     if variant == "k1dn":
         return {"DILOCO_QUORUM": "1", "DILOCO_OUTER_OPTIMIZER": "delayed", "DILOCO_DELAY_N": str(M),
                 "DILOCO_SCALE_BY_PARTICIPATION": "false"}
     raise ValueError(f"unknown aggregator variant {variant!r}, expected one of {AGG_VARIANTS}")
+
+
+def learner_settings(variant: str) -> dict:
+    """The learners' settings a variant needs besides the aggregator's (the lean preset's codecs)."""
+    if variant == "lean":
+        from diloco.up.plan import BANDWIDTH_PRESETS
+
+        return dict(BANDWIDTH_PRESETS["lean"])
+    return {}
 
 
 async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg: dict | None = None,

@@ -34,12 +34,16 @@ def test_peak_rate_over_one_second_windows():
 def test_aggregator_variants_of_the_jax_benchmarks():
     import pytest
 
-    from bench.runs import AGG_VARIANTS, aggregator_settings
+    from bench.runs import AGG_VARIANTS, aggregator_settings, learner_settings
+    from diloco.up.plan import BANDWIDTH_PRESETS
 
     assert aggregator_settings("quorum", 4) == {"DILOCO_QUORUM": "4"}
+    # the lean variant is diloco up --preset lean, for both roles
+    assert aggregator_settings("lean", 4) == learner_settings("lean") == BANDWIDTH_PRESETS["lean"]
+    assert learner_settings("defaults") == {}
     assert aggregator_settings("k1", 4) == {"DILOCO_QUORUM": "1"} and aggregator_settings("defaults", 4) == {}
     assert aggregator_settings("k1dn", 4)["DILOCO_DELAY_N"] == "4"
-    assert set(AGG_VARIANTS) == {"defaults", "quorum", "k1", "k1dn"}
+    assert set(AGG_VARIANTS) == {"defaults", "quorum", "k1", "k1dn", "lean"}
     with pytest.raises(ValueError):
         aggregator_settings("k2", 4)
 
@@ -54,3 +58,22 @@ def test_every_benchmark_runs_by_its_path_too(script, tmp_path):
                        timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "--quick" in p.stdout or script in ("dp.py", "reference.py", "netns.py"), p.stdout[:500]
+
+
+def test_the_lean_preset_is_the_same_run_in_the_reference():
+    """bench.fidelity --preset lean compares the system with the reference: both sides must read the
+    preset the same way (codecs, chain, k, outer optimizer)."""
+    from aggregator.config import AggregatorConfig
+    from bench.fidelity import LEAN_REFERENCE
+    from bus.config import from_env
+    from diloco.up.plan import BANDWIDTH_PRESETS
+    from learner.config import LearnerConfig
+
+    env = BANDWIDTH_PRESETS["lean"]
+    lc, ac = from_env(LearnerConfig, env), from_env(AggregatorConfig, env)
+    assert (lc.quantiser, lc.topk_chunk, lc.topk_k, lc.feedback_decay) == (
+        LEAN_REFERENCE["quantiser"], LEAN_REFERENCE["topk_chunk"], LEAN_REFERENCE["topk_k"],
+        LEAN_REFERENCE["feedback_decay"])
+    assert (ac.downlink_quantiser, ac.downlink_chain, ac.downlink_topk_k, ac.outer_lr, ac.outer_momentum) == (
+        LEAN_REFERENCE["downlink"], LEAN_REFERENCE["downlink_chain"], LEAN_REFERENCE["down_k"],
+        LEAN_REFERENCE["outer_lr"], LEAN_REFERENCE["outer_momentum"])

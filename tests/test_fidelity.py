@@ -19,3 +19,18 @@ def test_the_system_trains_what_the_reference_trains():
     rounds = r["settings"]["steps"] // r["settings"]["H"]
     assert sorted(r["system"]["versions"].values()) == r["reference"]["versions"] == [rounds] * r["settings"]["P"]
     assert r["system_vs_reference"] <= 0.005, r
+
+
+@pytest.mark.timeout(240)
+def test_the_lean_preset_trains_in_the_system_what_it_trains_in_the_reference():
+    """diloco up --preset lean's codecs (sparse 2-bit up with error feedback, chained sparse 4-bit
+    down, outer SGD) through the real roles: the evaluator's model is the learners' reconstruction,
+    which the reference rebuilds the same way (bit for bit in the runs so far)."""
+    from bench.fidelity import measure
+
+    r = asyncio.run(measure(quick=True, mode="sync", preset="lean"))
+    assert r["system"]["learner_steps"] == [r["settings"]["steps"]] * r["settings"]["M"]
+    assert r["system"]["rejected"] in ({}, None) and r["reference"]["rejected"] == {}
+    assert r["system_vs_reference"] <= 0.005, r
+    # the reconstruction is not the aggregator's parameters (what is not sent yet stays there)
+    assert r["reference_loss"] != r["reference_aggregator_loss"]

@@ -35,7 +35,7 @@ class Launcher:
     def __init__(self, a: argparse.Namespace, environ: dict[str, str]):
         self.a = a
         self.out = os.path.abspath(a.out)
-        env = base_env(environ, a.model_preset, a.steps, a.quick, a.learners)
+        env = base_env(environ, a.model_preset, a.steps, a.quick, a.learners, bandwidth=a.preset)
         if a.run:
             env["DILOCO_RUN"] = a.run
         env["DILOCO_UP_OUT"] = self.out  # marks every child (and server) of this launch: find them by it
@@ -171,7 +171,8 @@ class Launcher:
                       + f", credentials in {self.auth_dir}" if self.auth else "auth: off (anonymous access, --no-auth)")
             self.say(f"diloco up: {self.a.topology} topology {urls}; run {run!r}; "
                      f"{self.a.learners} learners over {','.join(self.a.regions)}; "
-                     f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; {access}; "
+                     f"{self.env['DILOCO_MAX_STEPS']} steps each; model preset {self.a.model_preset}; "
+                     f"bandwidth preset {self.a.preset}; {access}; "
                      f"out {self.out}")
             write_watch_env(self.out, self.topology.hub_url, run, me if self.auth else None)
             watch = f"diloco metrics --dir {self.out}"
@@ -323,7 +324,7 @@ class Launcher:
                 "DILOCO_NUM_FRAGMENTS", "DILOCO_BATCH_SIZE", "DILOCO_SYNC_EVERY", "DILOCO_MAX_STEPS",
                 "DILOCO_INNER_LR", "DILOCO_QUANTISER", "DILOCO_QUORUM", "DILOCO_MERGE")
         settings = {"topology": self.a.topology, "auth": self.auth, "regions": self.a.regions, "learners": self.a.learners,
-                    "model_preset": self.a.model_preset, "quick": self.a.quick,
+                    "model_preset": self.a.model_preset, "preset": self.a.preset, "quick": self.a.quick,
                     "env": {k: self.env[k] for k in keys if k in self.env}}
         train = None
         if self.t_learners is not None:

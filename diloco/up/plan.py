@@ -26,6 +26,19 @@ PRESETS: dict[str, dict[str, str]] = {
     "default": {},
 }
 
+#: Bandwidth presets (``--preset``): DILOCO_* values for every process. ``lean``: sparse 2-bit outer
+#: gradients up (the 64 largest of each 4096 values, error feedback decayed by 0.95), each global version chained
+#: against the previous one down (the 256 largest of each 4096 changes, 4 bits), outer SGD at lr 1
+#: (error feedback stands in for the outer momentum, and the merged update stays sparse).
+#: Measured in docs/BENCHMARKS.md ("Compression frontier", "The lean preset").
+BANDWIDTH_PRESETS: dict[str, dict[str, str]] = {
+    "default": {},
+    "lean": {"DILOCO_QUANTISER": "topk2", "DILOCO_TOPK_CHUNK": "4096", "DILOCO_TOPK_K": "64",
+             "DILOCO_FEEDBACK_DECAY": "0.95",
+             "DILOCO_DOWNLINK_CHAIN": "true", "DILOCO_DOWNLINK_QUANTISER": "topk4", "DILOCO_DOWNLINK_TOPK_K": "256",
+             "DILOCO_OUTER_LR": "1.0", "DILOCO_OUTER_MOMENTUM": "0"},
+}
+
 #: Inner steps per learner when neither --steps nor DILOCO_MAX_STEPS/DILOCO_TOTAL_STEPS is given.
 DEFAULT_STEPS = {"tiny": 1000, "small": 500, "default": 200}
 QUICK_STEPS = 1000
@@ -97,12 +110,14 @@ def resolve_steps(environ: dict[str, str], preset: str, steps: int | None, quick
 
 
 def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: bool, n_learners: int = 4,
-             cpu_count: int | None = None) -> dict[str, str]:
-    """Settings shared by every process: preset and launcher defaults, then the caller's DILOCO_* env,
-    then the explicit step count. Non-DILOCO variables (PATH, JAX_*, XLA_FLAGS...) pass through."""
+             cpu_count: int | None = None, bandwidth: str = "default") -> dict[str, str]:
+    """Settings shared by every process: presets (model, bandwidth) and launcher defaults, then the
+    caller's DILOCO_* env, then the explicit step count. Non-DILOCO variables (PATH, JAX_*,
+    XLA_FLAGS...) pass through."""
     env = dict(environ)
     defaults = dict(RUN_DEFAULTS)
     defaults.update(PRESETS[preset])
+    defaults.update(BANDWIDTH_PRESETS[bandwidth])
     if quick:
         defaults["DILOCO_EVAL_INTERVAL"] = "2.0"
     for k, v in defaults.items():
@@ -227,6 +242,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "process its user's credentials; the launcher reads as the metrics user")
     p.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
                    help="tiny | small | default (default: default, or tiny with --quick); DILOCO_* overrides win")
+    p.add_argument("--preset", choices=sorted(BANDWIDTH_PRESETS), default="default",
+                   help="bandwidth preset: default, or lean (sparse 2-bit outer gradients up, chained sparse "
+                        "4-bit versions down, outer SGD: docs/BENCHMARKS.md); DILOCO_* overrides win")
     p.add_argument("--quick", action="store_true", help="tiny model and few steps: a demo in about 25 s (2 CPU cores)")
     p.add_argument("--run", default=None, help="run id (default: DILOCO_RUN, else 'up')")
     p.add_argument("--progress", choices=("auto", "table", "line", "none"), default="auto",
