@@ -103,6 +103,11 @@ class Intake:
         taken: list[np.ndarray] = []
 
         def into(n: int) -> np.ndarray:
+            # a sparse blob declares its length in a header of a few bytes: never allocate past the
+            # run's largest fragment for it (a 1.6 MB blob could claim 2**34 values)
+            largest = max(self.plan.sizes)
+            if n > largest:
+                raise codec.CodecError(f"{n} values: more than the run's largest fragment ({largest})")
             taken.append(self.pool.take(n))
             return taken[-1]
 

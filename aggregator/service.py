@@ -225,11 +225,18 @@ class AggregatorService(Intake, VersionMaker, Durability):
         (the aggregator puts each version's there before its head). The next version published is
         a delta against it if it is the previous version, the view itself whole if it is that
         version, else the exact parameters whole (bus.downlink.encode_chain)."""
-        try:
-            got = await self.kstore.get(p)
-        except Exception as e:
-            self.log.warning("view_recovery_failed", fragment=p, error=repr(e))
-            return
+        for attempt in range(6):
+            try:
+                got = await self.kstore.get(p)
+                break
+            except Exception as e:
+                # going on without the view would publish the exact parameters whole at a version
+                # the keyframe subjects may hold already (another content): GLOBAL would skip it
+                self.log.warning("view_recovery_failed", fragment=p, error=repr(e), attempt=attempt + 1)
+                if attempt == 5:
+                    raise RuntimeError(f"fragment {p}: the chained downlink's view cannot be read from the "
+                                       f"keyframe subjects ({e!r})") from None
+                await asyncio.sleep(0.5 * 2**attempt)
         if got is None:
             return
         head, blob = got

@@ -28,6 +28,9 @@ VERSION = 1
 CODECS = quant.QUANTISERS + sparse.SPARSE
 MAX_HEADER = 4096
 MAX_ELEMENTS = 2**34  # 64 GiB of float32: anything larger in a header is garbage
+#: a sparse blob's size does not grow with its length (a header of a few bytes declares it), so its
+#: decoding is bounded tighter: 8 GiB of float32 (a receiver bounds it by its own fragments too)
+MAX_SPARSE_ELEMENTS = 2**31
 
 
 class CodecError(ValueError):
@@ -108,11 +111,12 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     block = block or quant.DEFAULT_BLOCK
     out, views = _blob_for(n, q, block)
     sent = np.empty(n, dtype=np.float32) if want_sent else None
+    unit = _unit(q, block)
     if in_place:
         new_res = x
     else:
         new_res = (residual if residual is not None else np.empty(n, dtype=np.float32)) if keep_residual else None
-    step = max(block, chunk - chunk % block)
+    step = max(unit, chunk - chunk % unit)
     num = den = 0.0
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -193,7 +197,8 @@ def encode_delta(x: np.ndarray, ref: np.ndarray, q: str, block: int = quant.DEFA
         raise CodecError(f"delta of {x.size} values against a reference of {ref.size}")
     n = x.size
     out, views = _blob_for(n, q, block)
-    step = max(block, chunk - chunk % block)
+    unit = _unit(q, block)
+    step = max(unit, chunk - chunk % unit)
     scratch = np.empty((2, min(step, max(n, 1))), dtype=np.float32)
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -204,6 +209,12 @@ def encode_delta(x: np.ndarray, ref: np.ndarray, q: str, block: int = quant.DEFA
         else:
             _place(views, quant.quantise(d, q, block), q, s, block)
     return out
+
+
+def _unit(q: str, block: int) -> int:
+    """Values a chunk of a chunked encode must be a multiple of: whole blocks, and for int2 also
+    whole bytes of its codes (four a byte), so no two chunks write the same byte."""
+    return math.lcm(block, 4) if q == "int2" else block
 
 
 def _blob_for(n: int, q: str, block: int) -> tuple[bytearray, list[np.ndarray]]:
@@ -253,6 +264,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> tuple[dict, int]:
             sparse.check_settings(qn, block, h.get("k"))
         except sparse.SparseError as e:
             raise CodecError(str(e)) from None
+        if isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape) \
+                and math.prod(shape) > MAX_SPARSE_ELEMENTS:
+            raise CodecError(f"shape {shape!r}: too many elements for a sparse blob (at most {MAX_SPARSE_ELEMENTS})")
     elif not isinstance(block, int) or block < 2 or block % 2 or block > 1 << 20:
         raise CodecError(f"block {block!r}: expected an even integer in 2..{1 << 20}")
     if not isinstance(shape, list) or len(shape) > 8 or not all(isinstance(s, int) and s >= 0 for s in shape):

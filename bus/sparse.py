@@ -174,6 +174,8 @@ def select(x: np.ndarray, chunk: int, k: int) -> np.ndarray:
     n = x.size
     nc, m, tail = layout(n, chunk, k)
     out = np.empty(m, np.int64)
+    if n == 0:
+        return out
     full = nc - 1 if tail < chunk else nc
     pos = 0
     rows = max(1, _BLOCK_VALUES // chunk)  # chunks at a time: their temporaries stay in cache
@@ -199,7 +201,7 @@ def quantise_selected(name: str, vals: np.ndarray, n: int, chunk: int, k: int) -
     full = (nc - 1) * k
     if nc > 1:
         mag[:full].reshape(nc - 1, k).max(axis=1, out=scales[:nc - 1])
-    if m > full:
+    if nc and m > full:
         scales[nc - 1] = mag[full:].max()
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # non-finite input: see encode_parts
         s = np.repeat(scales, [k] * (nc - 1) + [m - full]) if nc else scales

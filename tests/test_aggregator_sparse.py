@@ -10,7 +10,7 @@ from bus import codec, sparse
 from bus.subjects import Subjects
 from tests.agg_helpers import PLAN, FakeLearner, set_members
 from tests.test_aggregator_service import RUN, _start, _until
-from tests.test_bus_sparse import _hostile
+from tests.test_bus_sparse import _hostile, _join
 
 
 async def test_sparse_contributions_merge_and_hostile_ones_are_refused(nats_server, js):
@@ -42,6 +42,13 @@ async def test_sparse_contributions_merge_and_hostile_ones_are_refused(nats_serv
     poisoned = (rng.standard_normal(n) * 1e-3).astype(np.float32)
     poisoned[n // 2] = np.nan  # a diverged learner: the NaN need not be among the values sent
     await good.send(0, base=2, blob=bytes(codec.encode_array(poisoned, "topk2")))
+    # a header declaring far more values than any fragment (under the codec's own cap): refused
+    # before anything of that size is allocated
+    huge, chunk = 2**28, 65536
+    head = {"v": 1, "q": "topk2", "b": chunk, "dt": "<f4", "sh": [huge], "k": 1}
+    nc = huge // chunk
+    await good.send(0, base=2, blob=_join(head, bytes(4 * nc) + bytes(-(-nc * 2 // 8)) + bytes(-(-nc * 16 // 8))))
+    cases["huge"] = (b"", "more than the run's largest fragment")
     want = len(cases)
     assert await _until(lambda: dict(svc.stats.rejected) == {"malformed": want, "non_finite": 1}, 15), \
         dict(svc.stats.rejected)

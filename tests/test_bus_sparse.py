@@ -235,3 +235,27 @@ def test_padding_bits_must_be_zero():
     codes[-1] |= 0x80
     with pytest.raises(codec.CodecError, match="code padding"):
         codec.decode_array(_join(head, scales + codes + index))
+
+
+def test_a_sparse_header_cannot_declare_a_huge_vector():
+    """A sparse blob's size does not grow with its length: 1.6 MB could declare 2**34 values. The
+    codec refuses more than MAX_SPARSE_ELEMENTS, and the aggregator bounds it by its fragments."""
+    nc = 2**34 // 65536
+    head = {"v": 1, "q": "topk2", "b": 65536, "dt": "<f4", "sh": [2**34], "k": 1}
+    body = bytes(4 * nc) + bytes(-(-nc * 2 // 8)) + bytes(-(-nc * 16 // 8))
+    with pytest.raises(codec.CodecError, match="too many elements for a sparse blob"):
+        codec.decode_array(_join(head, body))
+
+
+def test_empty_and_int2_chunked_encodings():
+    for name in sparse.SPARSE:
+        blob = codec.encode_array(np.zeros(0, np.float32), name)
+        assert codec.decode_array(blob).size == 0
+    # int2 packs four codes a byte: a chunked encode whose chunks are not whole bytes must still
+    # equal the one-shot one (block 10, chunk 65536: 65530-value chunks before the fix)
+    x = _vec(200_000, 8)
+    blob, sent, _, _ = codec.encode_with_feedback(x.copy(), None, "int2", keep_residual=True, block=10)
+    assert bytes(blob) == bytes(codec.encode_array(x, "int2", 10))
+    assert np.array_equal(sent, codec.decode_array(blob))
+    ref = _vec(200_000, 9)
+    assert bytes(codec.encode_delta(x, ref, "int2", block=10)) == bytes(codec.encode_array(x - ref, "int2", 10))
