@@ -186,8 +186,8 @@ class VersionMaker:
             # every version against the previous reconstruction; the reconstruction itself, whole,
             # on the keyframe subjects for a reader that lost the chain (bus.downlink.encode_chain)
             q = self.settings.downlink_quantiser
-            args = {"block": sparse.DEFAULT_CHUNK, "k": self.cfg.downlink_topk_k} if q in sparse.SPARSE else {}
-            blob, extra, view = encode_chain(st.params, st.version, self.views.get(p), q, **args)
+            blob, extra, view = encode_chain(st.params, st.version, self.views.get(p), q,
+                                             **codec.codec_args(q, sparse.DEFAULT_CHUNK, self.cfg.downlink_topk_k))
             self.views[p] = view
             whole = blob if "prev" not in extra else codec.encode_array(view.params)
             return PublishJob(p, st.version, blob, {**meta, **extra}, True, [list(k) for k in st.last_merge],

@@ -174,7 +174,8 @@ class Reference:
         self.keys: list = [None] * self.P
         from bus.downlink import View
 
-        self.views: list = [View(0, v.copy()) for v in v0]  # the chained downlink's (cfg.downlink_chain)
+        # the chained downlink's views (cfg.downlink_chain): every learner starts from version 0
+        self.views: list = [View(0, v.copy()) for v in v0] if cfg.downlink_chain else []
         self.bytes_up = 0  # every contribution's blob
         self.bytes_down = 0  # every global version's blob (one learner's download of each)
         self.published: list[tuple[int, np.ndarray]] = [(0, v.copy()) for v in v0]  # newest (version, params)
@@ -294,12 +295,9 @@ class Reference:
         delta = outer_gradient(ln.base[p], theta)
         ln.base[p] = theta
         ef = cfg.error_feedback and cfg.quantiser != "fp32"
-        from bus import sparse
-
-        extra = {"block": cfg.topk_chunk, "k": cfg.topk_k} if cfg.quantiser in sparse.SPARSE else {}
         blob, _, residual, _ = codec.encode_with_feedback(delta, ln.residual[p] if ef else None, cfg.quantiser,
-                                                          keep_residual=ef, want_sent=False,
-                                                          decay=cfg.feedback_decay, **extra)
+                                                          keep_residual=ef, want_sent=False, decay=cfg.feedback_decay,
+                                                          **codec.codec_args(cfg.quantiser, cfg.topk_chunk, cfg.topk_k))
         if ef:
             ln.residual[p] = residual
         self.bytes_up += len(blob)
@@ -498,11 +496,11 @@ class Reference:
             d = st.version - x.c.base_version
             self.staleness_hist[d] = self.staleness_hist.get(d, 0) + 1
         if cfg.downlink_chain:
-            from bus import sparse
+            from bus import codec
             from bus.downlink import encode_chain
 
-            extra = {"block": cfg.topk_chunk, "k": cfg.down_k} if cfg.downlink in sparse.SPARSE else {}
-            blob, _, self.views[p] = encode_chain(new.params, new.version, self.views[p], cfg.downlink, **extra)
+            blob, _, self.views[p] = encode_chain(new.params, new.version, self.views[p], cfg.downlink,
+                                                  **codec.codec_args(cfg.downlink, cfg.topk_chunk, cfg.down_k))
             vec = self.views[p].params
         else:
             key_before = self.keys[p]

@@ -33,6 +33,12 @@ MAX_ELEMENTS = 2**34  # 64 GiB of float32: anything larger in a header is garbag
 MAX_SPARSE_ELEMENTS = 2**31
 
 
+def codec_args(q: str, chunk: int, k: int) -> dict:
+    """The keyword arguments of a codec's encode: a sparse codec's chunk (``block``) and ``k``; none
+    for a dense quantiser (its default block)."""
+    return {"block": chunk, "k": k} if q in sparse.SPARSE else {}
+
+
 class CodecError(ValueError):
     """A blob is malformed: the message names what is wrong."""
 

@@ -95,7 +95,8 @@ def _plus(vec: np.ndarray, ref, base, what: str) -> np.ndarray:
 # -- the chained downlink (error feedback on the way down) ------------------------------------------
 #
 # Against a keyframe, the error of a reconstruction is one quantisation step of everything since
-# the keyframe: at 2 bits that is most of the model's movement, and training diverged (bench.frontier).
+# the keyframe: at 2 bits that is most of the model's movement, and training broke down (a 400-step
+# bench.reference run: held-out 3.99 against 2.71 chained; docs/BENCHMARKS.md, "What each lever bought").
 # A chain sends each version against the *previous reconstruction* instead:
 #
 #     D_v = Q(Theta_v - V_{v-1}),  V_v = V_{v-1} + deQ(D_v)

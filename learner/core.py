@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from nats.js.errors import NotFoundError
 
-from bus import codec, sparse
+from bus import codec
 from bus.protocol import grad_meta, grad_obj_id
 from bus.transport import Head, follow_heads
 from learner import loop as lp
@@ -154,7 +154,8 @@ class IslandCore:
                 res += self.unsent[p]
                 self.unsent[p] = None
             blob, _, _, self.quant_error = codec.encode_with_feedback(  # the new residual is in res
-                res, None, q, keep_residual=True, want_sent=False, in_place=True, **self._codec_args())
+                res, None, q, keep_residual=True, want_sent=False, in_place=True,
+            **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
             return self._finish_prepare(c, blob)
         theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
         # the base is ours alone (never an alias of the parameters or a keyframe) and replaced
@@ -168,16 +169,10 @@ class IslandCore:
         # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
         blob, _, residual, self.quant_error = codec.encode_with_feedback(
             delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False,
-            decay=self.cfg.feedback_decay, **self._codec_args())
+            decay=self.cfg.feedback_decay, **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
         if ef:
             self.residual[p] = residual
         return self._finish_prepare(c, blob)
-
-    def _codec_args(self) -> dict:
-        """A sparse codec's chunk and k (DILOCO_TOPK_CHUNK, DILOCO_TOPK_K); nothing for a dense one."""
-        if self.cfg.quantiser in sparse.SPARSE:
-            return {"block": self.cfg.topk_chunk, "k": self.cfg.topk_k}
-        return {}
 
     def _finish_prepare(self, c: lp.Contribution, blob: bytearray) -> tuple[bytearray, dict]:
         p = c.fragment
