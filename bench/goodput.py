@@ -192,6 +192,7 @@ async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> di
         t1 = time.monotonic()
         agg = c.metrics("aggregator", "agg-0")
         mon = c.metrics("monitor", next((i for (r, i) in c.latest if r == "monitor"), ""))
+        conn = c.connz()  # the server's byte counters per connection, closed ones (killed learners) too
     credited = 0.0
     applied_n = unknown = 0
     for ts, applied in merges:
@@ -213,6 +214,11 @@ async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> di
            "credited_s": round(credited, 2), "computed_s": round(computed, 2), "allocated_s": round(alloc, 2),
            "applied_contributions": applied_n, "unmatched_applied": unknown, "contributions_seen": sent,
            "merges": agg.get("merges"), "rejected": agg.get("rejected"), "monitor_counts": mon.get("counts"),
+           # the whole run's bytes through the learners' and the aggregator's links (in + out, as the server
+           # counted them) and every contribution merged in it, window or not (bench.peers divides the two)
+           "learner_link_bytes": sum(i + o for n, (i, o) in conn.items() if n.startswith("learner-")),
+           "aggregator_link_bytes": sum(i + o for n, (i, o) in conn.items() if n.startswith("aggregator")),
+           "applied_all": sum(len(a) for _, _, a in merge_log),
            "timings": mode_timings(M=M, round_s=int(lenv["DILOCO_SYNC_EVERY"]) * STEP_TIME,
                                    lockstep=lenv["DILOCO_MODE"] == "sync", starts=start_log, kills=kill_log,
                                    first_hb=first_hb, transitions=transitions, merges=merge_log, arrivals=arrived,
