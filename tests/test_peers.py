@@ -204,13 +204,17 @@ def test_torchft_replicas_sync_and_the_survivor_goes_on_after_a_kill(peer_venv):
     resume = pm.resume_samples([(t_kill, "replica-1", str(pid))], merges)
     assert resume and resume[0] < 10.0
     heals = [d for d in events if d["e"] == "heal"]
-    assert [d["pid"] for d in heals] == [g.pids[1]]  # the restarted process healed, once
+    # the restarted process healed once (a first process may heal too: it joins a peer already a step ahead)
+    assert [d["pid"] for d in heals].count(g.pids[1]) == 1
     _, steps = pm.torchft_merges(events)
     for p_ in {d["pid"] for d in events if d["e"] == "sync"}:
         took = max(d["at"] for d in events if d["e"] == "sync" and d["pid"] == p_)
         credited = sum(v for k, v in steps.items() if k[1] == str(p_)) / 2  # P=2: a step counts once per fragment
         assert credited <= took, (p_, credited, took)
-    after = [d for d in events if d["e"] == "sync" and d["pid"] == g.pids[1]]
-    assert after[0]["heal"] and not any(d["heal"] for d in after[1:])
+    for pid_ in {h["pid"] for h in heals}:  # the sync after each heal, and only those, are marked (not credited)
+        syncs = [d for d in events if d["e"] == "sync" and d["pid"] == pid_]
+        own = [h for h in heals if h["pid"] == pid_]
+        assert sum(d["heal"] for d in syncs) == len(own)
+        assert all(next(d for d in syncs if d["t"] >= h["t"])["heal"] for h in own)
     if link is not None:  # in a namespace of its own: at least one fp32 fragment (10,000 values) per shared sync
         assert link >= sum(1 for _, _, k in merges if len(k) == 2) * 10_000 * 4
