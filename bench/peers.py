@@ -157,7 +157,7 @@ class Namespace:
 
 def sweep_stale_namespaces() -> list[str]:
     """Delete the ``dlpeer<pid><tag>`` namespaces of bench.peers runs whose process is gone (a run
-    killed from outside leaves its namespace behind)."""
+    killed from outside leaves its namespace behind), and kill what still runs in them."""
     if os.geteuid() != 0 or not shutil.which("ip"):
         return []
     gone = []
@@ -174,6 +174,11 @@ def sweep_stale_namespaces() -> list[str]:
             pass
         except PermissionError:
             continue
+        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+            try:  # what the dead run left running there (a lighthouse, replicas)
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
         subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
         gone.append(name)
     return gone

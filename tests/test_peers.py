@@ -218,3 +218,25 @@ def test_torchft_replicas_sync_and_the_survivor_goes_on_after_a_kill(peer_venv):
         assert all(next(d for d in syncs if d["t"] >= h["t"])["heal"] for h in own)
     if link is not None:  # in a namespace of its own: at least one fp32 fragment (10,000 values) per shared sync
         assert link >= sum(1 for _, _, k in merges if len(k) == 2) * 10_000 * 4
+
+
+def test_a_killed_runs_namespace_and_what_runs_in_it_are_swept():
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid whose run is gone
+    name = f"dlpeer{dead.pid}zz"
+    assert subprocess.run(["ip", "netns", "add", name]).returncode == 0
+    left = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "300"])
+    try:
+        assert peers.wait_until(lambda: subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                                       text=True).stdout.strip() != "", 10)
+        assert name in peers.sweep_stale_namespaces()
+        assert left.wait(10) == -9  # killed, not left running without its namespace
+        assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        if left.poll() is None:
+            left.kill()
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
