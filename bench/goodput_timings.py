@@ -42,6 +42,11 @@ def _median(xs: Sequence[float]) -> float | None:
     return round(float(statistics.median(xs)), 4) if xs else None
 
 
+def summary(xs: Sequence[float]) -> dict:
+    """{"median", "mean", "n"} of the samples, rounded to 0.1 ms (None when there is none)."""
+    return {"median": _median(xs), "mean": round(float(statistics.fmean(xs)), 4) if xs else None, "n": len(xs)}
+
+
 def startup_samples(starts: Iterable[tuple[float, str]],
                     first_hb: Mapping[tuple[str, str], float]) -> list[float]:
     """Per restart (time, learner): the first heartbeat of an incarnation of that learner first
@@ -137,5 +142,4 @@ def mode_timings(*, M: int, round_s: float, lockstep: bool, starts, kills, first
         "round_overhead_s": round_overhead_samples(
             merges, M, round_s, [t for t, *_ in kills] + [t for t, _ in starts]) if lockstep else [],
     }
-    return {k: {"median": _median(v), "mean": round(float(statistics.fmean(v)), 4) if v else None, "n": len(v)}
-            for k, v in samples.items()}
+    return {k: summary(v) for k, v in samples.items()}

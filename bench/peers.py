@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import netns
 from bench import peers_model as pm
 from bench.common import finish, parser, progress
 
@@ -145,13 +147,7 @@ class Namespace:
 
     def close(self) -> None:
         if self.name:
-            pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (OSError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
+            netns.delete_namespaces([self.name])  # kills what runs there, then deletes it
             self.name = None
 
 
@@ -160,28 +156,13 @@ def sweep_stale_namespaces() -> list[str]:
     killed from outside leaves its namespace behind), and kill what still runs in them."""
     if os.geteuid() != 0 or not shutil.which("ip"):
         return []
-    gone = []
-    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        digits = name[len("dlpeer"):]
-        digits = digits[:len(digits) - len(digits.lstrip("0123456789"))]
-        if not name.startswith("dlpeer") or not digits:
-            continue
-        try:
-            os.kill(int(digits), 0)
-            continue  # its run is still alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
-            try:  # what the dead run left running there (a lighthouse, replicas)
-                os.kill(int(pid), signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
-        gone.append(name)
+    gone = [n for n in netns.list_namespaces()
+            if (m := _OWNER.match(n)) and not netns._pid_alive(int(m.group(1)))]
+    netns.delete_namespaces(gone)
     return gone
+
+
+_OWNER = re.compile(r"^dlpeer(\d+)")
 
 
 def free_port() -> int:
@@ -343,22 +324,17 @@ def torchft_systems(venv: Path, name: str, setting: tuple[int, int], trace, T: f
 
 def systems_row(label: str, events: list[dict], kills, starts, t0w: float, t1w: float, link: int | None,
                 sp: dict, extra: dict) -> dict:
-    from bench.goodput_timings import round_overhead_samples
-
     M, step_s, H, P = sp["M"], sp["step_s"], sp["H"], sp["P"]
     merges, steps = pm.torchft_merges(events)
     credited, n, unknown = pm.credit(merges, steps, t0w, t1w, step_s, P)
     window = t1w - t0w
     applied_all = sum(len(k) for _, _, k in merges)
-    fails = [t for t, *_ in kills] + [t for t, _ in starts]
     out = {"system": label, "window_s": round(window, 2), "kills": len(kills), "restarts": len(starts),
            "goodput": round(pm.goodput(credited, M, window), 4), "credited_s": round(credited, 2),
            "applied_contributions": n, "unmatched_applied": unknown, "applied_all": applied_all,
            "failed_syncs": sum(1 for d in events if d["e"] == "sync" and not d.get("commit")),
            "heals": sum(1 for d in events if d["e"] == "heal"),
-           "timings": {"resume_s": pm.summary(pm.resume_samples(kills, merges)),
-                       "first_shared_s": pm.summary(pm.first_shared_samples(starts, merges, kills)),
-                       "round_overhead_s": pm.summary(round_overhead_samples(merges, M, H * step_s, fails))},
+           "timings": pm.recovery_timings(kills, starts, merges, M=M, round_s=H * step_s, lockstep=True),
            "link_bytes": pm.loopback_link_bytes(link) if link is not None else None,
            "bytes_per_outer_step": (pm.per_outer_step(pm.loopback_link_bytes(link), applied_all, P)
                                     if link is not None else None), **extra}
@@ -367,7 +343,6 @@ def systems_row(label: str, events: list[dict], kills, starts, t0w: float, t1w: 
 
 async def ours_systems(mode: str, trace, T: float, sp: dict) -> dict:
     from bench.goodput import run_mode
-    from bench.goodput_timings import round_overhead_samples
 
     ev: dict = {}
     r = await run_mode(mode, trace, T, ev)
@@ -375,16 +350,13 @@ async def ours_systems(mode: str, trace, T: float, sp: dict) -> dict:
     merges = [(ts, f, [tuple(k) for k in keys]) for ts, f, keys in e["merges"]]
     kills = [tuple(k) for k in e["kills"]]
     starts = [tuple(s) for s in e["starts"]]
-    fails = [t for t, *_ in kills] + [t for t, _ in starts]
     H = sp["H"] if mode != "dp" else 1
     return {"system": f"ours_{mode}", "window_s": r["window_s"], "kills": r["kills"], "restarts": r["restarts"],
             "goodput": r["goodput"], "credited_s": r["credited_s"], "applied_contributions": r["applied_contributions"],
             "unmatched_applied": r["unmatched_applied"], "applied_all": r["applied_all"],
             "rejected": r["rejected"],
-            "timings": {"resume_s": pm.summary(pm.resume_samples(kills, merges)),
-                        "first_shared_s": pm.summary(pm.first_shared_samples(starts, merges, kills)),
-                        "round_overhead_s": pm.summary(round_overhead_samples(merges, sp["M"], H * sp["step_s"], fails))
-                        if mode != "decoupled" else pm.summary([])},
+            "timings": pm.recovery_timings(kills, starts, merges, M=sp["M"], round_s=H * sp["step_s"],
+                                           lockstep=mode != "decoupled"),
             "link_bytes": r["learner_link_bytes"],
             "bytes_per_outer_step": pm.per_outer_step(r["learner_link_bytes"], r["applied_all"], sp["P"]),
             "aggregator_bytes_per_outer_step": pm.per_outer_step(r["aggregator_link_bytes"], r["applied_all"], sp["P"]),
@@ -547,10 +519,15 @@ async def ours_model(setup: dict, M: int, steps: int, repair: float, learner: di
         done = sum(int(c.metrics("learner", n).get("step") or 0) for n in names) + killed_at
         conn = c.connz()
         ev = await c.eval_once()
+    from bench.runs import model_config
+    from bus.config import from_env
+    from learner.config import LearnerConfig
+
     link = sum(i + o for n, (i, o) in conn.items() if n.startswith("learner-"))
     applied = int(sum((agg.get("contributions") or {}).values()) or agg.get("accepted") or 0)
-    P = int(frag.get("DILOCO_NUM_FRAGMENTS", "8"))
-    return {"system": f"ours_{label}", "codec": learner.get("DILOCO_QUANTISER", "int8"), "H": setup["H"], "P": P,
+    P = model_config({**setup["env"], **frag}).num_fragments  # the settings' or the roles' default
+    codec = from_env(LearnerConfig, {**setup["env"], **learner}).quantiser
+    return {"system": f"ours_{label}", "codec": codec, "H": setup["H"], "P": P,
             "wall_s": round(wall, 2), "loss": float(ev["eval_loss"]), "killed_at_step": killed_at, "steps_done": done,
             "merges": agg.get("merges"), "rejected": agg.get("rejected"), "link_bytes": link,
             "applied_contributions": applied or None,

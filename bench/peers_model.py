@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 
+from bench.goodput_timings import round_overhead_samples, summary
+
 Key = tuple[str, str, int, int]
 Merge = tuple[float, int, list[Key]]
 
@@ -126,14 +128,15 @@ def per_outer_step(link_bytes: int, contributions: int, P: int) -> float | None:
     return link_bytes / outer if outer > 0 else None
 
 
-def summary(xs: Sequence[float]) -> dict:
-    """{"median", "mean", "n"} (None when there is no sample), as bench/goodput_timings.py gives them."""
-    import statistics
-
-    if not xs:
-        return {"median": None, "mean": None, "n": 0}
-    return {"median": round(float(statistics.median(xs)), 4), "mean": round(float(statistics.fmean(xs)), 4),
-            "n": len(xs)}
+def recovery_timings(kills: Sequence[tuple[float, str, str | None]], starts: Sequence[tuple[float, str]],
+                     merges: Sequence[Merge], *, M: int, round_s: float, lockstep: bool) -> dict:
+    """The recovery timings of one system's run, as bench/goodput_timings.py summarises samples:
+    ``resume_s`` and ``first_shared_s`` (above) and, for a lock-step system, the failure-free round
+    overhead (its ``round_overhead_samples``; a decoupled learner never waits for a round)."""
+    fails = [t for t, *_ in kills] + [t for t, _ in starts]
+    return {"resume_s": summary(resume_samples(kills, merges)),
+            "first_shared_s": summary(first_shared_samples(starts, merges, kills)),
+            "round_overhead_s": summary(round_overhead_samples(merges, M, round_s, fails) if lockstep else [])}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

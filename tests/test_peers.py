@@ -106,6 +106,9 @@ def test_systems_row_from_torchft_events():
     assert row["goodput"] == pytest.approx(8 * 4 * 0.1 / 2 / (2 * 4.0))
     assert row["applied_all"] == 8 and row["link_bytes"] == 16000
     assert row["bytes_per_outer_step"] == pytest.approx(16000 / 4)
+    # each fragment's two full rounds, 2 s apart, of 0.4 s of steps: 1.6 s of overhead (no failure near)
+    assert row["timings"]["round_overhead_s"] == {"median": 1.6, "mean": 1.6, "n": 2}
+    assert row["timings"]["resume_s"]["n"] == row["timings"]["first_shared_s"]["n"] == 0
 
 
 # -- the replica's own arithmetic (no torch needed) ------------------------------------------------
