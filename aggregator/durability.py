@@ -36,11 +36,19 @@ from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied
 from aggregator.step import FragmentState
 from bus import codec
 from bus.runs import RunMismatch
+from bus.streams import ensure_run
 from bus.transport import TransportError, VersionConflict, fetch_object
 
 #: versions of one fragment encoded and waiting for their publisher (aggregator.versions): beyond
 #: it the fragment merges nothing until one is out
 PUBLISH_QUEUE = 2
+#: seconds without a stored write after which the aggregator writes its ``state_probe``: an
+#: aggregator with nothing to merge learns of a full store too (and says so)
+STORE_IDLE_PROBE = 10.0
+#: bytes of that probe: as much as a chunk of a small fragment, more than a filesystem block, so
+#: that it does not fit in the unused end of a block the stream has already written (a tiny write
+#: is stored there on a full disk: measured on tmpfs, docs/RELIABILITY.md)
+STATE_PROBE_BYTES = 64 * 1024
 
 
 class Durability:
@@ -58,11 +66,74 @@ class Durability:
         return log_slots(self.cfg.checkpoint_every)
 
     def _log_blocked(self, p: int) -> bool:
-        """Fragment p may not merge: its last record is not committed yet, or its log since the
-        newest checkpoint fills the slots a replay needs (the checkpoint is behind)."""
+        """Fragment p may not merge: its last record is not committed yet, its log since the
+        newest checkpoint fills the slots a replay needs (the checkpoint is behind), or the store
+        does not take writes (a full disk: ``store_watch``)."""
         pos = self.logpos.get(p)
-        return (p in self.uncommitted or len(self.pubq.get(p, ())) >= PUBLISH_QUEUE
+        return (p in self.uncommitted or len(self.pubq.get(p, ())) >= PUBLISH_QUEUE or self.store_watch.faulted
                 or (pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every))
+
+    async def _undo(self, p: int, rec: MergeRecord, items: list) -> bool:
+        """The store is full and merge ``rec`` of fragment p could not be stored: go back to what is
+        durable (its checkpoint and log, read back as a restart would) and put the contributions
+        back in the buffer, unacknowledged, for a merge once the store writes again. The state in
+        memory is then never ahead of the stored one while merging is paused. False if that cannot
+        be read, or the record turns out to be stored: the record is then retried as it is."""
+        before = self.logpos.get(p)
+        try:
+            st = await self._recover_fragment(p, announce=False)
+        except Exception as e:  # noqa: BLE001 - reads failing too: keep the record, retried as it is
+            self.log.debug("merge_undo_failed", fragment=p, version=rec.version, error=repr(e))
+            st = None
+        if st is None or st.version >= rec.version:
+            if before is not None:
+                self.logpos[p] = before
+            return False
+        for r in rec.restarts:  # the outlier-reference restarts it carried go with the next record
+            st.norms.restart(p, list(r))
+            self.logpos[p].restarts.append(list(r))
+        self.states[p] = st
+        self.buffers[p] = list(items) + self.buffers[p]
+        del self.uncommitted[p]
+        self.log.info("merge_undone", fragment=p, version=rec.version, durable_version=st.version,
+                      contributions=len(items), hint="merged again once the store writes")
+        return True
+
+    async def _provision(self, js, limits, stop: asyncio.Event) -> None:
+        """``ensure_run(update=True)``; while the store is full (a stream update rewrites its metadata
+        file: "no space left on device") it is retried every few seconds, said once, instead of the
+        aggregator failing at start (what a restart during a full disk did)."""
+        while True:
+            try:
+                await ensure_run(js, self.common.run, limits, update=True)
+            except Exception as e:
+                if stop.is_set() or not await self.store_watch.failed(e):
+                    raise
+                try:
+                    await asyncio.wait_for(stop.wait(), self.store_watch.health.probe_every)
+                except asyncio.TimeoutError:
+                    pass
+                if stop.is_set():
+                    raise
+                continue
+            self.store_watch.stored()
+            return
+
+    async def _write_probe(self, timeout: float = 5.0) -> None:
+        """``STATE_PROBE_BYTES`` to ``state_probe`` (the STATE stream keeps one message of it)."""
+        await self.js.publish(self.s.state_probe, bytes(STATE_PROBE_BYTES), timeout=timeout)
+
+    async def _probe_store(self) -> None:
+        """A probe write: every few seconds while the store is faulted (merging resumes once one is
+        stored), and after ``STORE_IDLE_PROBE`` seconds without a stored write."""
+        if not self.store_watch.probe_due(STORE_IDLE_PROBE):
+            return
+        try:
+            await self._write_probe()
+        except Exception as e:  # noqa: BLE001 - still full, or the server restarting
+            await self.store_watch.failed(e)
+        else:
+            self.store_watch.stored()
 
     async def _log_put(self, rec: MergeRecord) -> MergeRecord | None:
         """Store ``rec``; returns None when it is stored, or the *other* record the stream already
@@ -130,7 +201,8 @@ class Durability:
                 self.log.error("checkpoint_conflict", fragment=p, version=st.version, committed=e.committed.version)
                 return False
         except Exception as e:
-            self.log.warning("checkpoint_failed", fragment=p, version=st.version, error=repr(e))
+            if not await self.store_watch.failed(e):  # a full store is said once (store_full)
+                self.log.warning("checkpoint_failed", fragment=p, version=st.version, error=repr(e))
             return False
         else:
             self.stats.checkpoint_bytes += len(blob)
@@ -144,6 +216,8 @@ class Durability:
     async def _checkpoints_due(self, now: float) -> None:
         """Checkpoint what the policy says, and at once any fragment whose log points into the part
         of the GRAD stream it is about to drop (looked at every 2 s: one stream-info request)."""
+        if self.store_watch.faulted:  # no writes while the store is full (checkpoints are big)
+            return
         policy = self._policy()
         overtaken: set[int] = set()
         if now - self._grad_checked > 2.0 and any(pos.oldest_seq is not None for pos in self.logpos.values()):
@@ -176,12 +250,14 @@ class Durability:
             raise NotFoundError  # the sequences hold another object now
         return c
 
-    async def _recover_fragment(self, p: int, published: int | None = None) -> FragmentState | None:
+    async def _recover_fragment(self, p: int, published: int | None = None,
+                                announce: bool = True) -> FragmentState | None:
         """The newest checkpoint of p with its log replayed; None when p has no checkpoint yet.
 
         ``published``: the global head's version. Every replayed version after it is published as
         it is reached (the crashed process had them queued: learners follow every version's
-        applied keys), and the merge events from it on (deduplicated by their message ids)."""
+        applied keys), and the merge events from it on (deduplicated by their message ids).
+        ``announce``: publish an ``events.recovered`` event (not while the store is full)."""
         got = await self.sstore.get(p)
         if got is None:
             return None
@@ -222,6 +298,8 @@ class Durability:
         if replayed or lost:
             self.log.info("fragment_replayed", fragment=p, checkpoint=ckpt, version=st.version, replayed=replayed,
                           lost=lost, seconds=round(time.monotonic() - t0, 3))
+        if not announce:
+            return st
         try:
             await self.js.publish(self.s.event("recovered"), orjson.dumps(
                 {"fragment": p, "checkpoint": ckpt, "version": st.version, "replayed": replayed, "lost": lost,

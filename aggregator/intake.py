@@ -208,12 +208,16 @@ class Intake:
         rejections logged 3 s before the kill, none in the stream). Now a crash in between
         redelivers the contribution, which is judged again. A failed publish keeps the rest queued
         for the next round (it used to drop them)."""
+        if not self.store_watch.may_write():  # the store is full: one write every few seconds
+            return
         for _ in range(min(limit, len(self._audit))):
             event, tokens = self._audit[0]
             try:
                 await self.js.publish(self.s.event("reject"), orjson.dumps(event), timeout=2)
             except Exception as e:
-                self.log.warning("audit_publish_failed", error=repr(e), queued=len(self._audit))
+                if not await self.store_watch.failed(e):  # a full store is said once (store_full)
+                    self.log.warning("audit_publish_failed", error=repr(e), queued=len(self._audit))
                 return
+            self.store_watch.stored()
             self._audit.pop(0)
             await term_all(tokens)

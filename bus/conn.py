@@ -32,6 +32,7 @@ from nats.aio.client import Client
 
 from bus.config import CommonConfig
 from bus.log import get_logger
+from bus.store_health import classify
 
 #: Seconds of an outage after which ``nats_still_down`` is logged; then every last one.
 STILL_DOWN_AFTER = (10.0, 60.0, 300.0)
@@ -149,7 +150,13 @@ class ConnectionLog:
         self.down_since, self.attempts = None, 0
 
     def error(self, e: BaseException) -> None:
-        """An error while connected (a permissions violation, a slow consumer...)."""
+        """An error while connected (a permissions violation, a slow consumer...). A full store's
+        refusal of a write ("insufficient resources") lands here too (nats-py 2.16's async publish
+        reply handler raises it instead of failing the publish): the role's ``store_full`` line
+        says that one (bus.store_health), so it is logged at debug."""
+        if classify(e) is not None and getattr(e, "err_code", None) is not None:
+            self.log.debug("nats_error", error=str(e))
+            return
         key = f"{type(e).__name__}: {e}"
         now = self.clock()
         last = self._errors.get(key)

@@ -9,6 +9,13 @@ test runner or launcher never leaves an orphan broker behind.
 
 Operational advice: ``max_payload`` above 8 MiB is discouraged by NATS; the transport splits
 fragments into chunks no larger than the server's ``max_payload``, so there is no need to raise it.
+
+**A full disk.** A stream that fails a write for want of disk space ("no space left on device")
+keeps a write error: nats-server stores nothing more in it, even once space is free again, until
+it restarts (docs/RELIABILITY.md, "Full disk"). :meth:`EmbeddedServer.heal_store`, called every few
+seconds by ``diloco nats``, restarts the server on the same store and ports once ``/healthz``
+reports such a stream and its store's filesystem has ``heal_min_free`` bytes free; the roles
+reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +42,32 @@ DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 DEFAULT_MAX_FILE_STORE = 20 * 1024**3
 
 
+#: free bytes the store's filesystem needs before :meth:`EmbeddedServer.heal_store` restarts a
+#: server whose streams could not write (a full disk)
+HEAL_MIN_FREE = 64 * 1024 * 1024
+#: seconds between two such restarts at least
+HEAL_EVERY = 30.0
+
+
 class ServerError(RuntimeError):
     """The embedded server could not be found, configured or started."""
+
+
+def store_write_error(healthz: dict) -> str | None:
+    """The write error a stream reports in a ``/healthz`` answer (without ``js-enabled-only``, which
+    stays "ok"), or None (pure). nats-server says e.g. ``JetStream stream '$G > S' write error:
+    write .../1.blk: no space left on device``."""
+    errors = [healthz.get("error")] + [e.get("error") for e in healthz.get("errors") or [] if isinstance(e, dict)]
+    return next((str(e) for e in errors if e and "write error" in str(e)), None)
+
+
+def heal_due(error: str | None, free_bytes: int, now: float, last: float | None,
+             min_free: int = HEAL_MIN_FREE, every: float = HEAL_EVERY) -> bool:
+    """Restart the server now (pure)? A stream keeps a write error of a full disk, the store's
+    filesystem has ``min_free`` bytes free again, and no restart was made in the last ``every`` s
+    (a restart on a disk that is still full, or another write error, would not help)."""
+    return (error is not None and "no space left on device" in error.lower() and free_bytes >= min_free
+            and (last is None or now - last >= every))
 
 
 def find_binary() -> str:
@@ -121,7 +153,11 @@ class EmbeddedServer:
     extra_config: str = ""
     log_file: str | None = None
     max_file_store: int = DEFAULT_MAX_FILE_STORE
+    heal_min_free: int = HEAL_MIN_FREE
     proc: subprocess.Popen | None = field(default=None, init=False)
+    store_fault: str | None = field(default=None, init=False)  # a stream's write error seen by heal_store
+    heals: int = field(default=0, init=False)
+    _healed_at: float | None = field(default=None, init=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False)
     _conf_dir: str | None = field(default=None, init=False)
 
@@ -219,6 +255,49 @@ class EmbeddedServer:
         if self._conf_dir is not None:
             shutil.rmtree(self._conf_dir, ignore_errors=True)
             self._conf_dir = None
+
+    def healthz(self) -> dict:
+        """The server's ``/healthz`` answer (every stream's health, not only JetStream's being on)."""
+        import orjson
+
+        try:
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz", timeout=2) as r:
+                return orjson.loads(r.read())
+        except urllib.error.HTTPError as e:  # 503 "unavailable": its body says why
+            return orjson.loads(e.read() or b"{}")
+
+    def free_bytes(self) -> int:
+        """Free bytes of the filesystem that holds the store (for an unprivileged user)."""
+        st = os.statvfs(self.store_dir or ".")
+        return st.f_bavail * st.f_frsize
+
+    def heal_store(self, now: float | None = None) -> str | None:
+        """Restart the server if a stream cannot write because the disk was full and space is back
+        (:func:`heal_due`); call it every few seconds (``diloco nats`` does). Returns one line to
+        print when something changed (the fault seen, the restart), else None. Never raises for
+        a server it cannot ask."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        now = time.monotonic() if now is None else now
+        try:
+            error = store_write_error(self.healthz())
+            free = self.free_bytes()
+        except Exception:  # noqa: BLE001 - busy or restarting: the next call asks again
+            return None
+        line = None
+        if error is not None and error != self.store_fault:
+            line = (f"nats-server: a JetStream stream cannot write ({error}); {free / 2**20:.0f} MiB free in "
+                    f"{self.store_dir}: it is restarted once {self.heal_min_free / 2**20:.0f} MiB are free")
+        self.store_fault = error
+        if heal_due(error, free, now, self._healed_at, self.heal_min_free):
+            self._healed_at = now
+            self.stop()
+            self.start(timeout=90)
+            self.heals += 1
+            self.store_fault = None
+            line = (f"nats-server restarted on its store ({free / 2**20:.0f} MiB free in {self.store_dir}): "
+                    "its streams write again")
+        return line
 
     def varz(self) -> dict:
         return _get_json(f"{self.monitor_url}/varz")

@@ -262,6 +262,33 @@ def stream_configs(s: Subjects, lim: Limits) -> list[StreamConfig]:
     ]
 
 
+#: the stream settings ``stream_configs`` sets (what :func:`needs_update` compares)
+_MANAGED = ("subjects", "max_bytes", "max_age", "max_msgs_per_subject", "discard", "duplicate_window",
+            "allow_direct", "retention", "storage", "num_replicas")
+
+
+def needs_update(have: StreamConfig, want: StreamConfig) -> bool:
+    """Whether an existing stream's config differs from ``want`` in a setting we manage (pure).
+    An update that changes nothing is not sent: nats-server rewrites the stream's metadata file on
+    every update, which fails on a full disk (an aggregator restarted then could not start)."""
+    for name in _MANAGED:
+        w = getattr(want, name, None)
+        if name == "duplicate_window" and not w:
+            w = 120.0  # 0: the server's default, two minutes
+        if w is None:
+            continue
+        h = getattr(have, name, None)
+        if name == "subjects":
+            if sorted(h or []) != sorted(w):
+                return True
+        elif isinstance(w, float) or isinstance(h, float):
+            if h is None or abs(float(h) - float(w)) > 1e-3:
+                return True
+        elif h != w:
+            return True
+    return False
+
+
 async def ensure_run(js: JetStreamContext, run: str, lim: Limits = Limits(), update: bool = False) -> None:
     """Create every missing stream and bucket of ``run``; with ``update`` also apply ``lim`` to
     existing streams (only the processes that own the run's limits, its creator and the aggregator,
@@ -279,6 +306,8 @@ async def ensure_run(js: JetStreamContext, run: str, lim: Limits = Limits(), upd
                     cfg.max_msgs_per_subject = have  # never trim an existing run's history
                 if not lim.from_run:
                     cfg.max_bytes = info.config.max_bytes  # not sized from the run: leave its size
+                if not needs_update(info.config, cfg):
+                    continue
                 try:
                     await js.update_stream(cfg)
                 except APIError as e:

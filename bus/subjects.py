@@ -11,6 +11,7 @@ subject                              carried by       what
 ``diloco.R.global.<frag>.kc<i>.<slot>/khead``        keyframes of a quantised downlink (``bus.downlink``)
 ``diloco.R.state.<frag>.c<i>.<slot>/head`` STATE     aggregator's checkpoints (params, momentum, set)
 ``diloco.R.state.<frag>.log.<slot>`` stream STATE     merge log: how each version was made (``aggregator.mlog``)
+``diloco.R.state.probe``            stream STATE     the aggregator's probe: does its store take writes?
 ``diloco.R.hb.<learner>``            core NATS        heartbeats, learner -> monitor (1 s)
 ``diloco.R.metrics.<role>.<id>``     core NATS        metrics of every process -> ``diloco metrics``
 ``diloco.R.feedback.<learner>``      core NATS        aggregator -> a learner: its work rejected or held
@@ -75,6 +76,12 @@ class Subjects:
 
     def versioned_all(self, kind: str) -> str:
         return f"{self.prefix}.{kind}.>"
+
+    @property
+    def state_probe(self) -> str:
+        """A probe write to the STATE stream (one message kept) that tells an aggregator whether its
+        store takes writes (``bus.store_health``, ``aggregator.durability``)."""
+        return f"{self.prefix}.{STATE}.probe"
 
     # the aggregator's merge log (aggregator.mlog): in the STATE stream, one subject per slot
     def merge_log(self, fragment: int, slot: int) -> str:

@@ -35,6 +35,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from bus.chunks import Assembled, Assembler, Chunk, Dropped, checksum, chunk_headers, parse_chunk, split
+from bus.store_health import StoreWatch
 from bus.subjects import Subjects
 
 
@@ -87,12 +88,19 @@ class ChunkPublisher:
     """Publish blobs as chunk messages with at most ``inflight`` unacknowledged chunks."""
 
     def __init__(self, js: JetStreamContext, max_chunk: int = 1024 * 1024, inflight: int = 16,
-                 ack_timeout: float = 10.0, deadline: float = 300.0):
+                 ack_timeout: float = 10.0, deadline: float = 300.0, watch: StoreWatch | None = None,
+                 fail_fast: bool = False):
+        """``watch``: told of every chunk stored and every failure (a full store is said once, by
+        the role that owns it: ``bus.store_health``). ``fail_fast``: once the watch knows the store
+        is faulted, a failed chunk raises at once instead of being retried until ``deadline`` (the
+        aggregator's loop must not wait minutes on a full disk; the learner's publishes retry)."""
         self.js = js
         self.max_chunk = max_chunk
         self.inflight = inflight
         self.ack_timeout = ack_timeout
         self.deadline = deadline
+        self.watch = watch
+        self.fail_fast = fail_fast
         self.bytes_sent = 0
         self.retries = 0
 
@@ -101,13 +109,18 @@ class ChunkPublisher:
         delay = 0.1
         while True:
             try:
-                return await self.js.publish(subject, payload, timeout=self.ack_timeout, headers=dict(headers))
+                ack = await self.js.publish(subject, payload, timeout=self.ack_timeout, headers=dict(headers))
             except Exception as e:
-                if time.monotonic() + delay > t_end:
-                    raise TransportError(f"publish to {subject} failed after retries: {e!r}") from e
+                full = self.watch is not None and await self.watch.failed(e)
+                if time.monotonic() + delay > t_end or (full and self.fail_fast):
+                    raise TransportError(f"publish to {subject} failed after retries: {e!r} {e}") from e
                 self.retries += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            else:
+                if self.watch is not None:
+                    self.watch.stored()
+                return ack
 
     async def publish(self, subjects: str | list[str], obj_id: str, blob, meta: dict) -> list:
         """Publish ``blob`` under ``obj_id``; returns the PubAcks in chunk order.
@@ -128,9 +141,18 @@ class ChunkPublisher:
         async def settle(i: int, fut: asyncio.Future, hdrs: dict) -> None:
             try:
                 acks[i] = await asyncio.wait_for(fut, self.ack_timeout)
-            except Exception:
+            except Exception as e:
+                # a timeout here is not judged: nats-py 2.16 loses the error a server answers to an
+                # async publish (its reply handler raises instead of failing the future), so a
+                # refused chunk ("insufficient resources") times out; the awaited retry hears it
+                if (self.watch is not None and not isinstance(e, TimeoutError) and await self.watch.failed(e)
+                        and self.fail_fast):
+                    raise TransportError(f"chunk {i} of {obj_id} not stored: {e!r} {e}") from e
                 self.retries += 1
                 acks[i] = await self._publish_one(subj[i], parts[i], hdrs, t_end)
+            else:
+                if self.watch is not None:
+                    self.watch.stored()
 
         for i, part in enumerate(parts):
             hdrs = chunk_headers(obj_id, i, n, size, crc, meta)
@@ -141,14 +163,26 @@ class ChunkPublisher:
                 fut.set_exception(TransportError("publish_async failed"))
             window.append((i, fut, hdrs))
             if len(window) >= self.inflight:
-                await settle(*window.pop(0))
-        for item in window:
-            await settle(*item)
+                await self._settle_or_drop(settle, window)
+        while window:
+            await self._settle_or_drop(settle, window)
         for a in acks:
             if getattr(a, "stream", None) is None:
                 raise TransportError(f"no ack for a chunk of {obj_id}")
         self.bytes_sent += size
         return acks
+
+    @staticmethod
+    async def _settle_or_drop(settle, window: list) -> None:
+        """Settle the oldest chunk of ``window``; if that raises, the acks still awaited are
+        cancelled (an unanswered future stays in nats-py's table of pending acks otherwise)."""
+        try:
+            await settle(*window.pop(0))
+        except BaseException:
+            for _, fut, _ in window:
+                fut.cancel()
+            window.clear()
+            raise
 
 
 @dataclass

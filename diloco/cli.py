@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_nats(argv: list[str]) -> int:
-    from bus.server import EmbeddedServer
+    from bus.server import HEAL_MIN_FREE, EmbeddedServer
 
     p = argparse.ArgumentParser(prog="diloco nats", description=COMMANDS["nats"][1])
     p.add_argument("--port", type=int, default=4222, help="client port (0: a free one)")
@@ -85,10 +85,15 @@ def cmd_nats(argv: list[str]) -> int:
     p.add_argument("--store-dir", default="./nats-data", help="JetStream file store")
     p.add_argument("--max-payload", type=int, default=8 * 1024 * 1024)
     p.add_argument("--config-extra", default="", help="file whose text is appended to the config (auth, TLS)")
+    p.add_argument("--log-file", default=None, help="nats-server's own log (default: discarded)")
+    p.add_argument("--heal-min-free-mib", type=int, default=HEAL_MIN_FREE // 2**20,
+                   help="after a full disk, restart the server (its streams cannot write until then) once "
+                        "this many MiB are free in --store-dir")
     a = p.parse_args(argv)
     extra = open(a.config_extra).read() if a.config_extra else ""
     srv = EmbeddedServer(store_dir=a.store_dir, host=a.host, port=a.port, http_port=a.http_port,
-                         max_payload=a.max_payload, extra_config=extra)
+                         max_payload=a.max_payload, extra_config=extra, log_file=a.log_file,
+                         heal_min_free=a.heal_min_free_mib * 2**20)
     srv.start()
     print(f"nats-server ready: {srv.url} (monitoring {srv.monitor_url}, store {a.store_dir}); Ctrl-C stops it",
           flush=True)
@@ -100,8 +105,13 @@ def cmd_nats(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        checked = time.monotonic()
         while not stop["flag"] and srv.proc is not None and srv.proc.poll() is None:
             time.sleep(0.2)
+            if time.monotonic() - checked >= 2.0:  # a full disk: restart once space is back
+                checked = time.monotonic()
+                if line := srv.heal_store():
+                    print(line, flush=True)
     finally:
         srv.stop()
     return 0

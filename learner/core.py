@@ -196,8 +196,9 @@ class IslandCore:
                            steps=c.steps, bytes=len(blob))
         except asyncio.CancelledError:
             raise
-        except Exception as e:
-            self.log.warning("publish_failed", fragment=c.fragment, round=c.round, error=repr(e))
+        except Exception as e:  # a full store was said once already (store_full): this one quietly
+            (self.log.debug if self.store_watch.faulted else self.log.warning)(
+                "publish_failed", fragment=c.fragment, round=c.round, error=repr(e))
         finally:
             sent_blob = self._sent.pop((c.fragment, c.round), None)
             if not ok and sent_blob is not None:  # give the work back: it joins the next outer gradient

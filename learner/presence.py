@@ -288,7 +288,7 @@ class Presence:
             "rejected_globals": {**self.rejected_globals,
                                  **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
             "versions": {str(p): v for p, v in self.book.versions().items()},
-            "work": self.fate.stats(),
+            "work": self.fate.stats(), **self.store_watch.metrics(),
             "rss_mib": peak_rss_mib(), "state_mib": round(self.memory()["total"] / 2**20, 3),
         }
         if self.member_state:

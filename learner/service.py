@@ -50,6 +50,7 @@ import numpy as np
 from bus.signals import install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
+from bus.store_health import StoreWatch
 from bus.subjects import Subjects
 from bus.global_reader import GlobalReader
 from bus.transport import ChunkPublisher, Head
@@ -124,6 +125,9 @@ class Learner(IslandCore, Presence):
         self._sent: dict[tuple[int, int], bytearray] = {}  # (fragment, round) -> blob of the outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
         self.fate = WorkLedger()  # what became of the rounds sent: merged, rejected, unresolved
+        # a full store (bus.store_health): said once; publishes are retried, their work kept
+        self.store_watch = StoreWatch(self.log, "training goes on: outer gradients not stored are retried, their "
+                                                "work kept, until the store takes writes again")
         self.final_wait = cfg.final_wait  # an island's close(wait=...) overrides it
         self.startup_error: str | None = None
         self.failure: str | None = None  # why run() failed after start-up
@@ -202,7 +206,9 @@ class Learner(IslandCore, Presence):
                       quantiser=cfg.quantiser, **data)
         self.nc = await connect_until(self.common, f"learner-{self.id}", deadline, self.log)
         self.js = self.nc.jetstream(timeout=10)
-        self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks)
+        self.store_watch.probe = lambda: self.js.stream_info(self.s.stream("grad"))
+        self.publisher = ChunkPublisher(self.js, self.common.max_chunk_bytes, self.common.inflight_chunks,
+                                        watch=self.store_watch)
         self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
         await self.run_model.create_run_if_missing(self.js, self.common, self.log)
         manifest = await join_run_model(self.js, self.common, self.run_model, deadline)

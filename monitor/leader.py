@@ -62,6 +62,7 @@ class Leadership:
         except KeyWrongLastSequenceError:
             self._step_down(f"lost the lease race ({action.value})")
             return
+        self.store_watch.stored()
         continuing = (
             self._leader and action is Action.RENEW and current is not None and current.revision == self._lease_rev
         )
@@ -134,10 +135,11 @@ class Leadership:
         except Exception as e:  # noqa: BLE001 - timeouts, disconnects: retried on the next flush
             self.stats["kv_errors"] += 1
             ok, suppressed = self._throttle.allow("kv_error", time.monotonic())
-            if ok:
+            if ok and not await self.store_watch.failed(e):  # a full store is said once (store_full)
                 self.log.warning("member_write_failed", learner=name, error=repr(e), suppressed_since_last=suppressed)
             return
         self.stats["kv_writes"] += 1
+        self.store_watch.stored()
         self._revs[name] = new_rev
         self._written[name] = (m, time.time())
         if self.members.get(name) == m:
@@ -157,7 +159,7 @@ class Leadership:
                 await asyncio.wait_for(asyncio.gather(*futs), timeout=10.0)
             except Exception as e:  # noqa: BLE001 - republished next time (deduplicated by Msg-Id)
                 ok, suppressed = self._throttle.allow("event_error", time.monotonic())
-                if ok:
+                if ok and not await self.store_watch.failed(e):  # a full store is said once (store_full)
                     self.log.warning("event_publish_failed", error=repr(e), pending=len(self._events),
                                      suppressed_since_last=suppressed)
                 return

@@ -45,6 +45,7 @@ from bus.codec import dumps_json
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect
 from bus.log import get_logger, setup
+from bus.store_health import StoreWatch
 from bus.streams import Limits, ensure_run
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
@@ -155,6 +156,9 @@ class MonitorService(Leadership, HeartbeatIntake):
         self._lease_kick = asyncio.Event()
         self._throttle = _Throttle()
         self._since_yield = 0
+        # a full store (bus.store_health): said once; the lease and members are written once it writes again
+        self.store_watch = StoreWatch(self.log, "membership goes on in memory (heartbeats, evictions); the lease, "
+                                                "member records and events are written once the store takes writes")
 
     # -- loops ------------------------------------------------------------------------------------
 
@@ -167,7 +171,7 @@ class MonitorService(Leadership, HeartbeatIntake):
                 raise
             except Exception as e:  # noqa: BLE001 - a loop never dies; the next round retries
                 ok, suppressed = self._throttle.allow(f"loop_{name}", time.monotonic())
-                if ok:
+                if ok and not await self.store_watch.failed(e):  # a full store is said once (store_full)
                     self.log.warning("loop_failed", loop=name, error=repr(e), suppressed_since_last=suppressed)
             waiters = [asyncio.ensure_future(stop.wait())]
             if kick is not None:
@@ -190,6 +194,7 @@ class MonitorService(Leadership, HeartbeatIntake):
     async def _metrics_body(self) -> None:
         msg = monitor_metrics(self.common.run, self.id, time.time(), self.members, self.rejected,
                               self.is_leader, {**self.stats, "events_pending": len(self._events)})
+        msg.update(self.store_watch.metrics())
         await self.nc.publish(self.subjects.metrics("monitor", self.id), dumps_json(msg))
 
     async def _follow_versions(self, stop: asyncio.Event) -> None:
@@ -258,6 +263,7 @@ class MonitorService(Leadership, HeartbeatIntake):
         sub = None
         try:
             self.js = self.nc.jetstream(timeout=5.0)
+            self.store_watch.probe = lambda: self.js.stream_info(f"KV_{self.subjects.bucket('lease')}")
             try:
                 await self._setup(stop)
             except Exception:
