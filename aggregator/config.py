@@ -70,6 +70,16 @@ class AggregatorConfig:
     participation_window: float = var(30.0, number(0.0, 86400),
                                       "learners that contributed within this many seconds count in the participation "
                                       "scale even while the monitor calls them evicted")
+    trust: str = var("weigh", choice("off", "observe", "weigh"),
+                     "trust across rounds: score each learner by how its outer gradients agree with the others' "
+                     "(observe: scores in metrics only; weigh: a learner that disagrees merges at a lower weight, "
+                     "down to 0; see docs/security.md)")
+    trust_rate: float = var(0.05, number(0.0, 1.0, lo_open=True),
+                            "forgetting rate of a learner's weighted mean agreement (about 1/rate merges of memory)")
+    trust_low: float = var(0.0, number(-1.0, 1.0),
+                           "trust score (upper confidence bound of the mean agreement) at and below which a learner "
+                           "merges at weight 0")
+    trust_high: float = var(0.1, number(-1.0, 1.5), "trust score from which a learner merges at full weight")
     trim_fraction: float = var(0.1, number(0.0, 0.49), "fraction trimmed at each end (robust=trim)")
     outer_lr: float = var(0.7, number(0.0, 100.0, lo_open=True), "outer Nesterov learning rate")
     outer_momentum: float = var(0.5, number(0.0, 0.999), "outer Nesterov momentum")

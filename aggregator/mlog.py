@@ -27,6 +27,7 @@ import msgpack
 
 from aggregator.contribution import Contribution
 from aggregator.step import FragmentState, MergeSettings, merge_step
+from aggregator.trust import TrustSettings
 from aggregator.weights import StalenessPolicy
 
 LOG_FORMAT = 1
@@ -47,6 +48,8 @@ def settings_to_dict(s: MergeSettings) -> dict:
 def settings_from_dict(d: dict) -> MergeSettings:
     d = dict(d)
     d["staleness"] = StalenessPolicy(**d["staleness"])
+    # a record written before trust existed merged without it: replay it so
+    d["trust"] = TrustSettings(**d["trust"]) if "trust" in d else TrustSettings(mode="off")
     names = {f.name for f in dataclasses.fields(MergeSettings)}
     return MergeSettings(**{k: v for k, v in d.items() if k in names})
 

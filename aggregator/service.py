@@ -48,6 +48,7 @@ from aggregator.intake import Intake, Pending, VectorPool
 from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy
 from aggregator.step import FragmentState, MergeSettings
+from aggregator.trust import summary as trust_summary
 from aggregator.validate import OutlierWatch
 from aggregator.versions import VersionMaker
 from bus import codec
@@ -56,7 +57,8 @@ from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect
 from bus.downlink import Keyframe, View
 from bus.log import get_logger, setup
-from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, ensure_run, missing_parts
+from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, missing_parts
+from bus.store_health import StoreWatch
 from bus.subjects import GLOBAL, STATE, Subjects
 from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore
 
@@ -71,6 +73,8 @@ class Stats:
     quorum_wait: float = 0.0
     contributions: Counter = field(default_factory=Counter)  # per learner, applied
     clipped: int = 0  # applied contributions scaled down to their norm cap (bounded influence)
+    downweighted: Counter = field(default_factory=Counter)  # per learner, merged below full weight (aggregator.trust)
+    distrusted: Counter = field(default_factory=Counter)  # per learner, merged at weight 0
     reference_restarts: int = 0  # norm-outlier references restarted: most learners were refused (OutlierWatch)
     round_holds: int = 0  # lock-step fragments held for the rest of their round (aggregator.rounds)
     round_holds_expired: int = 0  # ... and merged alone after the grace window
@@ -92,6 +96,7 @@ class Stats:
             "merge_latency_max": lat[-1] if lat else None,
             "quorum_wait_s": round(self.quorum_wait, 3), "contributions": dict(self.contributions),
             "clipped": self.clipped, "reference_restarts": self.reference_restarts,
+            "downweighted": dict(self.downweighted), "distrusted": dict(self.distrusted),
             "round_holds": self.round_holds, "round_holds_expired": self.round_holds_expired,
             "log_bytes": self.log_bytes, "checkpoints": self.checkpoints, "checkpoint_bytes": self.checkpoint_bytes,
             "checkpoint_s": round(self.checkpoint_s, 3), "checkpoints_early": self.checkpoints_early, "replayed": self.replayed, "replay_lost": self.replay_lost,
@@ -133,12 +138,17 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
         self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived
+        self.members_rewatch = asyncio.Event()  # the connection came back: watch the bucket anew
         self.recent: dict[str, float] = {}  # learner -> monotonic time of its newest accepted contribution
+        self.suspected: dict[str, str] = {}  # learner -> the reason aggregator.trust suspects it ("" : trusted)
         self.manifest = None  # the run's manifest: the tree, its plan, the declared geometry
         self.arrivals = ArrivalStats()
         self.stats = Stats()
         self._audit: list[tuple[dict, list]] = []  # (rejection event, its messages): published, then terminated
         self.feedback = FeedbackQueue()  # notices to learners of their work rejected or held
+        # a full store (bus.store_health): merging pauses, nothing is acked or published meanwhile
+        self.store_watch = StoreWatch(self.log, "merging paused: no contribution acknowledged, no version or "
+                                                "checkpoint written until the store takes writes again")
         self.nc = None
 
     def _use(self, model_hash: str, plan) -> None:
@@ -195,28 +205,63 @@ class AggregatorService(Intake, VersionMaker, Durability):
         return set(self.seen) if not self.cfg.require_membership else set(self.members)
 
     async def _follow_membership(self, js, stop: asyncio.Event) -> None:
+        """The members bucket, watched; watched anew whenever the connection comes back. A watch
+        that outlives a server restart went on silently for 5-14 s (nats-py's ordered consumer
+        notices its lost consumer only after two missed heartbeats): learners the monitor had
+        readmitted meanwhile still counted as evicted here, and their work was rejected as
+        ``inactive_learner`` (bench.soak: 571 contributions in one 6-minute run)."""
         while not stop.is_set():
+            reader = None
             try:
                 kv = await js.key_value(self.s.bucket("members"))
                 w = await kv.watchall()
-                async for e in w:
-                    if stop.is_set():
-                        break
-                    if e is None:  # the initial values are all in
-                        self.members_loaded.set()
-                        continue
-                    if e.operation in ("DEL", "PURGE") or e.value is None:
-                        self.members.pop(e.key, None)
-                        continue
-                    try:
-                        self.members[e.key] = str(orjson.loads(e.value).get("state", ""))
-                    except Exception:
-                        self.log.warning("bad_member_record", key=e.key)
+                self.members_rewatch.clear()
+                reader = asyncio.create_task(self._read_members(w, stop))
+                rewatch = asyncio.create_task(self.members_rewatch.wait())
+                try:
+                    await asyncio.wait({reader, rewatch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    rewatch.cancel()
+                if reader.done():
+                    reader.result()  # what ended the watch (raises its error)
+                    continue
+                self.log.info("membership_rewatch", members=len(self.members))
+                reader.cancel()
+                try:
+                    await w.stop()
+                except Exception:  # noqa: BLE001 - the old consumer may be gone with the old server
+                    pass
             except asyncio.CancelledError:
+                if reader is not None:
+                    reader.cancel()
                 raise
             except Exception as e:
                 self.log.warning("membership_watch_error", error=repr(e))
                 await asyncio.sleep(1.0)
+
+    async def _read_members(self, w, stop: asyncio.Event) -> None:
+        fresh: dict[str, str] | None = {}  # the initial values, until they are all in
+        async for e in w:
+            if stop.is_set():
+                break
+            if e is None:  # the initial values are all in: they replace what was known
+                if fresh is not None:
+                    self.members.clear()
+                    self.members.update(fresh)
+                    fresh = None
+                self.members_loaded.set()
+                continue
+            into = self.members if fresh is None else fresh
+            if e.operation in ("DEL", "PURGE") or e.value is None:
+                into.pop(e.key, None)
+                continue
+            try:
+                into[e.key] = str(orjson.loads(e.value).get("state", ""))
+            except Exception:
+                self.log.warning("bad_member_record", key=e.key)
+
+    async def _on_reconnected(self) -> None:
+        self.members_rewatch.set()
 
     # -- start-up and recovery --------------------------------------------------------------------
 
@@ -281,7 +326,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
                        "buffered": {str(p): len(b) for p, b in self.buffers.items() if b},
                        "held": len(self.hold),
                        "active": len(self.active()), **self.stats.to_metrics(),
-                       "transport_dropped": dict(self.consumer.stats.dropped or {})}
+                       "trust": trust_summary([st.trust for st in self.states.values()], self.settings.trust),
+                       "transport_dropped": dict(self.consumer.stats.dropped or {}), **self.store_watch.metrics()}
                 await self.nc.publish(self.s.metrics("aggregator", self.cfg.aggregator_id), codec.dumps_json(msg))
             except Exception as e:
                 self.log.warning("metrics_failed", error=repr(e))
@@ -303,7 +349,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
                             pass
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}")
+        self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}",
+                                reconnected_cb=self._on_reconnected)
         # a short timeout: a request sent while the server restarts can go unanswered, and the
         # merge loop must retry it soon rather than stall (it waited 30 s in the chaos run)
         js = self.js = self.nc.jetstream(timeout=5)
@@ -318,11 +365,14 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 f"DILOCO_CHECKPOINT_SECONDS={self.cfg.checkpoint_seconds:g}: the GRAD stream must keep merged "
                 f"contributions for a replay of the merge log; set it to at least {4 * self.cfg.checkpoint_seconds:g}")
         if self.cfg.provision:
-            await ensure_run(js, self.common.run, limits, update=True)
+            await self._provision(js, limits, stop)  # ensure_run, waiting while the store is full
         elif missing := await missing_parts(js, self.common.run):
             raise RunMismatch(f"run {self.common.run!r} is not provisioned (missing {', '.join(missing)}) and "
                               "DILOCO_PROVISION=false: create it first with `diloco run create` (admin credentials)")
-        pub = ChunkPublisher(js, self.common.max_chunk_bytes, self.common.inflight_chunks)
+        self.store_watch.probe = lambda: js.stream_info(self.s.stream(STATE))
+        self.store_watch.write_probe = self._write_probe
+        pub = ChunkPublisher(js, self.common.max_chunk_bytes, self.common.inflight_chunks, watch=self.store_watch,
+                             fail_fast=True)
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
@@ -362,6 +412,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 for p in self.owned:
                     if p in self.unpublished:
                         await self._publish_global(p)
+                await self._probe_store()  # a full store is noticed even with nothing to merge
                 wake = await self._merge_due(time.monotonic())
                 await self._checkpoints_due(time.monotonic())
                 if self._audit:

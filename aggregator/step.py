@@ -22,6 +22,7 @@ import numpy as np
 from aggregator.contribution import Contribution, ContributionKey
 from aggregator.influence import norm_bound, norm_caps, outlier_steps
 from aggregator.merge import l2_norm, merge
+from aggregator.trust import TrustSettings, TrustState, assess, distrusted_participants
 from aggregator.outer_opt import (DelayedNesterovState, NesterovState, RoundNesterov, RoundNesterovState,
                                   make_outer_optimizer)
 from aggregator.validate import AppliedSet, NormHistory
@@ -53,6 +54,9 @@ class MergeSettings:
     # most this many of its own earlier contributions to the fragment (open-loop backlog work moves
     # the parameters by plain SGD; momentum_part, aggregator.outer_opt.RoundNesterov)
     momentum_open_rounds: int = 1
+    # trust across rounds (aggregator.trust): a learner whose outer gradients disagree with the
+    # others' merges at a lower weight, down to 0
+    trust: TrustSettings = field(default_factory=TrustSettings)
 
     def make_optimizer(self):
         return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n)
@@ -65,7 +69,8 @@ class MergeSettings:
                    optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                    delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink_quantiser,
                    clip_factor=cfg.clip_factor, reference_steps=cfg.clip_reference_steps,
-                   max_weight_ratio=cfg.max_weight_ratio, momentum_open_rounds=cfg.momentum_open_rounds)
+                   max_weight_ratio=cfg.max_weight_ratio, momentum_open_rounds=cfg.momentum_open_rounds,
+                   trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_low, cfg.trust_high))
 
 
 @dataclass
@@ -85,6 +90,8 @@ class FragmentState:
     # how many of its own rounds a contribution's base had not seen (open_rounds)
     recent: dict[str, list[int]] = field(default_factory=dict)
     last_grad_norm: float = 0.0  # |outer gradient applied| of the newest merge (scaled, before momentum); not persisted
+    trust: TrustState = field(default_factory=TrustState)  # per learner, agreement across rounds (aggregator.trust)
+    last_trust: list = field(default_factory=list)  # the newest merge's weight factor per contribution; not persisted
 
     @classmethod
     def initial(cls, fragment: int, version: int, params: np.ndarray, settings: MergeSettings) -> "FragmentState":
@@ -107,7 +114,7 @@ class FragmentState:
             "applied": self.applied.to_dict(), "norms": self.norms.to_dict(),
             "last": [list(k) for k in self.last_merge], "scale": self.last_scale, "per_round": self.last_per_round,
             "anorms": self.applied_norms.to_dict(), "clipped": self.last_clipped,
-            "recent": self.recent,
+            "recent": self.recent, "trust": self.trust.to_dict(),
         }, use_bin_type=True)
         start = len(CHECKPOINT_MAGIC) + 4 + len(header)
         total = start + off
@@ -155,7 +162,8 @@ class FragmentState:
                    [tuple(k) for k in d["last"]], float(d.get("scale", 1.0)), int(d.get("per_round", 1)),
                    NormHistory.from_dict(d["anorms"]) if "anorms" in d else NormHistory(),
                    int(d.get("clipped", 0)),
-                   {str(k): [int(x) for x in v] for k, v in d.get("recent", {}).items()})
+                   {str(k): [int(x) for x in v] for k, v in d.get("recent", {}).items()},
+                   trust=TrustState.from_dict(d.get("trust")))
 
 
 CHECKPOINT_MAGIC = b"DLCKPT1\n"
@@ -260,6 +268,20 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     f = np.array([settings.staleness.factor(rounds_behind(state.version, c.base_version, per_round))
                   for c in contribs])
     total = scale * float((q * f).sum() / q.sum())
+    # trust (aggregator.trust): a distrusted contribution leaves the mean and the step (its share of
+    # the round is not applied), so a merge of distrusted ones only does not move the fragment
+    tr = assess(state.trust, [c.learner for c in contribs], [c.vector for c in contribs], settings.trust,
+                state.version + 1)
+    out_of_round = distrusted_participants(tr.state, state.version + 1, per_round, settings.trust)
+    if settings.trust.mode == "weigh" and (float(tr.factors.min()) < 1.0 or out_of_round > 0):
+        # the round is counted without the distrusted learners: their share leaves the mean and the
+        # step, and the participation scale counts per_round - out_of_round learners (one honest
+        # learner of a per-arrival round moves the fragment by 1/7 of a round, not 1/8, when the
+        # eighth is distrusted: the round's progress is the 7 honest ones' whole)
+        w = np.asarray(w, dtype=np.float64)
+        wt = w * tr.factors
+        total *= float(wt.sum() / w.sum()) * per_round / max(1.0, per_round - out_of_round)
+        w = wt / wt.sum() if wt.sum() > 0 else w
     caps = norm_caps(norms, [c.inner_steps for c in contribs], size=state.params.size,
                      history_median=state.applied_norms.median(state.fragment),
                      history_count=state.applied_norms.count(state.fragment), clip_factor=settings.clip_factor,
@@ -296,4 +318,5 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     for learner in sorted({c.learner for c in contribs}):
         recent[learner] = (recent.get(learner, []) + [state.version + 1])[-RECENT_KEPT:]
     return FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
-                         float(scale), max(1, int(per_round)), anorms, clipped, recent, grad_norm)
+                         float(scale), max(1, int(per_round)), anorms, clipped, recent, grad_norm, tr.state,
+                         [float(x) for x in tr.factors])

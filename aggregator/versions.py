@@ -90,6 +90,8 @@ class VersionMaker:
             if p not in held:
                 del self.held_since[p]
         for p in sorted(due):
+            if self.store_watch.faulted:  # the merge before this one found the store full
+                break
             reason, first = due[p]
             if p in held:
                 if p not in self.held_since:
@@ -139,13 +141,19 @@ class VersionMaker:
         """Write-ahead: the merge's record, then the contributions' acks, the global version and its
         merge event. A record not stored is retried as it is on the next pass (aggregator.durability)."""
         before, rec, items, first, reason, t0 = self.uncommitted[p]
+        if self.store_watch.faulted and not self.store_watch.may_write():
+            return  # the store is full: one write every few seconds
         try:
             other = await self._log_put(rec)
             if other is not None:
                 items = await self._adopt(p, other, items)
         except Exception as e:  # not committed: nothing acked; the same record is retried
-            self.log.error("merge_log_failed", fragment=p, version=rec.version, error=repr(e))
+            if await self.store_watch.failed(e):  # a full store (said once): back to what is stored
+                await self._undo(p, rec, items)
+            else:
+                self.log.error("merge_log_failed", fragment=p, version=rec.version, error=repr(e))
             return
+        self.store_watch.stored()
         del self.uncommitted[p]
         new = self.states[p]
         pos = self.logpos[p]
@@ -164,6 +172,7 @@ class VersionMaker:
         firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
         self.stats.quorum_wait += firsts[min(self.cfg.quorum or len(firsts), len(firsts)) - 1] - first
         self.stats.clipped += new.last_clipped
+        self._note_trust(p, new, items)
         for x in items:
             self.stats.staleness[before - x.c.base_version] += 1  # in versions
             self.stats.contributions[x.c.learner] += 1
@@ -174,6 +183,30 @@ class VersionMaker:
                       outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3))
         for x in items:  # merged and committed: their buffers serve the next contributions
             self.pool.give(x.pooled)
+
+    def _note_trust(self, p: int, new: FragmentState, items: list) -> None:
+        """Count the contributions merged at a reduced weight, and say once per change when a learner
+        becomes suspected (or trusted again) by ``aggregator.trust`` (the reason, its score)."""
+        from aggregator.trust import reason_of
+
+        for x, f in zip(items, new.last_trust):
+            if f < 1.0:
+                self.stats.downweighted[x.c.learner] += 1
+            if f <= 0.0:
+                self.stats.distrusted[x.c.learner] += 1
+        for learner in sorted({x.c.learner for x in items}):
+            lt = new.trust.learners.get(learner)
+            if lt is None:
+                continue
+            reason = reason_of(lt, self.settings.trust)
+            score = lt.score(self.settings.trust.kappa)
+            if self.suspected.get(learner, "") != reason:
+                if reason:
+                    self.log.warning("learner_suspected", learner=learner, reason=reason, score=round(score, 3),
+                                     mean=round(lt.mean, 3), fragment=p, distrusted=lt.distrusted, replays=lt.replays)
+                else:
+                    self.log.info("learner_trusted_again", learner=learner, score=round(score, 3), fragment=p)
+                self.suspected[learner] = reason
 
     # -- publishing -------------------------------------------------------------------------------
 
@@ -218,8 +251,9 @@ class VersionMaker:
             try:
                 await self._send(job)
             except Exception as e:
-                self.log.error("global_publish_failed", fragment=p, version=job.version, error=repr(e),
-                               retry_in_s=delay)
+                if not await self.store_watch.failed(e):  # a full store is said once (store_full)
+                    self.log.error("global_publish_failed", fragment=p, version=job.version, error=repr(e),
+                                   retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
                 continue
@@ -262,6 +296,8 @@ class VersionMaker:
         """After a (re)start: the global version of the state if the global head is behind, and the
         merge event of the newest version (deduplicated by its message id)."""
         st = self.states[p]
+        if self.store_watch.faulted and not self.store_watch.may_write():
+            return  # the store is full: one write every few seconds
         try:
             head = await self.gstore.head(p)
             if head is None or head.version < st.version:
@@ -272,7 +308,8 @@ class VersionMaker:
             self.published[p] = max(self.published.get(p, -1), st.version)
             self.unpublished.discard(p)
         except Exception as e:
-            self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
+            if not await self.store_watch.failed(e):
+                self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
             self.unpublished.add(p)
 
 

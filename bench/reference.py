@@ -87,6 +87,9 @@ class _Learner:
     epoch: int = 0  # a failure ends the current life: its pending step event is stale
     incarnation: str = "r0"
     losses: list = field(default_factory=list)
+    byzantine: str = ""  # RefConfig.byzantine, for a lying learner
+    kept: dict = field(default_factory=dict)  # p -> its earlier whole-round vectors (a replaying learner)
+    rng: Any = None
 
 
 @dataclass
@@ -153,6 +156,7 @@ class Reference:
 
     def _run_diloco(self) -> dict:
         from aggregator.step import FragmentState, MergeSettings
+        from aggregator.trust import TrustSettings
         from aggregator.validate import OutlierWatch
         from aggregator.weights import StalenessPolicy
         from aggregator.quorum import GracePolicy
@@ -167,7 +171,8 @@ class Reference:
                                       optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                       delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
                                       clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr,
-                                      momentum_open_rounds=cfg.momentum_open_rounds)
+                                      momentum_open_rounds=cfg.momentum_open_rounds,
+                                      trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_low, cfg.trust_high))
         v0 = s.v0_fragments()
         self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(self.P)]
         self.buffers: list[list[_Pending]] = [[] for _ in range(self.P)]
@@ -190,13 +195,20 @@ class Reference:
         self.learners = []
         for m in range(cfg.M):
             inc = cfg.incarnations[m] if cfg.incarnations else None
-            be = s.backend(s.learner_batches(m, inc))
+            byz = cfg.byzantine if m in cfg.byzantine_learners else ""
+            batches = s.learner_batches(m, inc)
+            if byz == "corrupt":
+                from bench.byzantine_attacks import corrupted
+
+                batches = corrupted(batches, cfg.byzantine_seed * 1000 + m)
+            be = s.backend(batches)
             be.load(v0)
             book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered)
             for p in range(self.P):
                 book.on_merged(p, 0)
             self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * self.P,
-                                          float(times[m]), incarnation=inc or "r0"))
+                                          float(times[m]), incarnation=inc or "r0", byzantine=byz,
+                                          rng=np.random.Generator(np.random.PCG64(cfg.byzantine_seed * 1000 + m))))
         for m, down, back in cfg.failures:
             self._at(down, 3, self._fail, m)
             self._at(back, 3, self._return, m)
@@ -236,7 +248,7 @@ class Reference:
     # -- a learner ----------------------------------------------------------------------------------
 
     def _alive(self) -> set[str]:
-        return {ln.name for ln in self.learners if ln.up}
+        return {ln.name for ln in self.learners if ln.up and not (self.cfg.byzantine_oracle and ln.byzantine)}
 
     def _start_step(self, ln: _Learner) -> None:
         """At a step boundary: mix in what was downloaded, then run the inner step (for real);
@@ -294,6 +306,15 @@ class Reference:
         theta = ln.backend.get_fragment(p)
         delta = outer_gradient(ln.base[p], theta)
         ln.base[p] = theta
+        if ln.byzantine in ("sign", "random"):
+            from bench.byzantine_attacks import random_direction, sign_flip
+
+            if ln.byzantine == "sign":
+                delta = sign_flip(delta)
+            else:
+                st = self.states[p]
+                med = st.applied_norms.median(p) if st.applied_norms.count(p) else None
+                delta = random_direction(delta.size, float(med) if med else float(np.linalg.norm(delta)), ln.rng)
         ef = cfg.error_feedback and cfg.quantiser != "fp32"
         blob, _, residual, _ = codec.encode_with_feedback(delta, ln.residual[p] if ef else None, cfg.quantiser,
                                                           keep_residual=ef, want_sent=False, decay=cfg.feedback_decay,
@@ -303,6 +324,14 @@ class Reference:
         self.bytes_up += len(blob)
         ln.book.end_sync(c, True)
         vec = np.array(codec.decode_array(blob), dtype=np.float32).reshape(-1)
+        if ln.byzantine == "replay":
+            from bench.byzantine_attacks import keep_for_replay, replay_pick
+
+            old = replay_pick(ln.kept.get(p, []), ln.rng)
+            if c.steps >= c.period:  # it keeps what it really trained in whole rounds
+                ln.kept[p] = keep_for_replay(ln.kept.get(p, []), vec)
+            if old is not None:
+                vec = old
         contrib = Contribution(run="reference", model_hash="reference", learner=ln.name, incarnation=ln.incarnation,
                                fragment=p, round=c.round, base_version=c.base_version, inner_steps=c.steps,
                                tokens=c.tokens, vector=vec, period=c.period)
@@ -422,6 +451,9 @@ class Reference:
 
         if self._agg_down():
             self.agg_backlog.append(c)
+            return
+        if self.cfg.byzantine_oracle and self.learners[int(c.learner.rsplit("-", 1)[1])].byzantine:
+            self.rejected["oracle"] = self.rejected.get("oracle", 0) + 1
             return
         s, p = self.setup, c.fragment
         st = self.states[p]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MODES = ("dp", "sync", "streaming", "decoupled")
+BYZANTINE = ("", "sign", "random", "replay", "corrupt")
 #: the built-in model's ``small`` preset (bench.runs.SMALL_MODEL, diloco up --model-preset small; 119,104
 #: parameters) and a tinier one for quick runs and tests (17,504 parameters)
 SMALL_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256, "seq_len": 64}
@@ -91,6 +92,10 @@ class RefConfig:
     norm_min_history: int = _A("norm_min_history")
     scale_by_participation: bool = _A("scale_by_participation")
     clip_factor: float = _A("clip_factor")
+    trust: str = _A("trust")
+    trust_rate: float = _A("trust_rate")
+    trust_low: float = _A("trust_low")
+    trust_high: float = _A("trust_high")
     momentum_open_rounds: int = _A("momentum_open_rounds")
     downlink: str = _A("downlink_quantiser")
     keyframe_every: int = _A("keyframe_every")
@@ -111,6 +116,16 @@ class RefConfig:
     eval_points: int = 8  # held-out loss of the global model at this many points (and the end)
     eval_batches: int = 8
     eval_batch_size: int = 16
+    # Byzantine learners (issue 29): these learners' contributions pass every check but lie:
+    # ``sign`` sends the negation of what it trained, ``random`` a random direction at the median
+    # honest norm of the fragment, ``replay`` one of its own earlier whole-round vectors again as a
+    # new round, ``corrupt`` trains on shuffled tokens (its outer gradients are honest about that)
+    byzantine: str = ""
+    byzantine_learners: tuple[int, ...] = (0,)
+    byzantine_seed: int = 0
+    # the floor of any defence that can only leave a learner out: the byzantine learners train (their
+    # compute is spent) but an oracle drops all they send and counts them out of every round
+    byzantine_oracle: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -119,6 +134,8 @@ class RefConfig:
             raise ValueError("M, steps, batch, H and P must be >= 1")
         if self.step_times is not None and len(self.step_times) != self.M:
             raise ValueError(f"step_times needs {self.M} values, got {len(self.step_times)}")
+        if self.byzantine not in BYZANTINE:
+            raise ValueError(f"byzantine must be one of {BYZANTINE}, got {self.byzantine!r}")
         if self.incarnations is not None and len(self.incarnations) != self.M:
             raise ValueError(f"incarnations needs {self.M} values, got {len(self.incarnations)}")
 

@@ -75,7 +75,9 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
     s = Subjects(run)
     heard: dict[str, float] = {}
     leader_heard = asyncio.Event()
-    sub = None
+    aggregator_heard = asyncio.Event()
+    trust_by_agg: dict[str, dict] = {}  # aggregator id -> its metrics' per-learner trust (aggregator.trust)
+    sub = agg_sub = None
     if seen_wait > 0:
         async def on_monitor(m) -> None:
             try:
@@ -87,8 +89,18 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
             if isinstance(msg, dict) and msg.get("leader") is True:
                 leader_heard.set()
 
+        async def on_aggregator(m) -> None:
+            try:
+                msg = loads_json(m.data)
+            except CodecError:
+                return
+            if isinstance(msg, dict) and isinstance(msg.get("trust"), dict):
+                trust_by_agg[str(msg.get("id"))] = msg["trust"]
+                aggregator_heard.set()
+
         try:
             sub = await nc.subscribe(f"{s.prefix}.metrics.monitor.*", cb=on_monitor)
+            agg_sub = await nc.subscribe(f"{s.prefix}.metrics.aggregator.*", cb=on_aggregator)
         except Exception:  # noqa: BLE001 - not allowed or not connected: the records alone
             sub = None
     now = time.time()
@@ -142,11 +154,18 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
             except asyncio.TimeoutError:
                 pass
             out["membership"]["members"] = freshen_seen(out["membership"]["members"], heard)
+            try:
+                await asyncio.wait_for(aggregator_heard.wait(), timeout=max(0.0, seen_wait - (time.time() - now)))
+            except asyncio.TimeoutError:
+                pass
             out["ts"] = now = time.time()
-        try:
-            await sub.unsubscribe()
-        except Exception:  # noqa: BLE001
-            pass
+        out["trust"] = merge_trust(trust_by_agg) if trust_by_agg else None
+        for x in (sub, agg_sub):
+            try:
+                if x is not None:
+                    await x.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
 
     try:
         lkv = await js.key_value(s.bucket("lease"))
@@ -189,6 +208,27 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
     return out
 
 
+def merge_trust(by_aggregator: dict[str, dict]) -> dict[str, dict]:
+    """Per learner, the least trusting of the aggregators' records (each owns some fragments)."""
+    out: dict[str, dict] = {}
+    for trust in by_aggregator.values():
+        for learner, rec in trust.items():
+            if not isinstance(rec, dict):
+                continue
+            cur = out.get(learner)
+            if cur is None or float(rec.get("score", 1.0)) < float(cur.get("score", 1.0)):
+                out[learner] = dict(rec)
+    return out
+
+
+def trust_cell(rec: dict[str, Any] | None) -> str:
+    """The TRUST column: the weight a learner's contributions merge at, and why it is suspected."""
+    if not rec:
+        return "-"
+    cell = f"{float(rec.get('trust', 1.0)):.2f}"
+    return f"{cell} {rec['reason']}" if rec.get("reason") else cell
+
+
 def render_status(st: dict[str, Any], width: int = 120) -> str:
     """Text form of :func:`gather_status` output (deterministic given ``st``)."""
     now = st.get("ts") or 0.0
@@ -229,15 +269,22 @@ def render_status(st: dict[str, Any], width: int = 120) -> str:
     else:
         counts = ", ".join(f"{k} {n}" for k, n in ms["counts"].items())
         lines.append(f"members    {len(ms['members'])}: {counts}")
+        trust = st.get("trust") or {}
         if ms["members"]:
-            rows = [("LEARNER", "REGION", "STATE", "SINCE", "SEEN", "STEP", "REASON")]
+            rows = [("LEARNER", "REGION", "STATE", "SINCE", "SEEN", "STEP", "TRUST", "REASON")]
             for m in ms["members"]:
                 rows.append((m["learner"], m["region"], m["state"], fmt_age(now - m["since"]),
-                             fmt_age(now - m["last_seen"]), str(m["step"]), m["reason"]))
-            widths = [max(len(r[i]) for r in rows) for i in range(6)]
+                             fmt_age(now - m["last_seen"]), str(m["step"]), trust_cell(trust.get(m["learner"])),
+                             m["reason"]))
+            widths = [max(len(r[i]) for r in rows) for i in range(7)]
             for r in rows:
-                text = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]
+                text = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:7], widths)) + "  " + r[7]
                 lines.append(text[:width])
+        suspects = sorted(k for k, v in trust.items() if isinstance(v, dict) and v.get("reason"))
+        if suspects:
+            lines.append(("suspects   " + ", ".join(
+                f"{k} ({trust[k]['reason']}, score {trust[k].get('score')}, {trust[k].get('distrusted', 0)} merged "
+                f"at weight 0)" for k in suspects))[:width])
         for key, why in ms.get("unreadable", {}).items():
             lines.append(f"  unreadable record {key}: {why}"[:width])
 

@@ -416,3 +416,28 @@ async def test_a_lock_step_round_merges_its_fragments_together_and_never_waits_p
     assert svc.states[1].version == 1 and len(svc.buffers[1]) == 1  # still waiting for b
     stop.set()
     await task
+
+
+async def test_the_membership_is_watched_anew_when_the_server_comes_back(nats_server, js):
+    """A members watch that outlived a server restart stayed silent 5-14 s (bench.soak): learners
+    readmitted meanwhile were still evicted here and their work was rejected. After a reconnect the
+    aggregator watches the bucket anew: a change made right after the restart is seen at once."""
+    svc, stop, task = await _start(nats_server, quorum=1)
+    try:
+        await set_members(js, RUN, {"l0": "evicted"})
+        assert await _until(lambda: svc.members.get("l0") == "evicted")
+        nats_server.kill()
+        await asyncio.get_running_loop().run_in_executor(None, nats_server.start)
+        assert await _until(lambda: svc.nc.is_connected, 20)
+        client = await connect(CommonConfig(nats_url=nats_server.url, run=RUN), name="readmit")
+        try:
+            kv = await client.jetstream(timeout=10).key_value(Subjects(RUN).bucket("members"))
+            t0 = time.monotonic()
+            await kv.put("l0", orjson.dumps({"learner": "l0", "state": "active"}))
+            assert await _until(lambda: svc.members.get("l0") == "active", 4.0), svc.members
+            print(f"seen {time.monotonic() - t0:.2f} s after the restart's first write")
+        finally:
+            await client.close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

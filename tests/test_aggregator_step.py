@@ -14,10 +14,16 @@ from aggregator.merge import l2_norm
 from aggregator.outer_opt import NesterovSGD
 from aggregator.step import (FragmentState, MergeSettings, merge_step, momentum_part, open_rounds, participation_scale,
                              round_work)
+from aggregator.trust import TrustSettings
 from aggregator.weights import StalenessPolicy
 
 M, N = 3, 24
 
+
+#: these tests check the merge's arithmetic on independent random vectors, which agree with each other
+#: no more than noise does: trust across rounds (which judges directions, and so depends on grouping)
+#: is off here. tests/test_aggregator_trust.py shows it changes nothing for learners that agree.
+NO_TRUST = TrustSettings(mode="off")
 
 #: the grouping tests build every contribution on version 0 (open-loop by construction); they check how
 #: the momentum groups work, so they count it all as closed-loop (the open-loop rule: tests below)
@@ -58,7 +64,7 @@ def _grouped(cs: list[Contribution], sizes: list[int]) -> list[list[Contribution
 @given(st.lists(st.integers(1, 7), min_size=1, max_size=12))
 def test_without_momentum_any_grouping_makes_the_synchronous_progress(sizes):
     # constant staleness (the grouping changes versions, not the work) and no caps in the way
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.0)
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=0.0)
     cs = _contribs(4)
     synchronous = _apply([cs[j:j + M] for j in range(0, len(cs), M)], s)  # one merge per round of M
     np.testing.assert_allclose(_apply(_grouped(cs, sizes), s), synchronous, rtol=1e-5, atol=1e-6)
@@ -67,7 +73,7 @@ def test_without_momentum_any_grouping_makes_the_synchronous_progress(sizes):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.sampled_from([[1, 1, 1], [2, 1], [1, 2], [3]]), min_size=4, max_size=4))
 def test_with_momentum_any_grouping_within_rounds_makes_the_synchronous_progress(splits):
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.9,
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=0.9,
                       momentum_open_rounds=CLOSED)
     cs = _contribs(4)
     synchronous = _apply([cs[j:j + M] for j in range(0, len(cs), M)], s)
@@ -76,7 +82,7 @@ def test_with_momentum_any_grouping_within_rounds_makes_the_synchronous_progress
 
 
 def test_per_arrival_merges_with_momentum_equal_synchronous_rounds():
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.9,
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=0.9,
                       momentum_open_rounds=CLOSED)
     cs = _contribs(5, seed=3)
     per_arrival = _apply([[c] for c in cs], s)
@@ -103,7 +109,7 @@ def test_a_short_final_sync_neither_inflates_the_step_nor_takes_a_momentum_step(
     """Two learners' full rounds and one learner's 2-step final sync in one merge (bench.reference
     found it): the model moves by the two rounds' mean plus the small one's token-weighted share, and
     the momentum of ``rounds`` advances only once a whole round of work is in."""
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.9, lr=1.0)
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=0.9, lr=1.0)
     a, b = np.full(N, 0.01, np.float32), np.full(N, 0.03, np.float32)
     tail = np.full(N, 0.001, np.float32)
     st0 = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
@@ -133,7 +139,7 @@ def _outage(momentum: float, open_rounds: int = 1, backlog: int = 20, groups: in
     """Two learners in step for 10 rounds (each round's base is the version before it), then the
     aggregator is down while both train on alone for ``backlog`` rounds on the same base; the backlog is
     merged ``groups`` rounds per merge. Returns the distance moved during the backlog, per round."""
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=momentum,
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=momentum,
                       momentum_open_rounds=open_rounds)
     d = np.full(N, 0.01, np.float32)
     st_ = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
@@ -166,7 +172,7 @@ def test_an_outage_backlog_is_not_extrapolated_by_the_momentum(groups):
 
 
 def test_closed_loop_rounds_keep_the_momentum_and_open_rounds_counts_the_learners_own_rounds():
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.5, lr=1.0)
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=0.5, lr=1.0)
     d = np.full(N, 0.01, np.float32)
     st_ = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
     ref, rs = NesterovSGD(1.0, 0.5), None
@@ -186,7 +192,7 @@ def test_closed_loop_rounds_keep_the_momentum_and_open_rounds_counts_the_learner
 
 
 def test_a_mixed_merge_feeds_the_momentum_exactly_its_closed_loop_part():
-    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, momentum=0.5, lr=1.0)
+    s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=0.5, lr=1.0)
     a, b = np.full(N, 0.01, np.float32), np.full(N, 0.03, np.float32)
     st_ = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
     for r in range(3):

@@ -58,7 +58,8 @@ def test_every_benchmark_runs_by_its_path_too(script, tmp_path):
                        timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     # not benchmarks: tools of one (peer_torchft.py is bench.peers' torchft replica, run in the peer's venv)
-    assert "--quick" in p.stdout or script in ("dp.py", "reference.py", "netns.py", "peer_torchft.py"), p.stdout[:500]
+    assert "--quick" in p.stdout or script in ("dp.py", "reference.py", "netns.py", "peer_torchft.py",
+                                                       "byzantine_learner.py"), p.stdout[:500]
 
 
 def test_the_lean_preset_is_the_same_run_in_the_reference():

@@ -1,0 +1,235 @@
+"""A learner that lies within the bounds (issue 29): what one costs, and whether the run says who.
+
+One learner's contributions pass every check (shape, counters, norm, heartbeats) but lie, in the
+four ways of ``bench.byzantine_attacks``: ``sign`` (the negation of what it trained), ``random`` (a
+random direction at an honest norm), ``replay`` (its own earlier rounds again as new ones),
+``corrupt`` (it trains on shuffled tokens). The defence is ``aggregator.trust`` (on by default).
+
+**Reference tier** (``bench.reference``, the algorithm in one process with every decision the
+services' own): M learners (8 by default, learner 0 the liar), the ``small`` model at 20 tokens
+per parameter, the roles' defaults. For each seed: a clean run, one run per kind, and the clean run
+with trust off (what the defence costs a clean run). With ``--undefended``, each kind also with
+trust off on the first seed (what the defence buys). ``cost`` = held-out loss / the clean run's of
+the same seed - 1; the targets are <= 1% for one liar of 8.
+
+**System tier** (``--tiers system``): real processes (nats-server, aggregator, monitor,
+evaluator, 4 learners of the chaos test's tiny model, one of them ``bench.byzantine_learner``),
+clean and attacked runs, the final held-out loss, and what the aggregator's metrics say of each
+learner (its trust, the reason, the contributions merged at weight 0).
+
+    python -m bench.byzantine --quick --out byz.json          (tiny model, one seed, under a minute)
+    python -m bench.byzantine --seeds 3 --jobs 2 --out byz.json          (~25 min on 2 cores)
+    python -m bench.byzantine --tiers system --system-kinds sign,random --repeats 2
+"""
+
+from __future__ import annotations
+
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
+import asyncio
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+from bench.byzantine_attacks import KINDS
+from bench.common import finish, parser, progress
+
+SMALL_PARAMS = 119_104
+
+
+def _configs(M: int, seeds: list[int], kinds: list[str], quick: bool, undefended: bool,
+             oracle: bool = False) -> list[tuple[str, object]]:
+    from bench.algorithm import budget_steps
+    from bench.reference import TINY_MODEL, RefConfig
+
+    out = []
+    for seed in seeds:
+        model = dict(TINY_MODEL) if quick else RefConfig().model
+        steps = 40 if quick else budget_steps(SMALL_PARAMS, 20, M, RefConfig().batch, model["seq_len"])
+        base = RefConfig(M=M, steps=steps, model=model, seed=seed, data_seed=seed, byzantine_seed=seed)
+        out.append((f"clean s{seed}", base))
+        out.append((f"clean-untrusting s{seed}", replace(base, trust="off")))
+        if oracle:  # the floor: the liar's compute is spent and all it sends is dropped
+            out.append((f"oracle s{seed}", replace(base, byzantine="sign", byzantine_oracle=True)))
+        for k in kinds:
+            out.append((f"{k} s{seed}", replace(base, byzantine=k)))
+            if undefended and seed == seeds[0]:
+                out.append((f"{k}-undefended s{seed}", replace(base, byzantine=k, trust="off")))
+    return out
+
+
+def _one(item: tuple[str, object]) -> dict:
+    from aggregator.trust import TrustSettings, summary
+    from bench.reference import Reference
+
+    label, cfg = item
+    t0 = time.perf_counter()
+    ref = Reference(cfg)  # type: ignore[arg-type]
+    r = ref.run()
+    trust = summary([st.trust for st in ref.states], TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_low,  # type: ignore[attr-defined]
+                                                                   cfg.trust_high))  # type: ignore[attr-defined]
+    return {"label": label, "kind": "oracle" if cfg.byzantine_oracle else (cfg.byzantine or "clean"),  # type: ignore[attr-defined] "seed": cfg.seed, "trust_mode": cfg.trust,  # type: ignore[attr-defined]
+            "eval_loss": round(float(r["eval_loss"]), 5), "merges": r["merges"], "rejected": r["rejected"],
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "liar": trust.get("learner-0"),
+            "honest_min_trust": min((v["trust"] for k, v in trust.items() if k != "learner-0"), default=None),
+            "honest_reasons": sorted({v["reason"] for k, v in trust.items() if k != "learner-0" and v["reason"]})}
+
+
+def reference_tier(M: int, seeds: list[int], kinds: list[str], quick: bool, undefended: bool, jobs: int,
+                   oracle: bool = False, only: str = "") -> dict:
+    items = _configs(M, seeds, kinds, quick, undefended, oracle)
+    if only:  # a subset of the rows by label prefix (e.g. "oracle"), to add to an earlier run
+        items = [it for it in items if any(it[0].startswith(x) for x in only.split(","))]
+    rows: list[dict] = []
+    if jobs > 1:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+            for row in ex.map(_one, items):
+                rows.append(row)
+                progress(f"{row['label']}: held-out {row['eval_loss']:.4f} ({row['wall_s']} s)")
+    else:
+        for it in items:
+            rows.append(_one(it))
+            progress(f"{rows[-1]['label']}: held-out {rows[-1]['eval_loss']:.4f} ({rows[-1]['wall_s']} s)")
+    return {"M": M, "seeds": seeds, "rows": rows, **costs(rows)}
+
+
+def costs(rows: list[dict]) -> dict:
+    """Per kind (and trust mode): the cost against the clean run of the same seed, each seed and mean."""
+    clean = {r["seed"]: r["eval_loss"] for r in rows if r["kind"] == "clean" and r["trust_mode"] != "off"}
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["seed"] not in clean or (r["kind"] == "clean" and r["trust_mode"] != "off"):
+            continue
+        key = r["kind"] + ("" if r["trust_mode"] != "off" else "-untrusting" if r["kind"] == "clean" else "-undefended")
+        out.setdefault(key, {"per_seed": []})["per_seed"].append(round(r["eval_loss"] / clean[r["seed"]] - 1, 4))
+    for v in out.values():
+        v["mean"] = round(statistics.fmean(v["per_seed"]), 4)
+        v["max"] = max(v["per_seed"])
+    return {"cost": out, "clean_loss": {str(k): v for k, v in clean.items()}}
+
+
+# -- the system tier --------------------------------------------------------------------------------
+
+async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env: dict | None = None,
+                     status: bool = False) -> dict:
+    """One run of real processes, learner ``l0`` lying as ``kind`` ("" for none), every learner
+    ``steps`` inner steps; the final held-out loss once every learner finished and its final sync was
+    merged, and the aggregator's trust metrics."""
+    import orjson
+
+    from tests.chaos.harness import ChaosRun
+    from tests.system import PY
+
+    class Run(ChaosRun):
+        def start(self, name: str) -> None:
+            if name != "l0" or not kind:
+                return super().start(name)
+            env = self._env(self.proxies[name].url, **self.learner_env, DILOCO_LEARNER_ID=name,
+                            DILOCO_NUM_LEARNERS=str(self.n), BYZ_KIND=kind)
+            log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
+            p = subprocess.Popen([PY, "-m", "bench.byzantine_learner"], env=env, stdout=log, stderr=log,
+                                 start_new_session=True)
+            log.close()
+            self.procs[name] = p
+            self.all_pids.add(p.pid)
+
+    run = Run(tmp, learners=learners, seed=1, run=f"byz{kind or 'clean'}",
+              learner_env={"DILOCO_MAX_STEPS": str(steps)}, agg_env=agg_env)
+    metrics: dict = {}
+
+    async def on_agg(m):
+        d = orjson.loads(m.data)
+        if isinstance(d.get("trust"), dict):
+            metrics.update(d)
+
+    try:
+        await run.setup()
+        await run.nc.subscribe(f"{run.s.prefix}.metrics.aggregator.*", cb=on_agg)
+        loop = asyncio.get_running_loop()
+        for name in run.learners:
+            await loop.run_in_executor(None, run.procs[name].wait, 1800)
+        last = run.total_version()
+
+        async def settled():
+            nonlocal last
+            now, prev = run.total_version(), last
+            last = now
+            return now == prev and run.evals and run.evals[-1][2] == now
+
+        await asyncio.sleep(2)
+        await run.wait_until(settled, 90)
+        await asyncio.sleep(1.5)  # one more metrics message after the last merge
+        shown = None
+        if status:  # what `diloco status` shows of the run now
+            from monitor.status import gather_status, render_status
+
+            st = await gather_status(run.nc, run.run, seen_wait=3.0)
+            shown = {"trust": st.get("trust"), "text": render_status(st)}
+        finals = [loss for _, loss, v in run.evals if v == run.evals[-1][2]]
+        first = min(run.evals, key=lambda e: e[2])[1]
+        return {"kind": kind or "clean", "final": round(finals[-1], 4), "first": round(first, 4),
+                "trust": metrics.get("trust"), "distrusted": metrics.get("distrusted"),
+                "downweighted": metrics.get("downweighted"), "rejected": metrics.get("rejected"),
+                "merges": metrics.get("merges"), "status": shown}
+    finally:
+        await run.close()
+
+
+async def system_tier(kinds: list[str], repeats: int, steps: int) -> dict:
+    rows = []
+    for r in range(repeats):
+        for kind in [""] + kinds:  # interleaved: the machine's load drifts over all alike
+            with tempfile.TemporaryDirectory(prefix="diloco-byz-") as tmp:
+                row = await system_run(tmp, kind, steps)
+            rows.append(row)
+            liar = (row["trust"] or {}).get("l0", {})
+            progress(f"system {row['kind']} #{r + 1}: held-out {row['final']} (from {row['first']}); l0 trust "
+                     f"{liar.get('trust')} {liar.get('reason')!r}")
+    by: dict[str, list[float]] = {}
+    for row in rows:
+        by.setdefault(row["kind"], []).append(row["final"])
+    mean = {k: round(statistics.fmean(v), 4) for k, v in by.items()}
+    return {"steps": steps, "repeats": repeats, "rows": rows, "final_loss": by, "mean": mean,
+            "relative_to_clean": {k: round(v / mean["clean"] - 1, 4) for k, v in mean.items()}}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--tiers", default="reference", help="reference, system or both (comma-separated)")
+    p.add_argument("--M", type=int, default=8)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--undefended", action="store_true", help="each kind with trust off too (first seed)")
+    p.add_argument("--jobs", type=int, default=1, help="reference runs in parallel processes")
+    p.add_argument("--oracle", action="store_true",
+                   help="also the floor of any defence that leaves a learner out: its work dropped by an oracle")
+    p.add_argument("--only", default="", help="only the rows whose label starts with one of these (comma-separated)")
+    p.add_argument("--system-kinds", default="sign")
+    p.add_argument("--repeats", type=int, default=1, help="system tier: runs of each kind")
+    p.add_argument("--steps", type=int, default=1500, help="system tier: inner steps per learner")
+    a = p.parse_args()
+    tiers = a.tiers.split(",")
+    kinds = [k for k in a.kinds.split(",") if k]
+    out: dict = {}
+    if "reference" in tiers:
+        seeds = [0] if a.quick else list(range(a.seeds))
+        out["reference"] = reference_tier(a.M, seeds, kinds, a.quick, a.undefended or a.quick, a.jobs,
+                                          a.oracle or a.quick, a.only)
+    if "system" in tiers:
+        out["system"] = asyncio.run(system_tier([k for k in a.system_kinds.split(",") if k],
+                                                a.repeats, 300 if a.quick else a.steps))
+    finish(out, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""A learner that lies within every bound, in a whole run of real processes (issue 29).
+
+Four learners of the chaos test's tiny model on a real nats-server with the aggregator, the
+monitor and the evaluator, all at their defaults but for the test's timings; learner ``l0`` is
+``bench.byzantine_learner``: the real learner process sending the negation of every outer gradient
+it trains (same norm, counters, heartbeats). Every check passes it. The run must say who: the
+aggregator's metrics and ``diloco status`` name ``l0`` with reason ``opposes`` and trust 0, and no
+honest learner is suspected; its contributions are applied (acknowledged, counted) at weight 0;
+the run trains on. What one such learner costs in held-out loss, against clean runs: bench.byzantine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.byzantine import system_run
+
+
+@pytest.mark.timeout(400)
+async def test_a_sign_flipping_learner_is_named_and_merges_at_weight_zero(tmp_path):
+    res = await system_run(str(tmp_path), "sign", steps=240, status=True)
+    trust = res["trust"]
+    assert trust is not None and set(trust) == {"l0", "l1", "l2", "l3"}, res
+    liar = trust["l0"]
+    assert liar["reason"] == "opposes" and liar["trust"] == 0.0, res
+    assert res["distrusted"].get("l0", 0) >= 10, res  # merged (acknowledged) at weight 0, counted
+    for name in ("l1", "l2", "l3"):
+        assert trust[name]["reason"] == "" and trust[name]["trust"] == 1.0, (name, res)
+        assert res["distrusted"].get(name, 0) <= 2, (name, res)
+    assert not res["rejected"], res  # it passed every check: nothing was rejected
+    assert res["final"] < 0.8 * res["first"], res  # the run trained on
+    shown = res["status"]
+    assert shown["trust"]["l0"]["reason"] == "opposes", shown
+    assert "suspects   l0 (opposes" in shown["text"] and "0.00 opposes" in shown["text"], shown["text"]
