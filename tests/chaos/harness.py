@@ -14,6 +14,10 @@ the invariants are checked:
   least 20% below the loss of version 0;
 * every learner that is alive at the end is active (evicted ones were readmitted);
 * no process is left behind.
+
+For runs too long for that end-of-run audit (GRAD and EVENTS are bounded: their oldest messages are
+gone by the end), :class:`LiveAudit` keeps the same audit while the run goes (``bench.soak``);
+``kill_target`` / ``start_target`` fault one target at once, without a trial's wait for recovery.
 """
 
 from __future__ import annotations
@@ -27,15 +31,15 @@ import time
 from dataclasses import dataclass, field
 
 import orjson
-from nats.js.api import DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.chunks import Assembled
+from bus.chunks import Assembled, Assembler, Dropped, parse_chunk
 from bus.config import CommonConfig
 from bus.conn import connect
 from bus.server import EmbeddedServer
 from bus.signals import terminate_all
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkConsumer
+from bus.transport import ChunkConsumer, prompt_fetch
 from tests.netproxy import NetProxy
 from tests.system import FAST_AGG, FAST_MONITOR, PY, member_states
 
@@ -80,6 +84,8 @@ class ChaosRun:
         self.all_pids: set[int] = set()
         self.proxies: dict[str, NetProxy] = {}
         self.heads: list[tuple[int, int]] = []
+        self.newest: dict[int, int] = {}  # fragment -> newest version seen (kept as heads arrive)
+        self.head_crc: list[tuple[float, int, int, int | None]] = []  # (monotonic, fragment, version, crc of its blob)
         self.evals: list[tuple[float, float, int]] = []
         self.report = Report()
 
@@ -120,6 +126,26 @@ class ChaosRun:
             p.send_signal(signal.SIGKILL)
         p.wait(30)
 
+    def pid_of(self, name: str) -> int | None:
+        """The pid of ``name`` (a role, or ``server``) if it is running."""
+        p = self.server.proc if name == "server" else self.procs.get(name)
+        return p.pid if p is not None and p.poll() is None else None
+
+    async def kill_target(self, name: str) -> None:
+        """kill -9 of a role or of the nats-server, at once (no restart, no wait for recovery)."""
+        if name == "server":
+            self.server.kill()
+        else:
+            self.kill(name)
+
+    async def start_target(self, name: str, server_timeout: float = 90) -> None:
+        """Start a role again, or the nats-server on its file store and ports (returns once healthy:
+        JetStream recovers the store first, slow on a loaded machine)."""
+        if name == "server":
+            await asyncio.get_running_loop().run_in_executor(None, lambda: self.server.start(timeout=server_timeout))
+        else:
+            self.start(name)
+
     @property
     def learners(self) -> list[str]:
         return [f"l{i}" for i in range(self.n)]
@@ -130,7 +156,10 @@ class ChaosRun:
         async def on_head(m):
             try:
                 h = orjson.loads(m.data)
-                self.heads.append((int(h["f"]), int(h["v"])))
+                f, v = int(h["f"]), int(h["v"])
+                self.heads.append((f, v))
+                self.newest[f] = max(self.newest.get(f, -1), v)
+                self.head_crc.append((time.monotonic(), f, v, h.get("c")))
             except Exception:
                 pass
 
@@ -146,10 +175,16 @@ class ChaosRun:
         await self.nc.subscribe(f"{self.s.prefix}.metrics.evaluator.*", cb=on_metrics)
 
     def total_version(self) -> int:
-        newest: dict[int, int] = {}
+        return sum(self.newest.values())
+
+    def versions_monotonic(self) -> bool:
+        """No fragment's version ever went back, over every head publication recorded live."""
+        last: dict[int, int] = {}
+        mono = True
         for f, v in self.heads:
-            newest[f] = max(newest.get(f, -1), v)
-        return sum(newest.values())
+            mono &= v >= last.get(f, -1)
+            last[f] = max(last.get(f, -1), v)
+        return mono
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -218,23 +253,10 @@ class ChaosRun:
             if any(ts > mark and loss < LOSS_FALL * first for ts, loss, _ in self.evals):
                 break
             await asyncio.sleep(0.5)
-        for name in self.learners:
-            p = self.procs[name]
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name in self.learners:
-            try:
-                self.procs[name].wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill(name)
+        self.stop_learners()
         inv = self.report.invariants
         # versions monotonic per fragment, as every head publication was seen live
-        last: dict[int, int] = {}
-        mono = True
-        for f, v in self.heads:
-            mono &= v >= last.get(f, -1)
-            last[f] = max(last.get(f, -1), v)
-        inv["versions_monotonic"] = mono
+        inv["versions_monotonic"] = self.versions_monotonic()
         # every acknowledged contribution applied exactly once or rejected with a reason
         published = await self._published_keys()
         applied, rejected = await self._audit(published)
@@ -247,13 +269,25 @@ class ChaosRun:
         # training continued and the loss fell
         inv["versions_advanced_every_trial"] = all(t.ok for t in self.report.trials)
         if self.evals:
-            first = min(self.evals, key=lambda e: e[2])
+            e0 = min(self.evals, key=lambda e: e[2])
             final = max(self.evals, key=lambda e: (e[2], e[0]))
-            self.report.details.update(initial_eval_loss=first[1], final_eval_loss=final[1])
-            inv["loss_fell"] = final[1] < LOSS_FALL * first[1]
+            self.report.details.update(initial_eval_loss=e0[1], final_eval_loss=final[1])
+            inv["loss_fell"] = final[1] < LOSS_FALL * e0[1]
         else:
             inv["loss_fell"] = False
         return self.report
+
+    def stop_learners(self, timeout: float = 30) -> None:
+        """SIGTERM every learner (each sends what it has not sent yet), kill -9 the ones still there after ``timeout``."""
+        for name in self.learners:
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name in self.learners:
+            try:
+                self.procs[name].wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(name)
 
     async def _published_keys(self) -> set[tuple]:
         cons = ChunkConsumer(self.js, self.s.stream("grad"), f"audit{int(time.time())}", [self.s.grad_all],
@@ -309,6 +343,197 @@ class ChaosRun:
         self.server.close()
         alive = [pid for pid in self.all_pids if _alive(pid)]
         self.report.invariants["no_orphans"] = not alive and self.server.proc is None
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident set (``VmRSS`` of /proc/PID/status) of process ``pid`` in MiB; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return None
+
+
+class StreamTail:
+    """Every message of one JetStream stream, in order, through server restarts (for a run too long
+    for an audit at the end: GRAD and EVENTS are bounded, so their oldest messages are gone by then).
+
+    An ephemeral pull consumer (no acks) from the next stream sequence not seen yet; whenever it
+    fails or falls silent while the stream holds newer messages (a server restart drops ephemeral
+    consumers), a new one starts from that sequence. Sequences skipped (discarded by the stream's
+    limits before they were read) are counted in ``gaps``: an audit is complete only with none."""
+
+    def __init__(self, js, stream: str, on_msg, batch: int = 256):
+        self.js, self.stream, self.on_msg, self.batch = js, stream, on_msg, batch
+        self.next_seq = 1
+        self.gaps = 0
+        self.seen = 0
+        self.consumers = 0  # consumers created (one more after every server restart, say)
+        self.caught_up = False  # the last fetch said nothing more was pending
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            sub = None
+            try:
+                info = await self.js.add_consumer(self.stream, ConsumerConfig(
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.next_seq,
+                    ack_policy=AckPolicy.NONE, inactive_threshold=60.0, mem_storage=True, num_replicas=1))
+                sub = await self.js.pull_subscribe_bind(info.name, self.stream, pending_bytes_limit=256 * 1024 * 1024)
+                idle = 0
+                while not stop.is_set():
+                    try:
+                        msgs = await prompt_fetch(sub, self.batch, 1.0)
+                    except (asyncio.TimeoutError, TimeoutError):
+                        msgs = []
+                    if not msgs:
+                        idle += 1
+                        if idle % 3 == 0:  # silent: is the consumer still there and the stream idle?
+                            si = await self.js.stream_info(self.stream)
+                            if si.state.last_seq >= self.next_seq:
+                                break  # it should have delivered: a new consumer from next_seq
+                            self.caught_up = True
+                        continue
+                    idle = 0
+                    for m in msgs:
+                        seq = m.metadata.sequence.stream
+                        if seq < self.next_seq:
+                            continue  # delivered again by a consumer that started earlier
+                        self.gaps += seq - self.next_seq
+                        self.next_seq = seq + 1
+                        self.seen += 1
+                        self.on_msg(m)
+                    self.caught_up = int(msgs[-1].metadata.num_pending) == 0
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the server is down or restarting: try again from next_seq
+                await asyncio.sleep(0.5)
+            finally:
+                self.consumers += 1
+                if sub is not None:
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
+
+    async def wait_caught_up(self, timeout: float) -> bool:
+        """Caught up with the stream's last message as it is now (True), or ``timeout`` passed."""
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            try:
+                last = (await self.js.stream_info(self.stream)).state.last_seq
+                if self.next_seq > last:
+                    return True
+            except Exception:
+                pass
+            await asyncio.sleep(0.5)
+        return False
+
+
+class LiveAudit:
+    """The chaos audit (acknowledged contributions vs merge and reject events) kept live for the
+    whole run: GRAD's complete objects and EVENTS' merge and reject events as they are stored, by
+    :class:`StreamTail`. Same definitions as :meth:`ChaosRun.drain_and_check`: a contribution is
+    acknowledged when every chunk of its object is in GRAD; applied keys come from merge events (a
+    version's last event counts: a redone version replaces the first), rejected ones from reject
+    events that name a learner and a round."""
+
+    def __init__(self, js, s: Subjects):
+        self.s = s
+        self.assembler = Assembler(max_age=600.0)
+        self.published: set[tuple] = set()
+        self.partial = 0  # objects never completed (a learner killed mid-publish, say): not acknowledged
+        self.applied_by_version: dict[tuple[int, int], list] = {}
+        self.rejected: dict[tuple, str] = {}  # key -> reason of its first reject event
+        self.reasons: dict[str, int] = {}  # reject events by reason (keys or not)
+        self.merge_events = 0
+        self.grad = StreamTail(js, s.stream("grad"), self._on_grad)
+        self.events = StreamTail(js, s.stream("events"), self._on_event)
+        self._tasks: list[asyncio.Task] = []
+        self._stop = asyncio.Event()
+
+    def _on_grad(self, m) -> None:
+        try:
+            r = self.assembler.add(parse_chunk(m.headers, m.data), time.monotonic())
+        except ValueError:
+            return
+        if isinstance(r, Assembled):
+            meta = r.meta
+            self.published.add((meta["learner"], meta["inc"], meta["frag"], meta["round"]))
+        elif isinstance(r, Dropped) and r.reason != "duplicate":
+            self.partial += 1
+
+    def _on_event(self, m) -> None:
+        if m.subject not in (self.merge_subject, self.reject_subject):
+            return
+        try:
+            e = orjson.loads(m.data)
+        except Exception:
+            return
+        if m.subject == self.merge_subject:
+            self.merge_events += 1
+            self.applied_by_version[(e["fragment"], e["version"])] = [tuple(k) for k in e["applied"]]
+        else:
+            reason = str(e.get("reason"))
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+            if "learner" in e and "round" in e:
+                self.rejected.setdefault((e["learner"], e.get("incarnation"), e["fragment"], e["round"]), reason)
+
+    @property
+    def merge_subject(self) -> str:
+        return self.s.event("merge")
+
+    @property
+    def reject_subject(self) -> str:
+        return self.s.event("reject")
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(t.run(self._stop)) for t in (self.grad, self.events)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def applied(self) -> list:
+        """Applied keys, with repeats (a key in two versions' events is there twice)."""
+        return [k for keys in self.applied_by_version.values() for k in keys]
+
+    def expire_partials(self) -> None:
+        """At the end: objects still incomplete will never complete (counted in ``partial``)."""
+        self.partial += len(self.assembler.expire(time.monotonic() + 10 * self.assembler.max_age))
+
+    def counts(self) -> dict:
+        applied = self.applied()
+        uniq = set(applied)
+        return {"acknowledged": len(self.published), "applied": len(self.published & uniq),
+                "rejected": len({k for k in self.published if k in self.rejected} - uniq),
+                "applied_and_a_copy_rejected": len({k for k in self.published if k in self.rejected} & uniq),
+                "lost": len(self.published - uniq - set(self.rejected)),
+                "applied_twice": len(applied) - len(uniq),
+                "applied_not_acknowledged": len(uniq - self.published),
+                "rejected_by_reason": dict(sorted(self.reasons.items())), "merge_events": self.merge_events,
+                "partial_objects": self.partial,
+                "audit_gaps": {"grad": self.grad.gaps, "events": self.events.gaps},
+                "audit_consumers": {"grad": self.grad.consumers, "events": self.events.consumers}}
+
+    def lost(self) -> set:
+        return self.published - set(self.applied()) - set(self.rejected)
+
+    async def settle(self, timeout: float) -> bool:
+        """Wait until every acknowledged contribution is applied or rejected, with both streams read to
+        their ends (the aggregator working through its backlog); False after ``timeout``."""
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            left = t_end - time.monotonic()
+            if (await self.grad.wait_caught_up(min(left, 5.0)) and await self.events.wait_caught_up(min(left, 5.0))
+                    and not self.lost()):
+                return True
+            await asyncio.sleep(0.5)
+        return False
 
 
 def _alive(pid: int) -> bool:
