@@ -37,9 +37,9 @@ although it agrees less and far more noisily (two of eight learners of the refer
 are other Python sources: median z of 0.1-0.3 against 0.8-0.9, one in twenty below -0.5). A rule
 on the mean alone weighed those two down and cost a clean run 1.1% of held-out loss
 (``bench.byzantine``). A contribution whose own ``z`` is at most ``cut`` (-0.8: it points straight
-against the others) gets weight 0 at once, before the score has moved, where at least two trusted
-others say so (``MIN_SUPPORT``: in a merge of a liar and one honest learner, each points against
-the other).
+against the others) gets weight 0 at once, before the score has moved. An agreement counts only
+against at least two trusted others (``MIN_SUPPORT``: in a merge of a liar and one honest learner,
+each points against the other; a merge of one contribution carries no evidence either).
 A **replay** (its sampled values are bit for bit those of
 one of the learner's own last ``HASHES_KEPT`` contributions to the fragment: a digest of the sample
 is kept) gets weight 0, and counts as z = -1. Near-copies are not looked for: honest consecutive
@@ -73,8 +73,10 @@ MIN_HISTORY = 8
 # below this typical agreement the learners do not agree with each other either (outer gradients of
 # pure noise, or a run that has converged): nobody can be singled out, and no score moves
 MIN_TYPICAL = 0.05
-# the instant cut needs the word of at least two trusted others: in a merge of a liar and one honest
-# learner each points against the other, and only the scores (kept over every merge) tell them apart
+# an agreement is evidence only against at least two trusted others: in a merge of a liar and one
+# honest learner each points against the other (under load, the first merges of a run held two:
+# an honest learner was scored -1 three times and merged at weight 0 eight times, bench.byzantine's
+# system test). Then only the scores from other merges tell them apart
 MIN_SUPPORT = 2.0
 MODES = ("off", "observe", "weigh")
 
@@ -271,15 +273,17 @@ def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], se
         if replay[i]:
             z: float | None = -1.0
             lt.replays += 1
-        elif a is None or ref < MIN_TYPICAL:
-            z = None  # nothing to compare with (a lone first contribution, noise): no evidence either way
+        elif a is None or ref < MIN_TYPICAL or support[i] < MIN_SUPPORT:
+            # nothing to compare with (a lone contribution, noise), or one other only: in a merge of
+            # a liar and one honest learner each points against the other, so neither is evidence
+            z = None
         else:
             z = float(min(1.5, max(-1.0, a / ref)))
         zs.append(z)
         if z is not None:
             lt.observe(z, settings.rate)
         weight = trust_of(lt.score(settings.kappa), settings)
-        if z is not None and z <= settings.cut and support[i] >= MIN_SUPPORT:
+        if z is not None and z <= settings.cut:
             weight = 0.0
         factors[i] = weight
         if weight <= 0:

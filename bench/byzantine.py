@@ -75,7 +75,8 @@ def _one(item: tuple[str, object]) -> dict:
     r = ref.run()
     trust = summary([st.trust for st in ref.states], TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_low,  # type: ignore[attr-defined]
                                                                    cfg.trust_high))  # type: ignore[attr-defined]
-    return {"label": label, "kind": "oracle" if cfg.byzantine_oracle else (cfg.byzantine or "clean"),  # type: ignore[attr-defined] "seed": cfg.seed, "trust_mode": cfg.trust,  # type: ignore[attr-defined]
+    kind = "oracle" if cfg.byzantine_oracle else (cfg.byzantine or "clean")  # type: ignore[attr-defined]
+    return {"label": label, "kind": kind, "seed": cfg.seed, "trust_mode": cfg.trust,  # type: ignore[attr-defined]
             "eval_loss": round(float(r["eval_loss"]), 5), "merges": r["merges"], "rejected": r["rejected"],
             "wall_s": round(time.perf_counter() - t0, 1),
             "liar": trust.get("learner-0"),

@@ -210,3 +210,17 @@ def test_without_a_trusted_majority_nobody_is_weighed_down_and_scores_can_recove
     st = TrustState({"a": opposed(), "b": LearnerTrust(), "c": LearnerTrust()})
     vs = honest_round(rng, 3, rng.standard_normal(N))
     assert list(assess(st, ["a", "b", "c"], vs, s).factors) == [0.0, 1.0, 1.0]
+
+
+def test_a_pair_of_contributions_is_no_evidence_against_either():
+    """Under load the first merges of a run can hold two: a liar and one honest learner point
+    against each other, and scoring them both -1 weighed the honest one down (the system test)."""
+    rng = np.random.default_rng(9)
+    s = TrustSettings()
+    st = TrustState()
+    for _ in range(6):
+        common = rng.standard_normal(N)
+        honest = (common + rng.standard_normal(N)).astype(np.float32)
+        st = assess(st, ["liar", "honest"], [(-common).astype(np.float32), honest], s).state
+    assert st.learners["honest"].seen == 0 and st.learners["liar"].seen == 0
+    assert trust_of(st.learners["honest"].score(), s) == 1.0
