@@ -9,9 +9,9 @@ where the others' do.
 
 Per fragment, for every contribution i of a merge this module measures its **agreement**
 
-    a_i = cos(v_i, r_i),   r_i = sum_{j != i} t_j unit(v_j)
+    a_i = cos(v_i, r_i),   r_i = sum_{j: another learner} t_j unit(v_j)
 
-the cosine between its vector and the merge's other vectors (each as a unit vector, weighted by
+the cosine between its vector and the vectors of the merge's other learners (each as a unit vector, weighted by
 its learner's current trust t_j, so a distrusted learner is nobody's reference). A merge of one
 contribution carries no evidence (the fragment's momentum is no reference: one learner's
 consecutive outer gradients are as often opposed as aligned), and its learner's score from earlier
@@ -250,9 +250,14 @@ def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], se
     agreements: list = []
     support = []  # the trust of the others each contribution is compared with
     for i in range(k):
-        others = [j for j in range(k) if j != i]
+        # the others are other learners: a merge can hold two rounds of one learner (a backlog, a
+        # learner out of step), and its own earlier round is no witness for it
+        others = [j for j in range(k) if learners[j] != learners[i]]
         t = t_prev[others]
-        support.append(float(t.sum()))
+        support.append(float(sum({learners[j]: t_prev[j] for j in others}.values())))
+        if not others:
+            agreements.append(None)
+            continue
         dot = float(t @ G[i, others])
         rr = float(t @ G[np.ix_(others, others)] @ t)
         agreements.append(dot / np.sqrt(rr) if rr > 1e-12 else None)

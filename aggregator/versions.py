@@ -180,7 +180,9 @@ class VersionMaker:
                       learners=sorted({x.c.learner for x in items}), scale=round(rec.scale, 4), clipped=new.last_clipped,
                       stale=[before - x.c.base_version for x in items],
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
-                      outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3))
+                      outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3),
+                      **({"trust": [round(f, 3) for f in new.last_trust]} if min(new.last_trust, default=1.0) < 1.0
+                         else {}))
         for x in items:  # merged and committed: their buffers serve the next contributions
             self.pool.give(x.pooled)
 

@@ -224,3 +224,20 @@ def test_a_pair_of_contributions_is_no_evidence_against_either():
         st = assess(st, ["liar", "honest"], [(-common).astype(np.float32), honest], s).state
     assert st.learners["honest"].seen == 0 and st.learners["liar"].seen == 0
     assert trust_of(st.learners["honest"].score(), s) == 1.0
+
+
+def test_a_learners_own_other_round_in_the_merge_is_no_witness_for_it():
+    """A merge can hold two rounds of one learner: the liar's two negations agree with each other,
+    and must still be judged by the other learners only."""
+    rng = np.random.default_rng(10)
+    s = TrustSettings()
+    st = TrustState()
+    names = ["liar", "liar", "a", "b", "c", "d", "e"]
+    for _ in range(5):
+        common = rng.standard_normal(N)
+        vs = honest_round(rng, 7, common)
+        vs[0], vs[1] = -vs[0], -vs[1]
+        a = assess(st, names, vs, s)
+        st = a.state
+    assert a.agreements[0] < 0 and a.agreements[1] < 0
+    assert list(a.factors) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
