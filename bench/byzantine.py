@@ -121,6 +121,18 @@ def costs(rows: list[dict]) -> dict:
 
 # -- the system tier --------------------------------------------------------------------------------
 
+def aggregator_defaults() -> dict:
+    """The aggregator's own defaults for what the chaos harness sets for its faults (quorum 1, a fixed
+    0.1 s grace, no staleness or outlier limit): trust judges a contribution by the merge's other
+    learners, so a run of per-arrival merges would not be the product's."""
+    from aggregator.config import AggregatorConfig
+
+    d = {f.name: f.default for f in AggregatorConfig.__dataclass_fields__.values()}
+    return {"DILOCO_QUORUM": str(d["quorum"] or "all"), "DILOCO_GRACE": d["grace"],
+            "DILOCO_GRACE_SECONDS": str(d["grace_seconds"]), "DILOCO_MAX_STALENESS": str(d["max_staleness"]),
+            "DILOCO_NORM_OUTLIER_FACTOR": str(d["norm_outlier_factor"])}
+
+
 async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env: dict | None = None,
                      status: bool = False) -> dict:
     """One run of real processes, learner ``l0`` lying as ``kind`` ("" for none), every learner
@@ -145,7 +157,7 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
             self.all_pids.add(p.pid)
 
     run = Run(tmp, learners=learners, seed=1, run=f"byz{kind or 'clean'}",
-              learner_env={"DILOCO_MAX_STEPS": str(steps)}, agg_env=agg_env)
+              learner_env={"DILOCO_MAX_STEPS": str(steps)}, agg_env={**aggregator_defaults(), **(agg_env or {})})
     metrics: dict = {}
 
     async def on_agg(m):

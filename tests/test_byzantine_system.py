@@ -1,7 +1,8 @@
 """A learner that lies within every bound, in a whole run of real processes (issue 29).
 
 Four learners of the chaos test's tiny model on a real nats-server with the aggregator, the
-monitor and the evaluator, all at their defaults but for the test's timings; learner ``l0`` is
+monitor and the evaluator (the aggregator's merge at its defaults: quorum all, adaptive grace;
+the harness's fast monitor timings); learner ``l0`` is
 ``bench.byzantine_learner``: the real learner process sending the negation of every outer gradient
 it trains (same norm, counters, heartbeats). Every check passes it. The run must say who: the
 aggregator's metrics and ``diloco status`` name ``l0`` with reason ``opposes`` and trust 0, and no
