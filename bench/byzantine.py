@@ -171,16 +171,7 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
         loop = asyncio.get_running_loop()
         for name in run.learners:
             await loop.run_in_executor(None, run.procs[name].wait, 1800)
-        last = run.total_version()
-
-        async def settled():
-            nonlocal last
-            now, prev = run.total_version(), last
-            last = now
-            return now == prev and run.evals and run.evals[-1][2] == now
-
-        await asyncio.sleep(2)
-        await run.wait_until(settled, 90)
+        await run.settle(90)
         await asyncio.sleep(1.5)  # one more metrics message after the last merge
         shown = None
         if status:  # what `diloco status` shows of the run now

@@ -30,15 +30,14 @@ import urllib.request
 
 import orjson
 import pytest
-from nats.js.api import DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import StorageType, StreamConfig
 
-from bus.chunks import Assembled
 from bus.config import CommonConfig
 from bus.conn import connect
 from bus.server import EmbeddedServer, _die_with_parent, free_port
 from bus.store_health import FULL, StoreWatch
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import ChunkConsumer, ChunkPublisher, TransportError, VersionedStore
+from bus.transport import ChunkPublisher, TransportError, VersionedStore
 from tests.agg_helpers import PY, env
 from tests.system import FAST_AGG, FAST_MONITOR, SYNTH_LEARNER
 
@@ -157,46 +156,17 @@ async def until(pred, timeout: float, interval: float = 0.2):
 
 async def published_keys(js, s: Subjects) -> set[tuple]:
     """Every complete outer gradient in the GRAD stream: what JetStream acknowledged."""
-    cons = ChunkConsumer(js, s.stream("grad"), f"audit{int(time.time())}", [s.grad_all], batch=64)
-    await cons.start()
-    keys: set[tuple] = set()
-    idle = 0
-    while idle < 3:
-        got = await cons.poll(timeout=0.5)
-        idle = 0 if got else idle + 1
-        for r in got:
-            if isinstance(r, Assembled):
-                m = r.meta
-                keys.add((m["learner"], m["inc"], m["frag"], m["round"]))
-    await cons.unsubscribe()
-    return keys
+    from tests.chaos.harness import published_keys as grad_keys
+
+    return await grad_keys(js, s, poll_timeout=0.5)
 
 
 async def audit(js, s: Subjects, published: set[tuple], timeout: float) -> tuple[list, set, dict]:
     """Applied keys (with repeats, from the merge events), rejected keys, and the merge events'
     versions per fragment, once they cover ``published`` (or at ``timeout``)."""
-    applied_by: dict[tuple[int, int], list] = {}
-    rejected: set[tuple] = set()
-    merges = await js.subscribe(s.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    rejects = await js.subscribe(s.event("reject"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    t_end = time.monotonic() + timeout
-    while True:
-        for sub in (merges, rejects):
-            while True:
-                try:
-                    m = await sub.next_msg(timeout=0.2)
-                except Exception:
-                    break
-                e = orjson.loads(m.data)
-                if sub is merges:
-                    applied_by[(e["fragment"], e["version"])] = [tuple(k) for k in e["applied"]]
-                elif "learner" in e and "round" in e:
-                    rejected.add((e["learner"], e.get("incarnation"), e["fragment"], e["round"]))
-        if published <= {k for ks in applied_by.values() for k in ks} | rejected or time.monotonic() > t_end:
-            break
-        await asyncio.sleep(0.5)
-    await merges.unsubscribe()
-    await rejects.unsubscribe()
+    from tests.chaos.harness import audit_events
+
+    applied_by, rejected = await audit_events(js, s, published, timeout, poll_timeout=0.2)
     per_fragment: dict[int, list[int]] = {}
     for f, v in sorted(applied_by):
         per_fragment.setdefault(f, []).append(v)

@@ -118,15 +118,7 @@ async def _run(tmp, attack: bool, agg_env: dict | None = None, steps: int = STEP
             await attacker.volley({f: v for f, v in run.heads}, early=False)
         for name in run.learners:
             await asyncio.get_running_loop().run_in_executor(None, run.procs[name].wait, 180)
-        # settle: the final syncs are merged and evaluated
-        last = run.total_version()
-        async def settled():
-            nonlocal last
-            now, prev = run.total_version(), last
-            last = now
-            return now == prev and run.evals and run.evals[-1][2] == now
-        await asyncio.sleep(2)
-        assert await run.wait_until(settled, 60)
+        assert await run.settle(60)  # the final syncs are merged and evaluated
         stats = await _aggregator_metrics(run)
         finals = [loss for _, loss, v in run.evals if v == run.evals[-1][2]]
         return {"final": finals[-1], "first": min(run.evals, key=lambda e: e[2])[1], "stats": stats,

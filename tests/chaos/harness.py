@@ -290,46 +290,25 @@ class ChaosRun:
                 self.kill(name)
 
     async def _published_keys(self) -> set[tuple]:
-        cons = ChunkConsumer(self.js, self.s.stream("grad"), f"audit{int(time.time())}", [self.s.grad_all],
-                             batch=64)
-        await cons.start()
-        keys: set[tuple] = set()
-        idle = 0
-        while idle < 3:
-            got = await cons.poll(timeout=1.0)
-            idle = 0 if got else idle + 1
-            for r in got:
-                if isinstance(r, Assembled):
-                    m = r.meta
-                    keys.add((m["learner"], m["inc"], m["frag"], m["round"]))
-        await cons.unsubscribe()
-        return keys
+        return await published_keys(self.js, self.s)
+
+    async def settle(self, timeout: float) -> bool:
+        """Wait until the versions stop advancing and the evaluator has read the newest (the final
+        syncs merged and evaluated)."""
+        last = self.total_version()
+
+        async def settled():
+            nonlocal last
+            now, prev = self.total_version(), last
+            last = now
+            return now == prev and self.evals and self.evals[-1][2] == now
+
+        await asyncio.sleep(2)
+        return await self.wait_until(settled, timeout)
 
     async def _audit(self, published: set[tuple], timeout: float = 60) -> tuple[list, set]:
         """Applied keys (with repeats) from merge events and rejected keys, once they cover ``published``."""
-        applied_by_version: dict[tuple[int, int], list] = {}
-        rejected: set[tuple] = set()
-        merges = await self.js.subscribe(self.s.event("merge"), ordered_consumer=True,
-                                         deliver_policy=DeliverPolicy.ALL)
-        rejects = await self.js.subscribe(self.s.event("reject"), ordered_consumer=True,
-                                          deliver_policy=DeliverPolicy.ALL)
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            for sub in (merges, rejects):
-                while True:  # drain what is there now
-                    try:
-                        m = await sub.next_msg(timeout=0.3)
-                    except Exception:
-                        break
-                    e = orjson.loads(m.data)
-                    if sub is merges:
-                        applied_by_version[(e["fragment"], e["version"])] = [tuple(k) for k in e["applied"]]
-                    elif "learner" in e and "round" in e:
-                        rejected.add((e["learner"], e.get("incarnation"), e["fragment"], e["round"]))
-            applied = {k for keys in applied_by_version.values() for k in keys}
-            if published <= applied | rejected:
-                break
-            await asyncio.sleep(0.5)  # the aggregator is still working through its backlog
+        applied_by_version, rejected = await audit_events(self.js, self.s, published, timeout)
         return [k for keys in applied_by_version.values() for k in keys], rejected
 
     async def close(self) -> None:
@@ -534,6 +513,59 @@ class LiveAudit:
                 return True
             await asyncio.sleep(0.5)
         return False
+
+
+async def published_keys(js, s: Subjects, poll_timeout: float = 1.0) -> set[tuple]:
+    """Every complete outer gradient in the GRAD stream: what JetStream acknowledged."""
+    cons = ChunkConsumer(js, s.stream("grad"), f"audit{int(time.time())}", [s.grad_all], batch=64)
+    await cons.start()
+    keys: set[tuple] = set()
+    idle = 0
+    while idle < 3:
+        got = await cons.poll(timeout=poll_timeout)
+        idle = 0 if got else idle + 1
+        for r in got:
+            if isinstance(r, Assembled):
+                m = r.meta
+                keys.add((m["learner"], m["inc"], m["frag"], m["round"]))
+    await cons.unsubscribe()
+    return keys
+
+
+async def audit_events(js, s: Subjects, published: set[tuple], timeout: float,
+                       poll_timeout: float = 0.3) -> tuple[dict, set]:
+    """The merge events' applied keys per (fragment, version) and the rejected keys from the reject
+    events, read until they cover ``published`` (or ``timeout``: the aggregator may still be working
+    through its backlog)."""
+    applied_by_version: dict[tuple[int, int], list] = {}
+    rejected: set[tuple] = set()
+    merges = await js.subscribe(s.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    rejects = await js.subscribe(s.event("reject"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    t_end = time.monotonic() + timeout
+    try:
+        while True:
+            for sub in (merges, rejects):
+                while True:  # drain what is there now
+                    try:
+                        m = await sub.next_msg(timeout=poll_timeout)
+                    except Exception:
+                        break
+                    e = orjson.loads(m.data)
+                    if sub is merges:
+                        applied_by_version[(e["fragment"], e["version"])] = [tuple(k) for k in e["applied"]]
+                    elif "learner" in e and "round" in e:
+                        rejected.add((e["learner"], e.get("incarnation"), e["fragment"], e["round"]))
+            applied = {k for keys in applied_by_version.values() for k in keys}
+            if published <= applied | rejected or time.monotonic() > t_end:
+                break
+            await asyncio.sleep(0.5)
+    finally:
+        for sub in (merges, rejects):
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+    return applied_by_version, rejected
 
 
 def _alive(pid: int) -> bool:
