@@ -211,11 +211,11 @@ class AggregatorService(Intake, VersionMaker, Durability):
         readmitted meanwhile still counted as evicted here, and their work was rejected as
         ``inactive_learner`` (bench.soak: 571 contributions in one 6-minute run)."""
         while not stop.is_set():
-            reader = None
+            reader = w = None
             try:
+                self.members_rewatch.clear()  # before the watch: a reconnect during its set-up counts
                 kv = await js.key_value(self.s.bucket("members"))
                 w = await kv.watchall()
-                self.members_rewatch.clear()
                 reader = asyncio.create_task(self._read_members(w, stop))
                 rewatch = asyncio.create_task(self.members_rewatch.wait())
                 try:
@@ -237,6 +237,11 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 raise
             except Exception as e:
                 self.log.warning("membership_watch_error", error=repr(e))
+                if w is not None:
+                    try:
+                        await w.stop()
+                    except Exception:  # noqa: BLE001
+                        pass
                 await asyncio.sleep(1.0)
 
     async def _read_members(self, w, stop: asyncio.Event) -> None:

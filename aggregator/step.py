@@ -272,15 +272,20 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     # the round is not applied), so a merge of distrusted ones only does not move the fragment
     tr = assess(state.trust, [c.learner for c in contribs], [c.vector for c in contribs], settings.trust,
                 state.version + 1)
-    out_of_round = distrusted_participants(tr.state, state.version + 1, per_round, settings.trust)
+    out_of_round = distrusted_participants(tr.state, state.version + 1, per_round, settings.trust,
+                                           merged={c.learner: float(f) for c, f in zip(contribs, tr.factors)})
     if settings.trust.mode == "weigh" and (float(tr.factors.min()) < 1.0 or out_of_round > 0):
         # the round is counted without the distrusted learners: their share leaves the mean and the
         # step, and the participation scale counts per_round - out_of_round learners (one honest
         # learner of a per-arrival round moves the fragment by 1/7 of a round, not 1/8, when the
-        # eighth is distrusted: the round's progress is the 7 honest ones' whole)
+        # eighth is distrusted: the round's progress is the 7 honest ones' whole). The share kept is
+        # counted in rounds of work, not in the weights: a liar's claimed tokens must not set how far
+        # the honest learners move
         w = np.asarray(w, dtype=np.float64)
         wt = w * tr.factors
-        total *= float(wt.sum() / w.sum()) * per_round / max(1.0, per_round - out_of_round)
+        work = np.array([c.round_share for c in contribs], dtype=np.float64)
+        kept = float((work * tr.factors).sum() / max(work.sum(), 1e-12))
+        total *= kept * per_round / max(1.0, per_round - out_of_round)
         w = wt / wt.sum() if wt.sum() > 0 else w
     caps = norm_caps(norms, [c.inner_steps for c in contribs], size=state.params.size,
                      history_median=state.applied_norms.median(state.fragment),
@@ -319,4 +324,4 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         recent[learner] = (recent.get(learner, []) + [state.version + 1])[-RECENT_KEPT:]
     return FragmentState(state.fragment, state.version + 1, params, opt, applied, hist, [c.key for c in contribs],
                          float(scale), max(1, int(per_round)), anorms, clipped, recent, grad_norm, tr.state,
-                         [float(x) for x in tr.factors])
+                         [float(x) for x in tr.factors] if settings.trust.mode == "weigh" else [1.0] * len(contribs))

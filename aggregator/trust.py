@@ -266,7 +266,8 @@ def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], se
     replay = []
     for i, x in enumerate(learners):
         lt = new.learners.get(x)
-        replay.append(bool(lt is not None and digests[i] in lt.hashes))
+        # an all-zero sample (a learner that did not move) is the same every time, and no replay
+        replay.append(bool(lt is not None and digests[i] in lt.hashes and bool(np.any(X[i]))))
     known = [a for a in new.agree]
     current = [a for a, r in zip(agreements, replay) if a is not None and not r]
     ref = float(np.median(known)) if len(known) >= MIN_HISTORY else (float(np.median(current)) if current else 0.0)
@@ -304,7 +305,8 @@ def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], se
     return Assessment(factors, agreements, zs, replay, new)
 
 
-def distrusted_participants(state: TrustState, version: int, per_round: int, settings: TrustSettings) -> float:
+def distrusted_participants(state: TrustState, version: int, per_round: int, settings: TrustSettings,
+                            merged: dict | None = None) -> float:
     """How many of a round's participants the trust leaves out: the sum of ``1 - trust`` over the
     learners whose newest contribution to the fragment was merged within the last two rounds
     (``2 x per_round`` versions). The merge counts the round without them (``merge_step``): a
@@ -312,8 +314,9 @@ def distrusted_participants(state: TrustState, version: int, per_round: int, set
     0 without a trusted majority (nobody's weight is lowered then)."""
     if settings.mode != "weigh" or not has_majority(state, settings):
         return 0.0
-    return float(sum(1.0 - trust_of(lt.score(settings.kappa), settings) for lt in state.learners.values()
-                     if version - lt.version <= 2 * max(1, per_round)))
+    merged = merged or {}  # this merge's weight factor per learner (an instant cut counts as out)
+    return float(sum(1.0 - min(trust_of(lt.score(settings.kappa), settings), merged.get(x, 1.0))
+                     for x, lt in state.learners.items() if version - lt.version <= 2 * max(1, per_round)))
 
 
 def summary(states: list[TrustState], settings: TrustSettings) -> dict:

@@ -197,9 +197,12 @@ class VersionMaker:
             if f <= 0.0:
                 self.stats.distrusted[x.c.learner] += 1
         for learner in sorted({x.c.learner for x in items}):
-            lt = new.trust.learners.get(learner)
-            if lt is None:
+            # its record on the fragment where it is trusted least (one reason per learner, not a
+            # line per merge where two fragments disagree)
+            records = [st.trust.learners[learner] for st in self.states.values() if learner in st.trust.learners]
+            if not records:
                 continue
+            lt = min(records, key=lambda r: r.score(self.settings.trust.kappa))
             reason = reason_of(lt, self.settings.trust)
             score = lt.score(self.settings.trust.kappa)
             if self.suspected.get(learner, "") != reason:

@@ -241,3 +241,25 @@ def test_a_learners_own_other_round_in_the_merge_is_no_witness_for_it():
         st = a.state
     assert a.agreements[0] < 0 and a.agreements[1] < 0
     assert list(a.factors) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_a_distrusted_learners_claimed_tokens_do_not_set_the_honest_step():
+    """The review's case: with the kept share taken from the weights, a liar at weight 0 that claimed
+    more tokens shrank the honest learners' step (0.57x at 1600 tokens), fewer enlarged it (1.33x)."""
+    rng = np.random.default_rng(11)
+    settings = MergeSettings(momentum=0.0, lr=1.0, max_weight_ratio=0.0, clip_factor=0.0)
+    common = rng.standard_normal(N)
+    vs = honest_round(rng, 3, common)
+
+    def step(liar_tokens: int) -> np.ndarray:
+        st = FragmentState.initial(0, 0, np.zeros(N, np.float32), settings)
+        st.trust = TrustState({"x": opposed(), "a": LearnerTrust(), "b": LearnerTrust(), "c": LearnerTrust()},
+                              [0.3] * 10)
+        cs = [Contribution("r", "m", n, "i", 0, 0, 0, 8, 800, v, period=8) for n, v in zip("abc", vs)]
+        cs.append(Contribution("r", "m", "x", "i", 0, 0, 0, 8, liar_tokens, (-common).astype(np.float32), period=8))
+        return merge_step(st, cs, settings, scale=1.0, per_round=4).params
+
+    ref = step(800)
+    np.testing.assert_allclose(step(100), ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(step(1600), ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ref, -np.mean(vs, axis=0), rtol=1e-4, atol=1e-5)  # the 3 honest ones' whole round
