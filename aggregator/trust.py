@@ -38,8 +38,9 @@ are other Python sources: median z of 0.1-0.3 against 0.8-0.9, one in twenty bel
 on the mean alone weighed those two down and cost a clean run 1.1% of held-out loss
 (``bench.byzantine``). A contribution whose own ``z`` is at most ``cut`` (-0.8: it points straight
 against the others) gets weight 0 at once, before the score has moved. An agreement counts only
-against at least two trusted others (``MIN_SUPPORT``: in a merge of a liar and one honest learner,
-each points against the other; a merge of one contribution carries no evidence either).
+against at least three trusted others (``MIN_SUPPORT``: in a merge of a liar and one honest
+learner, each points against the other, and with two honest ones each one's reference is the
+other's vector minus the liar's: noise), so trust needs merges of four learners or more.
 A **replay** (its sampled values are bit for bit those of
 one of the learner's own last ``HASHES_KEPT`` contributions to the fragment: a digest of the sample
 is kept) gets weight 0, and counts as z = -1. Near-copies are not looked for: honest consecutive
@@ -77,7 +78,10 @@ MIN_TYPICAL = 0.05
 # honest learner each points against the other (under load, the first merges of a run held two:
 # an honest learner was scored -1 three times and merged at weight 0 eight times, bench.byzantine's
 # system test). Then only the scores from other merges tell them apart
-MIN_SUPPORT = 2.0
+# Three, not two: in a merge of three with a liar still trusted, an honest learner's reference is the
+# other honest vector minus the liar's, i.e. noise (bench.byzantine's system test: an honest learner
+# averaged z -0.5 there and was cut 4 times)
+MIN_SUPPORT = 2.5  # three others, most of them trusted
 MODES = ("off", "observe", "weigh")
 
 

@@ -200,13 +200,14 @@ def test_without_a_trusted_majority_nobody_is_weighed_down_and_scores_can_recove
     contribution a comparison with nothing, and the fragment never moved again."""
     rng = np.random.default_rng(8)
     s = TrustSettings()
-    st = TrustState({x: opposed() for x in ("a", "b", "c")})
-    a = assess(st, ["a", "b", "c"], honest_round(rng, 3, rng.standard_normal(N)), s)
-    assert list(a.factors) == [1.0, 1.0, 1.0] and all(x is not None for x in a.agreements)
+    names = ["a", "b", "c", "d"]
+    st = TrustState({x: opposed() for x in names})
+    a = assess(st, names, honest_round(rng, 4, rng.standard_normal(N)), s)
+    assert list(a.factors) == [1.0] * 4 and all(x is not None for x in a.agreements)
     for _ in range(40):
-        a = assess(a.state, ["a", "b", "c"], honest_round(rng, 3, rng.standard_normal(N)), s)
+        a = assess(a.state, names, honest_round(rng, 4, rng.standard_normal(N)), s)
     assert all(trust_of(lt.score(), s) == 1.0 for lt in a.state.learners.values())
-    # one of three distrusted is a minority: it is weighed down
+    # one of three distrusted is a minority: it is weighed down (by its score)
     st = TrustState({"a": opposed(), "b": LearnerTrust(), "c": LearnerTrust()})
     vs = honest_round(rng, 3, rng.standard_normal(N))
     assert list(assess(st, ["a", "b", "c"], vs, s).factors) == [0.0, 1.0, 1.0]
