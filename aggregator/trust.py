@@ -74,7 +74,7 @@ MIN_HISTORY = 8
 # below this typical agreement the learners do not agree with each other either (outer gradients of
 # pure noise, or a run that has converged): nobody can be singled out, and no score moves
 MIN_TYPICAL = 0.05
-# an agreement is evidence only against at least two trusted others: in a merge of a liar and one
+# an agreement is evidence only against at least three trusted others: in a merge of a liar and one
 # honest learner each points against the other (under load, the first merges of a run held two:
 # an honest learner was scored -1 three times and merged at weight 0 eight times, bench.byzantine's
 # system test). Then only the scores from other merges tell them apart
