@@ -256,8 +256,13 @@ def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], se
     for i in range(k):
         # the others are other learners: a merge can hold two rounds of one learner (a backlog, a
         # learner out of step), and its own earlier round is no witness for it
+        # and each other learner counts once: its rounds in the merge are averaged (a liar's two
+        # rounds in one merge outweighed two honest learners in an honest one's reference)
         others = [j for j in range(k) if learners[j] != learners[i]]
-        t = t_prev[others]
+        per = {}
+        for j in others:
+            per[learners[j]] = per.get(learners[j], 0) + 1
+        t = np.array([t_prev[j] / per[learners[j]] for j in others])
         support.append(float(sum({learners[j]: t_prev[j] for j in others}.values())))
         if not others:
             agreements.append(None)

@@ -264,3 +264,14 @@ def test_a_distrusted_learners_claimed_tokens_do_not_set_the_honest_step():
     np.testing.assert_allclose(step(100), ref, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(step(1600), ref, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(ref, -np.mean(vs, axis=0), rtol=1e-4, atol=1e-5)  # the 3 honest ones' whole round
+
+
+def test_each_other_learner_counts_once_in_a_reference():
+    """A liar's two rounds in one merge must not outweigh two honest learners in an honest one's
+    reference (the system test: honest learners averaged z -0.4 and were weighed down 16 times)."""
+    rng = np.random.default_rng(12)
+    s = TrustSettings()
+    common = rng.standard_normal(N)
+    vs = honest_round(rng, 3, common) + [(-common + rng.standard_normal(N)).astype(np.float32) for _ in range(2)]
+    a = assess(TrustState(), ["a", "b", "c", "liar", "liar"], vs, s)
+    assert min(a.agreements[:3]) > 0.2 and max(a.agreements[3:]) < -0.2
