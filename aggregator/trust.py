@@ -259,7 +259,7 @@ def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], se
         # and each other learner counts once: its rounds in the merge are averaged (a liar's two
         # rounds in one merge outweighed two honest learners in an honest one's reference)
         others = [j for j in range(k) if learners[j] != learners[i]]
-        per = {}
+        per: dict[str, int] = {}
         for j in others:
             per[learners[j]] = per.get(learners[j], 0) + 1
         t = np.array([t_prev[j] / per[learners[j]] for j in others])
