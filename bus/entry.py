@@ -18,6 +18,9 @@ from bus.conn import ConnectFailed
 def run_command(name: str, fn: Callable[[list[str]], int | None], argv: list[str]) -> int:
     """``fn(argv)`` as ``diloco <name>``: its exit code, 2 after one line for a configuration error,
     130 on Ctrl-C."""
+    from bus.blas import single_threaded_blas
+
+    single_threaded_blas()
     try:
         return int(fn(argv) or 0)
     except ConfigError as e:
