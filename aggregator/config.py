@@ -126,6 +126,9 @@ class AggregatorConfig:
                                     "seconds after which a fragment with merges since its newest checkpoint is "
                                     "checkpointed (DILOCO_STREAM_MAX_AGE must be at least 4x this)")
     ack_wait: float = var(30.0, number(1.0), "seconds before JetStream redelivers an unacked chunk (crash recovery time)")
+    agg_slowdown: float = var(1.0, number(1.0, 1000.0),
+                          "benchmarks and tests: emulate an aggregator this many times slower (each intake and merge "
+                          "is followed by a blocking pause of slowdown - 1 times its own duration)")
     provision: bool = var(True, boolean(),
                           "create missing streams and apply the limits sized from the run at start (false: the "
                           "streams must exist; `diloco auth init --strict` writes false, admin runs `diloco run "

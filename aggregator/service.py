@@ -45,6 +45,7 @@ from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.durability import Durability
 from aggregator.feedback import FeedbackQueue
 from aggregator.intake import Intake, Pending, VectorPool
+from aggregator.load import BusyMeter, saturation_change
 from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy
 from aggregator.step import FragmentState, MergeSettings
@@ -70,6 +71,7 @@ class Stats:
     rejected: Counter = field(default_factory=Counter)
     staleness: Counter = field(default_factory=Counter)
     merge_latency: list = field(default_factory=list)  # seconds, first arrival -> published
+    queue_wait: list = field(default_factory=list)  # seconds, first arrival -> its merge began
     quorum_wait: float = 0.0
     contributions: Counter = field(default_factory=Counter)  # per learner, applied
     clipped: int = 0  # applied contributions scaled down to their norm cap (bounded influence)
@@ -89,11 +91,15 @@ class Stats:
 
     def to_metrics(self) -> dict:
         lat = sorted(self.merge_latency[-200:])
+        qw = sorted(self.queue_wait[-200:])
+        del self.merge_latency[:-200], self.queue_wait[:-200]
         return {
             "merges": self.merges, "accepted": self.accepted, "rejected": dict(self.rejected),
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness.items())},
             "merge_latency_p50": lat[len(lat) // 2] if lat else None,
             "merge_latency_max": lat[-1] if lat else None,
+            "queue_wait_p50": round(qw[len(qw) // 2], 4) if qw else None,
+            "queue_wait_max": round(qw[-1], 4) if qw else None,
             "quorum_wait_s": round(self.quorum_wait, 3), "contributions": dict(self.contributions),
             "clipped": self.clipped, "reference_restarts": self.reference_restarts,
             "downweighted": dict(self.downweighted), "distrusted": dict(self.distrusted),
@@ -144,6 +150,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.manifest = None  # the run's manifest: the tree, its plan, the declared geometry
         self.arrivals = ArrivalStats()
         self.stats = Stats()
+        self.load = BusyMeter()  # the share of time spent on intake and merges (aggregator.load)
+        self.saturated = False
         self._audit: list[tuple[dict, list]] = []  # (rejection event, its messages): published, then terminated
         self.feedback = FeedbackQueue()  # notices to learners of their work rejected or held
         # a full store (bus.store_health): merging pauses, nothing is acked or published meanwhile
@@ -322,8 +330,26 @@ class AggregatorService(Intake, VersionMaker, Durability):
 
     # -- main loop --------------------------------------------------------------------------------
 
+    def _note_load(self, now: float) -> float:
+        """The busy share now; says once per change when the aggregator cannot keep up."""
+        share = self.load.share(now)
+        full = self.load.start is not None and now - self.load.start >= self.load.window
+        change = saturation_change(share, self.saturated, full)
+        if change is True:
+            self.log.warning("aggregator_saturated", busy=round(share, 3), window_s=self.load.window,
+                             message="the aggregator is busy all of the time: it merges slower than the learners "
+                             "send, so they defer their syncs (each outer gradient then holds more inner steps); "
+                             "give it a faster CPU, or split the fragments over several aggregators "
+                             "(DILOCO_AGG_FRAGMENTS)")
+        elif change is False:
+            self.log.info("aggregator_keeping_up", busy=round(share, 3))
+        if change is not None:
+            self.saturated = change
+        return share
+
     async def _metrics(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            busy = self._note_load(time.monotonic())
             try:
                 msg = {"role": "aggregator", "run": self.common.run, "ts": time.time(),
                        "id": self.cfg.aggregator_id,
@@ -331,6 +357,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                        "buffered": {str(p): len(b) for p, b in self.buffers.items() if b},
                        "held": len(self.hold),
                        "active": len(self.active()), **self.stats.to_metrics(),
+                       "busy": round(busy, 3), "saturated": self.saturated,
                        "trust": trust_summary([st.trust for st in self.states.values()], self.settings.trust),
                        "transport_dropped": dict(self.consumer.stats.dropped or {}), **self.store_watch.metrics()}
                 await self.nc.publish(self.s.metrics("aggregator", self.cfg.aggregator_id), codec.dumps_json(msg))
@@ -352,6 +379,16 @@ class AggregatorService(Intake, VersionMaker, Durability):
                             await m.in_progress()
                         except Exception:
                             pass
+
+    def _busy(self, t0: float) -> None:
+        """Count the work since ``t0`` in the busy share; with DILOCO_SLOWDOWN > 1 (benchmarks and
+        tests: an aggregator too slow for its run), block the loop for (slowdown - 1) times it, as a
+        slower CPU would (intake and merging both stall)."""
+        dt = time.monotonic() - t0
+        if self.cfg.agg_slowdown > 1.0 and dt > 0:
+            time.sleep((self.cfg.agg_slowdown - 1.0) * dt)
+            dt *= self.cfg.agg_slowdown
+        self.load.add(time.monotonic(), dt)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}",
@@ -410,7 +447,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 now = time.monotonic()
                 timeout = 0.2 if wake is None else max(0.01, min(0.2, wake - now))
                 for r in await self.consumer.poll(timeout=timeout):
-                    await self._handle(r, time.monotonic())
+                    t_in = time.monotonic()
+                    await self._handle(r, t_in)
+                    self._busy(t_in)
                 self._release_held(time.monotonic())
                 for p in list(self.uncommitted):
                     await self._commit(p)
@@ -418,7 +457,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
                     if p in self.unpublished:
                         await self._publish_global(p)
                 await self._probe_store()  # a full store is noticed even with nothing to merge
-                wake = await self._merge_due(time.monotonic())
+                t_m = time.monotonic()
+                wake = await self._merge_due(t_m)
+                self._busy(t_m)
                 await self._checkpoints_due(time.monotonic())
                 if self._audit:
                     await self._publish_audit()

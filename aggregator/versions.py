@@ -176,7 +176,9 @@ class VersionMaker:
         for x in items:
             self.stats.staleness[before - x.c.base_version] += 1  # in versions
             self.stats.contributions[x.c.learner] += 1
+        self.stats.queue_wait.append(t0 - first)
         self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
+                      wait_s=round(t0 - first, 4), merge_s=round(time.monotonic() - t0, 4),
                       learners=sorted({x.c.learner for x in items}), scale=round(rec.scale, 4), clipped=new.last_clipped,
                       stale=[before - x.c.base_version for x in items],
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
