@@ -80,6 +80,10 @@ class LearnerConfig:
                        "model: the JAX transformer; synthetic: sleep DILOCO_STEP_TIME per step with pseudo-gradients "
                        "(any mode; DILOCO_MODE=synthetic is async + synthetic)")
     sync_every: int = var(12, integer(1, 1_000_000), "H: inner steps between two syncs of the same fragment")
+    sync_window: int = var(1, integer(0, 1_000_000),
+                           "rounds of a fragment sent and not yet merged into this learner's base before its next sync "
+                           "of that fragment is deferred (the steps go out with the deferred sync; bounds staleness "
+                           "when the aggregator falls behind; 0: never defer)")
     on_arrival: str = var("rebase", choice("rebase", "mix"),
                           "rebase: theta <- global + (theta - base), keeping local progress since the last sync; "
                           "mix: theta <- a*theta + (1-a)*global (DILOCO_MIX_ALPHA)")

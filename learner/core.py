@@ -71,6 +71,8 @@ class IslandCore:
             if not self.backend.slowdown_included and cfg.slowdown > 1.0:
                 await self._sleep(lp.extra_sleep(time.monotonic() - t0, cfg.slowdown))
             due = self.book.on_step(time.monotonic() - t0)
+            if self.book.deferrals and not self._told_behind:
+                self._tell_behind()
             self.loss = loss
             self.rate.add(time.monotonic(), self.tokens_per_step)
             if hook:
@@ -105,7 +107,21 @@ class IslandCore:
                 self._fetch_candidates()
         if cfg.final_sync and not self._halt.is_set():
             await self._final_sync()
-        self.log.info("training_done", step=self.book.step, halted=self._halt.is_set())
+        c = self.book.counters()
+        self.log.info("training_done", step=self.book.step, halted=self._halt.is_set(), deferred_syncs=c["deferred"],
+                      steps_per_sync=round(self.book.steps_sent / max(1, self.book.contributions), 2))
+
+    def _tell_behind(self) -> None:
+        """Once per process: a sync was deferred because the aggregator had not merged the previous
+        round of its fragment yet (learner.loop.Bookkeeper.window_open)."""
+        self._told_behind = True
+        p = self.book.deferred()[0] if self.book.deferred() else -1
+        self.log.warning("aggregator_behind", fragment=p, period=self.book.period, window=self.book.window,
+                         message=f"the aggregator has not merged this learner's last {self.book.window} round(s) of "
+                         f"fragment {p} a whole sync period ({self.book.period} steps) after sending: its syncs are "
+                         "deferred until it has (no work is lost: each outer gradient then holds more inner steps, "
+                         "and the run syncs less often). The aggregator is too slow for this run: see its "
+                         "aggregator_saturated line and docs/aggregator.md, 'When the aggregator falls behind'")
 
     async def _final_sync(self) -> None:
         """The step budget is reached: send the steps every fragment holds since its last sync.

@@ -69,6 +69,10 @@ def batch_seed(data_seed: int, learner_id: str, incarnation: str) -> int:
 
 # -- per-fragment counters and versions -----------------------------------------------------------
 
+#: a deferred sync goes out anyway after this many periods without the merge it waits for (a head
+#: lost to a reconnect must not silence a learner; no work is lost meanwhile: it stays in theta)
+VALVE_PERIODS = 16
+
 
 @dataclass
 class FragmentBook:
@@ -85,6 +89,9 @@ class FragmentBook:
     armed: bool = False  # fetch policy "round": one download is due since the last sync
     merged_round: int = -1  # highest round of ours a global head listed as merged
     merged_version: int = -1  # the version whose merge held it
+    rejected_round: int = -1  # highest round of ours the aggregator said it rejected
+    deferred_at: int = -1  # the step a due sync was deferred at (sync window closed; -1: none deferred)
+    deferred: int = 0  # syncs deferred so far
     sent: int = 0
     skipped: int = 0
     failed: int = 0
@@ -106,7 +113,7 @@ class Contribution:
 class Bookkeeper:
     """Counters, rounds, versions and the sync schedule of one learner (see module docstring)."""
 
-    def __init__(self, num_fragments: int, H: int, tokens_per_step: int, staggered: bool = True):
+    def __init__(self, num_fragments: int, H: int, tokens_per_step: int, staggered: bool = True, window: int = 0):
         if tokens_per_step < 0:
             raise ValueError(f"tokens_per_step must be >= 0, got {tokens_per_step}")
         self.H = int(H)
@@ -119,6 +126,11 @@ class Bookkeeper:
         self.period = self.H
         self._next_due = [off if off >= 1 else self.H for off in self.offsets]
         self.tokens_per_step = int(tokens_per_step)
+        # the sync window (issue 37): at most ``window`` rounds of a fragment sent and not yet merged
+        # into this learner's base; a sync due while more are out is deferred (0: never)
+        self.window = max(0, int(window))
+        self.valve_opened = 0
+        self.deferrals = 0  # syncs deferred so far, all fragments  # deferrals ended by the valve (no merge seen for VALVE_PERIODS periods)
         self.frags = [FragmentBook() for _ in range(num_fragments)]
         self.step = 0  # inner steps completed by this process
         self.tokens = 0  # tokens trained on by this process
@@ -141,10 +153,58 @@ class Bookkeeper:
         for f in self.frags:
             f.steps += 1
             f.tokens += self.tokens_per_step
-        due = [p for p, n in enumerate(self._next_due) if n <= self.step]
-        for p in due:
-            self._next_due[p] = self.step + self.period
+        due = []
+        for p, n in enumerate(self._next_due):
+            f = self.frags[p]
+            if n > self.step and f.deferred_at < 0:
+                continue
+            if self.window_open(p):  # on schedule, or a deferred sync whose window opened
+                if f.deferred_at >= 0 and not self._merged_in(p):
+                    self.valve_opened += 1
+                f.deferred_at = -1
+                self._next_due[p] = self.step + self.period  # a whole period from this sync
+                due.append(p)
+            elif f.deferred_at < 0:  # due, but the previous round is still out: defer
+                f.deferred_at = self.step
+                f.deferred += 1
+                self.deferrals += 1
+                f.armed = True  # download the version that merges the round out (fetch_due)
         return due
+
+    def _merged_in(self, p: int) -> bool:
+        """Every round of p sent but the newest ``window - 1`` is resolved: merged into a version
+        this learner has taken as its base, or rejected."""
+        f = self.frags[p]
+        last = f.next_round - 1  # the newest round sent
+        need = last - self.window + 1  # rounds up to this one must be resolved
+        if need < 0:
+            return True
+        if f.rejected_round >= need:
+            return True
+        return f.merged_round >= need and f.base_version >= f.merged_version
+
+    def window_open(self, p: int) -> bool:
+        """May fragment p sync now? Always without a window (0) and while nothing of p is out;
+        else once its rounds but the newest ``window - 1`` are merged into the base (the learner's
+        next outer gradient is then computed from a version that holds its own earlier work, so
+        its staleness stays bounded however slow the aggregator is), or rejected. A learner whose
+        merges are never seen (a lost head) syncs anyway after VALVE_PERIODS periods."""
+        if self.window <= 0:
+            return True
+        f = self.frags[p]
+        if f.deferred_at >= 0 and self.step - f.deferred_at >= VALVE_PERIODS * self.period:
+            return True
+        return self._merged_in(p)
+
+    def deferred(self) -> list[int]:
+        """Fragments whose due sync waits for its window."""
+        return [p for p, f in enumerate(self.frags) if f.deferred_at >= 0]
+
+    def on_rejected(self, p: int, round_: int) -> None:
+        """The aggregator rejected our round ``round_`` of p: it is resolved (the window opens)."""
+        if 0 <= p < len(self.frags):
+            f = self.frags[p]
+            f.rejected_round = max(f.rejected_round, int(round_))
 
     def set_period(self, period: int) -> bool:
         """Sync every ``period`` inner steps from now on (Dynamic Local Updates); True if it changed.
@@ -228,6 +288,8 @@ class Bookkeeper:
             return False
         mine = f.next_round - 1  # the round sent at the last sync
         holds_mine = f.merged_round >= mine and version >= f.merged_version
+        if f.deferred_at >= 0:  # a deferred sync waits for exactly that version (window_open)
+            return holds_mine
         return holds_mine or f.steps >= max(int(delay), self.period - 1)
 
     def on_applied(self, p: int, rounds: list[int], version: int) -> None:
@@ -262,6 +324,8 @@ class Bookkeeper:
                 f.pending_version = -1
             f.steps = f.tokens = 0
             f.armed = False
+            f.rejected_round = max(f.rejected_round, f.next_round - 1)  # the rounds out are dropped too
+            f.deferred_at = -1
 
     def versions(self) -> dict[int, int]:
         """{fragment: base version} for heartbeats (fragments without a version are left out)."""
@@ -281,6 +345,7 @@ class Bookkeeper:
         return {
             "sent": sum(f.sent for f in self.frags),
             "skipped": sum(f.skipped for f in self.frags),
+            "deferred": sum(f.deferred for f in self.frags),
             "failed": sum(f.failed for f in self.frags),
         }
 

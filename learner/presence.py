@@ -186,6 +186,8 @@ class Presence:
             rounds = m.get("rounds") or {}
             for reason, n in rejected.items():
                 named = [(int(p), int(r)) for p, r in (rounds.get(reason) or [])][:1024]
+                for fp, fr in named:  # a rejected round is resolved: the sync window opens
+                    self.book.on_rejected(fp, fr)
                 if self.fate.on_rejected(str(reason)[:64], named, int(n)):
                     self.log.warning("work_rejected", reason=reason, count=int(n), hint=reject_hint(str(reason)))
             held = int(m.get("held") or 0)
@@ -283,7 +285,7 @@ class Presence:
             "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),
             "quant_error": self.quant_error, "contributions": self.book.contributions,
             "steps_sent": self.book.steps_sent, "period": self.book.period,
-            "skipped_syncs": c["skipped"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
+            "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
             "rejected_globals": {**self.rejected_globals,
                                  **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},

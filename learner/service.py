@@ -89,7 +89,8 @@ class Learner(IslandCore, Presence):
         self.s = Subjects(common.run)
         self.log = get_logger(component="learner", incarnation=self.incarnation)
         self.tokens_per_step = self.run_model.tokens_per_step
-        self.book = lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync")
+        self.book = lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync",
+                                  window=cfg.sync_window if cfg.mode != "sync" else 0)
         self.num_shards = cfg.num_shards or cfg.num_learners
         self.shard_index = lp.derive_shard(self.id, self.num_shards, cfg.shard_index)
         self.seed = lp.batch_seed(cfg.data_seed, self.id, self.incarnation)
@@ -111,6 +112,7 @@ class Learner(IslandCore, Presence):
         self.publisher: ChunkPublisher | None = None
         self.rate = lp.RateMeter()
         self._resync_requested = False
+        self._told_behind = False  # aggregator_behind said (once per process)
         self._halt = asyncio.Event()
         self._news = asyncio.Event()
         self._head_lock = asyncio.Lock()

@@ -66,7 +66,7 @@ def test_busy_fragment_is_skipped_and_failed_publish_returns_counters():
     assert b.frags[0].steps == 2 and b.frags[0].tokens == 10 and b.frags[0].failed == 1
     c3 = b.begin_sync(0)
     assert (c3.round, c3.steps, c3.base_version) == (1, 2, 3)  # round numbers are never reused
-    assert b.counters() == {"sent": 0, "skipped": 1, "failed": 1}
+    assert b.counters() == {"sent": 0, "skipped": 1, "deferred": 0, "failed": 1}
 
 
 def test_versions_wants_merge_staleness():
@@ -299,3 +299,73 @@ def test_dynamic_h_is_refused_in_sync_mode_with_one_line():
     with pytest.raises(ConfigError, match="DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async"):
         from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true", "DILOCO_MODE": "sync"})
     assert from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true"}).fetch_delay_for(12) == 3
+
+
+def _sync(b: lp.Bookkeeper, p: int) -> lp.Contribution:
+    c = b.begin_sync(p)
+    assert c is not None
+    b.end_sync(c, True)
+    return c
+
+
+def test_sync_window_defers_until_the_round_is_merged_into_the_base():
+    """Issue 37: a learner never sends round r+1 of a fragment before round r is merged into its
+    base, so its staleness is bounded however slow the aggregator is; the steps of the deferred sync
+    go out with it (nothing lost), a period is counted from the deferred sync, and the fetch waits
+    for exactly the version that holds the round."""
+    b = lp.Bookkeeper(num_fragments=1, H=4, tokens_per_step=10, window=1)
+    b.on_merged(0, 0)
+    assert [b.on_step() for _ in range(4)] == [[], [], [], [0]]
+    c0 = _sync(b, 0)
+    assert c0.round == 0 and c0.steps == 4
+    # the aggregator is slow: round 0 not merged at the next due step -> deferred, not sent
+    assert [b.on_step() for _ in range(4)] == [[], [], [], []]
+    assert b.deferred() == [0] and b.deferrals == 1 and b.counters()["deferred"] == 1
+    # a newer version that does not hold our round is not fetched while deferred ...
+    assert not b.fetch_due(0, 1, delay=1)
+    # ... the one that does is
+    b.on_applied(0, [0], 2)
+    assert b.fetch_due(0, 2, delay=1)
+    assert b.on_step() == []  # merged, but not yet in the base: still deferred
+    b.on_downloaded(0, 2)
+    b.on_merged(0, 2)
+    assert b.on_step() == [0]  # the next step boundary sends it
+    c1 = _sync(b, 0)
+    assert c1.round == 1 and c1.steps == 6 and c1.base_version == 2  # the deferred steps went with it
+    assert b.deferred() == []
+    # the next sync is a whole period later
+    b.on_applied(0, [1], 3)
+    b.on_merged(0, 3)
+    assert [b.on_step() for _ in range(4)] == [[], [], [], [0]]
+
+
+def test_sync_window_opens_on_a_rejection_and_after_the_valve():
+    b = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1)
+    b.on_merged(0, 0)
+    b.on_step(), b.on_step()
+    _sync(b, 0)
+    b.on_step(), b.on_step()
+    assert b.deferred() == [0]
+    b.on_rejected(0, 0)  # the aggregator's feedback: round 0 rejected -> resolved
+    assert b.on_step() == [0]
+    _sync(b, 0)
+    # round 1 is never heard of (a lost head): the valve sends after VALVE_PERIODS periods
+    assert b.step == 5
+    sent = [b.step for _ in range(2 + lp.VALVE_PERIODS * 2 + 4) if b.on_step()]
+    assert sent[0] == 7 + lp.VALVE_PERIODS * 2  # deferred at step 7 (due), sent 16 periods later
+    assert b.valve_opened == 1
+
+
+def test_sync_window_zero_never_defers_and_resync_clears_deferral():
+    b = lp.Bookkeeper(num_fragments=2, H=2, tokens_per_step=1, window=0)
+    for _ in range(8):
+        for p in b.on_step():
+            _sync(b, p)
+    assert b.counters()["deferred"] == 0 and b.counters()["sent"] == 8
+    w = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1)
+    w.on_step(), w.on_step()
+    _sync(w, 0)
+    w.on_step(), w.on_step()
+    assert w.deferred() == [0]
+    w.on_resync({0: 5})  # evicted while alive: the rounds out are dropped with the local work
+    assert w.deferred() == [] and w.window_open(0)

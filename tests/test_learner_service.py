@@ -200,9 +200,11 @@ def versions_of(hb: dict) -> dict[int, int]:
 
 
 async def _twelve_steps_of_one_learner(nats_server, js, **env) -> list:
-    """A real JAX learner process, H=4 over P=4 fragments for 12 steps; its 15 outer gradients."""
+    """A real JAX learner process, H=4 over P=4 fragments for 12 steps; its 15 outer gradients. No
+    aggregator merges them: the sync window is off (every due sync goes out; the window's own test is
+    test_with_nothing_merged_a_learner_defers_and_its_final_sync_sends_every_step)."""
     proc = await Proc(learner_env(nats_server, mode="async", learner_id="learner-1", sync_every=4, max_steps=12,
-                                  warmup_steps=0, total_steps=100, **env)).start()
+                                  warmup_steps=0, total_steps=100, sync_window=0, **env)).start()
     try:
         assert await proc.wait(60) == 0, "\n".join(proc.err[-20:])
     finally:
@@ -276,9 +278,10 @@ async def test_delta_is_base_minus_theta_exactly(nats_server, js):
     from learner.service import Learner
 
     await bootstrap(js)
-    # step_time leaves every publish time to finish: a fragment still in flight when due is skipped
+    # step_time leaves every publish time to finish: a fragment still in flight when due is skipped;
+    # nothing is merged (no aggregator), so the sync window is off: every due sync goes out
     common, model, cfg = configs(nats_server, sync_every=1, max_steps=5, step_time=0.1, quantiser="fp32",
-                                 error_feedback=False)
+                                 error_feedback=False, sync_window=0)
     learner = Learner(common, model, cfg)
     assert await learner.run() == 0
     grads = await consume_grads(js, 20)
@@ -318,7 +321,7 @@ async def test_the_work_of_a_failed_publish_joins_the_next_outer_gradient(nats_s
 
     monkeypatch.setattr(ChunkPublisher, "publish", flaky)
     common, model, cfg = configs(nats_server, sync_every=1, max_steps=5, step_time=0.1, quantiser="fp32",
-                                 error_feedback=False)
+                                 error_feedback=False, sync_window=0)  # no aggregator: every due sync goes out
     learner = Learner(common, model, cfg)
     assert await learner.run() == 0
     assert len(failed) == 1
@@ -332,6 +335,33 @@ async def test_the_work_of_a_failed_publish_joins_the_next_outer_gradient(nats_s
     for p in range(4):
         np.testing.assert_allclose(total[p], V0[p] - learner.backend.frags[p], rtol=1e-5, atol=1e-6)
     assert learner.unsent == [None] * 4 and not learner._sent
+
+
+async def test_with_nothing_merged_a_learner_defers_and_its_final_sync_sends_every_step(nats_server, js):
+    """The sync window (issue 37) with no aggregator: each fragment's first round goes out, every later
+    due sync is deferred (its round is never merged), the learner says so once, and the final sync
+    sends the rest, so every step of every fragment is still sent exactly once."""
+    from learner.service import Learner
+
+    await bootstrap(js)
+    common, model, cfg = configs(nats_server, sync_every=2, max_steps=10, step_time=0.05, quantiser="fp32",
+                                 error_feedback=False)
+    learner = Learner(common, model, cfg)
+    assert await learner.run() == 0
+    grads = await consume_grads(js, 8)
+    assert len(grads) == 8  # 4 fragments: a first round each, then one final sync each
+    by_frag: dict[int, list] = {}
+    total = {p: np.zeros_like(V0[p], dtype=np.float64) for p in range(4)}
+    for g in grads:
+        by_frag.setdefault(g.meta["frag"], []).append(g.meta)
+        total[g.meta["frag"]] += codec.decode_array(g.blob)
+    for p in range(4):
+        steps = [m["steps"] for m in sorted(by_frag[p], key=lambda m: m["round"])]
+        first = 2 if p in (0, 1) else 1  # offsets floor(p H / P) = 0, 0, 1, 1 (0: first due at H)
+        assert steps == [first, 10 - first], (p, steps)
+        np.testing.assert_allclose(total[p], V0[p] - learner.backend.frags[p], rtol=1e-5, atol=1e-6)
+    c = learner.book.counters()
+    assert c["deferred"] == 4 and learner._told_behind  # one deferral per fragment, said once
 
 
 # -- (b) heartbeats keep flowing during long steps; SIGTERM stops a learner promptly ---------------
