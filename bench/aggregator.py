@@ -11,6 +11,11 @@ learners' default uplink), timed here function by function in one process (no br
   parameters (the ``merged`` log line), the merge record, and a checkpoint (state record and its
   crc32) divided by ``DILOCO_CHECKPOINT_EVERY``.
 
+``trust_cost``: ``merge_step`` of 4 contributions with the trust check off and weighing, at the small
+model's fragment (15k values) and at 1M (issue 37). ``blas_threads``: a norm of 15k values with
+numpy's BLAS threads and with one, while a busy loop runs on every core (why every role runs one
+BLAS thread, ``bus/blas.py``).
+
 ``memcpy_ns_per_value``: ``np.copyto`` of float32 buffers larger than the caches, same run.
 Targets on the 2-core development machine (issue 25): <= 2 ns per value per contribution, <= 6 ns
 per value per version. ``bytes_per_owned_value``: the peak RSS of a child process that holds a
@@ -28,6 +33,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -139,6 +145,58 @@ def hot_path(n: int, reps: int, checkpoint_every: int) -> dict:
     return res
 
 
+def trust_cost(n: int, reps: int, m: int = 4) -> dict:
+    """merge_step of m contributions (two rounds of m/2 learners, as a backlogged merge holds) with the
+    trust check off and weighing: ms per merge and what trust adds (issue 37: it was most of a small
+    fragment's merge)."""
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal(n, dtype=np.float32) * np.float32(0.01)
+    vs = [base * np.float32(1 + 0.1 * i) + rng.standard_normal(n, dtype=np.float32) * np.float32(0.003)
+          for i in range(m)]
+    out = {}
+    for mode in ("off", "weigh"):
+        s = _settings()
+        s = dataclasses.replace(s, trust=dataclasses.replace(s.trust, mode=mode))
+        st = FragmentState.initial(0, 0, rng.standard_normal(n, dtype=np.float32) * np.float32(0.02), s)
+        acc = np.empty(n, np.float32)
+        norms = [l2_norm(v) for v in vs]
+        rnd = [0]
+
+        def one():
+            nonlocal st
+            rnd[0] += 1
+            cs = [Contribution("b", "h", f"l{i % (m // 2)}", "i", 0, 2 * rnd[0] + i // (m // 2), st.version, 12,
+                               12 * 512, vs[i], 12) for i in range(m)]
+            st = merge_step(st, cs, s, norms, m / 2, m // 2, inplace=True, out=acc)
+        one()
+        out[mode] = _best(one, reps) * 1e3
+    return {"n": n, "off_ms": round(out["off"], 3), "weigh_ms": round(out["weigh"], 3),
+            "trust_adds": round(out["weigh"] / out["off"] - 1, 3)}
+
+
+def blas_under_load(n: int = 15_000, reps: int = 200) -> dict:
+    """ms per l2 norm of n float32 values with numpy's BLAS threads as loaded and with one, while a
+    busy loop runs on every core (what the learners' JAX steps do to an aggregator beside them)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    threads = max([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"], default=1)
+    v = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    burners = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 20\nwhile time.time() < t: pass"])
+               for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)
+        with threadpool_limits(limits=threads, user_api="blas"):
+            many = _timed(lambda: [l2_norm(v) for _ in range(reps)]) / reps * 1e3
+        with threadpool_limits(limits=1, user_api="blas"):
+            one = _timed(lambda: [l2_norm(v) for _ in range(reps)]) / reps * 1e3
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    return {"n": n, "threads": threads, "norm_ms_threads": round(many, 4), "norm_ms_one_thread": round(one, 4),
+            "ratio": round(many / max(one, 1e-9), 1)}
+
+
 def child(m: int, n: int) -> None:
     """Hold a fragment (state, keyframe), M buffered contributions decoded from int8, merge in place
     and encode the downlink, as the service does; print the peak RSS."""
@@ -181,6 +239,11 @@ def main() -> None:
     progress(f"memcpy {mc:.3f} ns per float32 value")
     hp = hot_path(n, reps, every)
     progress(str(hp))
+    tc = [trust_cost(k, reps * 4 if k < 100_000 else reps) for k in (15_000, 1_000_000)]
+    for r in tc:
+        progress(f"trust: {r}")
+    bl = blas_under_load()
+    progress(f"BLAS on a busy machine: {bl}")
     mem = [rss(m, n) for m in (1, 4)]
     for r in mem:
         progress(str(r))
@@ -192,6 +255,7 @@ def main() -> None:
         "contribution_over_memcpy": round(hp["ns_per_value_per_contribution"] / mc, 2),
         "version_over_memcpy": round(hp["ns_per_value_per_version"] / mc, 2),
         "memory": mem, "bytes_per_owned_value_m4": mem[-1]["bytes_per_owned_value"],
+        "trust_cost": tc, "blas_threads": bl,
     }, a.out)
 
 

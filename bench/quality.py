@@ -68,19 +68,28 @@ def reuse(path: str | None, env: dict, M: int, steps: int) -> dict | None:
 
 async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = None,
                      variants: tuple[str, ...] = ("defaults", "k1"), corpus: str | None = None,
-                     dp_lrs: tuple[float, ...] = (), slowdown: float = 1.0) -> dict:
+                     dp_lrs: tuple[float, ...] = (), slowdown: float = 1.0, agg_slowdown: float = 1.0,
+                     agg_env: dict | None = None, learner_env: dict | None = None,
+                     keep_logs: str | None = None) -> dict:
     env = settings(quick, steps, corpus)
     runs = {}
     slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
     for v in variants:
         progress(f"decoupled ({v}): M={M} learners x {steps} steps, settings {env} {slow}")
-        dec = await run_learners(env, M, steps, label=f"decoupled {v}", agg=aggregator_settings(v, M),
-                                 learner={**learner_settings(v), **slow})
+        lag = {"DILOCO_AGG_SLOWDOWN": str(agg_slowdown)} if agg_slowdown != 1.0 else {}
+        dec = await run_learners(env, M, steps, label=f"decoupled {v}",
+                                 agg={**aggregator_settings(v, M), **lag, **(agg_env or {})},
+                                 learner={**learner_settings(v), **slow, **(learner_env or {})},
+                                 keep_logs=f"{keep_logs}/{v}" if keep_logs else None)
         progress(f"decoupled ({v}) eval {dec['eval']['eval_loss']:.4f} ({dec['wall_s']} s)")
         agg = dec["aggregator"]
         runs[v] = {"loss": dec["eval"]["eval_loss"], "aggregator": aggregator_settings(v, M),
                    "wall_s": dec["wall_s"], "merges": agg.get("merges"), "rejected": agg.get("rejected"),
                    "staleness_hist": agg.get("staleness_hist"), "versions": agg.get("versions"),
+                   "staleness_max": max((int(k) for k in agg.get("staleness_hist") or {}), default=0),
+                   "agg_busy": agg.get("busy"), "queue_wait_max": agg.get("queue_wait_max"),
+                   "deferred_syncs": [x.get("deferred_syncs") for x in dec["learners"].values()],
+                   "learner_contributions": [x["contributions"] for x in dec["learners"].values()],
                    "learner_steps": [x["step"] for x in dec["learners"].values()],
                    "learner_bytes_received": [x["bytes_received"] for x in dec["learners"].values()],
                    # what the server counted for each learner's connection, both ways (bench.bandwidth)
@@ -102,11 +111,17 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
         r["loss_gap"] = (r["loss"] - b) / b
         r["loss_gap_same_lr"] = (r["loss"] - dp["eval_loss"]) / dp["eval_loss"]
     d = runs[variants[0]]["loss"]
-    return {"M": M, "steps": steps, "settings": env, "slowdown": slowdown, "corpus": corpus or "(stdlib)",
+    return {"M": M, "steps": steps, "settings": env, "slowdown": slowdown, "agg_slowdown": agg_slowdown,
+            "agg_env": agg_env or {}, "learner_env": learner_env or {}, "corpus": corpus or "(stdlib)",
             "params": dp["params"],
             "tokens": dp["tokens"], "tokens_per_param": round(dp["tokens"] / dp["params"], 2),
             "variant": variants[0], "decoupled_loss": d, "dp_loss": b, "dp_best_lr": float(best_lr),
             "dp_sweep": sweep, "loss_gap": (d - b) / b, "decoupled": runs, "dp": dp}
+
+
+def kv(s: str) -> dict:
+    """'K=V,K=V' -> {K: V}."""
+    return dict(x.split("=", 1) for x in s.split(",") if x.strip())
 
 
 def main() -> None:
@@ -124,6 +139,11 @@ def main() -> None:
                         "trip is a smaller share of a step (as with a real model's steps)")
     p.add_argument("--dp-lrs", default="", help="comma-separated peak learning rates for data-parallel too; the best "
                                                 "is the baseline of loss_gap")
+    p.add_argument("--agg-slowdown", type=float, default=1.0,
+                   help="DILOCO_AGG_SLOWDOWN of the aggregator: an aggregator this many times slower (a lagging one)")
+    p.add_argument("--agg-env", default="", help="extra aggregator settings, K=V,K=V (e.g. DILOCO_TRUST=off)")
+    p.add_argument("--learner-env", default="", help="extra learner settings, K=V,K=V")
+    p.add_argument("--keep-logs", default=None, help="copy every process's log to this folder (one per variant)")
     a = p.parse_args()
     steps = a.steps or (80 if a.quick else 300)
     if a.corpus:
@@ -134,7 +154,7 @@ def main() -> None:
     lrs = tuple(float(x) for x in a.dp_lrs.split(",") if x.strip())
     variants = a.variants or ("defaults" if a.quick and a.steps is None else "defaults,k1")
     r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(variants.split(",")), a.corpus, lrs,
-                               a.slowdown))
+                               a.slowdown, a.agg_slowdown, kv(a.agg_env), kv(a.learner_env), a.keep_logs))
     finish({"bench": "quality", "quick": a.quick, **r}, a.out)
 
 

@@ -66,8 +66,10 @@ class Cluster:
     adds per-process ones.
     """
 
-    def __init__(self, run: str = "bench", env: dict | None = None, metrics_interval: float = 0.5):
+    def __init__(self, run: str = "bench", env: dict | None = None, metrics_interval: float = 0.5,
+                 keep_logs: str | None = None):
         self.run = run
+        self.keep_logs = keep_logs  # a folder the processes' logs are copied to at the end
         self.shared = {"DILOCO_METRICS_INTERVAL": str(metrics_interval), "DILOCO_LOG_LEVEL": "warning",
                        **(env or {})}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -105,6 +107,13 @@ class Cluster:
         except Exception:
             pass
         self.close_servers()
+        if self.keep_logs:
+            import shutil
+
+            os.makedirs(self.keep_logs, exist_ok=True)
+            for f in os.listdir(self.dir):
+                if f.endswith(".log"):
+                    shutil.copy(os.path.join(self.dir, f), os.path.join(self.keep_logs, f))
         self._tmp.cleanup()
 
     def close_servers(self) -> None:
@@ -308,7 +317,7 @@ def learner_settings(variant: str) -> dict:
 async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg: dict | None = None,
                        learner: dict | None = None, per_learner: dict[int, dict] | None = None,
                        sample_connz: bool = False, evaluate: bool = True, timeout: float = 900.0,
-                       label: str = "", monitor: bool = False) -> dict:
+                       label: str = "", monitor: bool = False, keep_logs: str | None = None) -> dict:
     """An aggregator (its defaults unless ``agg`` says otherwise) and M learners
     ``learner-<i>`` that each run ``steps`` inner steps and exit; then the held-out loss of the
     global model. No monitor (DILOCO_REQUIRE_MEMBERSHIP=false) unless ``monitor``: then one with
@@ -321,7 +330,7 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
     names = [f"learner-{i}" for i in range(M)]
     agg = dict(agg or {})  # the aggregator's defaults unless told
     hb = {"DILOCO_HEARTBEAT_INTERVAL": "0.5"} if monitor else {}
-    async with Cluster(run, env) as c:
+    async with Cluster(run, env, keep_logs=keep_logs) as c:
         c.start("aggregator", "aggregator", DILOCO_REQUIRE_MEMBERSHIP="true" if monitor else "false", **agg)
         if monitor:
             c.start("monitor", "monitor", DILOCO_SUSPECT_AFTER="5", DILOCO_EVICT_AFTER="10", DILOCO_KV_REFRESH="1", **hb)
@@ -363,6 +372,7 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
                 "step": m.get("step"), "loss": m.get("loss"), "step_seconds_total": m.get("step_seconds_total"),
                 "bytes_sent": m.get("bytes_sent"), "bytes_received": m.get("bytes_received"),
                 "contributions": m.get("contributions"), "skipped_syncs": m.get("skipped_syncs"),
+                "deferred_syncs": m.get("deferred_syncs"),
                 "period": m.get("period"),
                 "blocked_s": m.get("blocked_s"), "connz_in": i_b, "connz_out": o_b,
                 "peak_Bps": round(c.peak_rate(f"learner-{n}"), 1) if sample_connz else None,
