@@ -108,7 +108,7 @@ class IslandCore:
         if cfg.final_sync and not self._halt.is_set():
             await self._final_sync()
         c = self.book.counters()
-        self.log.info("training_done", step=self.book.step, halted=self._halt.is_set(), deferred_syncs=c["deferred"],
+        self.log.info("training_done", step=self.book.step, halted=self._halt.is_set(), deferred_syncs=c["deferred"], window_valve=c["valve"],
                       steps_per_sync=round(self.book.steps_sent / max(1, self.book.contributions), 2))
 
     def _tell_behind(self) -> None:

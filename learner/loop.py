@@ -346,6 +346,7 @@ class Bookkeeper:
             "sent": sum(f.sent for f in self.frags),
             "skipped": sum(f.skipped for f in self.frags),
             "deferred": sum(f.deferred for f in self.frags),
+            "valve": self.valve_opened,
             "failed": sum(f.failed for f in self.frags),
         }
 

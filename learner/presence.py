@@ -285,7 +285,7 @@ class Presence:
             "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),
             "quant_error": self.quant_error, "contributions": self.book.contributions,
             "steps_sent": self.book.steps_sent, "period": self.book.period,
-            "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
+            "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "window_valve": c["valve"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
             "rejected_globals": {**self.rejected_globals,
                                  **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
