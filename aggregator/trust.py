@@ -16,7 +16,7 @@ its learner's current trust t_j, so a distrusted learner is nobody's reference).
 contribution carries no evidence (the fragment's momentum is no reference: one learner's
 consecutive outer gradients are as often opposed as aligned), and its learner's score from earlier
 merges sets its weight. ``a_i`` is taken on a fixed strided
-sample of at most ``SAMPLE`` coordinates (the cosine of two dense vectors to about 1/sqrt(SAMPLE)).
+sample of at most ``SAMPLE`` coordinates, read as runs of ``RUN`` consecutive values (the cosine of two dense vectors to about 1/sqrt(SAMPLE)).
 It is normalised by the typical agreement of trusted contributions to the fragment (the median of
 the last ``HISTORY`` of them; of the merge itself before that): ``z_i = a_i / typical``, about 1
 for an honest learner whatever the phase of training, about 0 for a random direction, about -1 for

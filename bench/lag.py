@@ -17,7 +17,7 @@ contribution, the aggregator's busy share, and the wall time. Targets (issue 37)
 
     python -m bench.lag --out lag.json                        (lags 1,2,4,10; 2,400 steps; ~15 min)
     python -m bench.lag --lags 1,10 --learner-env DILOCO_SYNC_WINDOW=0   (the window off: the failure)
-    python -m bench.lag --quick                               (lags 1 and 10, 240 steps, no baselines)
+    python -m bench.lag --quick                               (lags 1 and 10, 160 steps, no baselines)
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from bench.quality import kv, settings
 from bench.runs import run_learners
 
 
-async def one(env: dict, M: int, steps: int, lag: float, agg_env: dict, learner_env: dict) -> dict:
+async def one(env: dict, M: int, steps: int, lag: float, agg_env: dict, learner_env: dict,
+              final_wait: str = "10") -> dict:
     agg = {**({"DILOCO_AGG_SLOWDOWN": str(lag)} if lag != 1.0 else {}), **agg_env}
     dec = await run_learners(env, M, steps, label=f"lag {lag:g}x", agg=agg,
-                             learner={"DILOCO_FINAL_WAIT": "10", **learner_env})
+                             learner={"DILOCO_FINAL_WAIT": final_wait, **learner_env})
     a = dec["aggregator"]
     hist = a.get("staleness_hist") or {}
     ls = list(dec["learners"].values())
@@ -58,7 +59,7 @@ async def main_async(quick: bool, steps: int, M: int, lags: list[float], agg_env
     rows = []
     for lag in lags:
         progress(f"lag {lag:g}x: M={M} x {steps} steps")
-        r = await one(env, M, steps, lag, agg_env, learner_env)
+        r = await one(env, M, steps, lag, agg_env, learner_env, "3" if quick else "10")
         progress(f"lag {lag:g}x: loss {r['loss']:.4f}, staleness <= {r['staleness_max']}, refused {r['rejected']}, "
                  f"deferred {r['deferred_syncs']}, {r['wall_s']} s")
         rows.append(r)
@@ -90,7 +91,7 @@ def main() -> None:
     p.add_argument("--learner-env", default="", help="extra learner settings, K=V,K=V")
     p.add_argument("--no-baselines", action="store_true", help="skip data-parallel and one learner alone")
     a = p.parse_args()
-    steps = a.steps or (240 if a.quick else 2400)
+    steps = a.steps or (160 if a.quick else 2400)
     lags = [float(x) for x in (a.lags or ("1,10" if a.quick else "1,2,4,10")).split(",") if x.strip()]
     r = asyncio.run(main_async(a.quick, steps, a.M, lags, kv(a.agg_env), kv(a.learner_env),
                                not (a.no_baselines or a.quick)))
