@@ -2,10 +2,12 @@
 
 numpy's OpenBLAS starts a thread per core for a dot product or a norm of a few thousand values. On a
 machine whose cores are busy (the learners' JAX steps beside an aggregator, ``diloco up``, a CI
-runner), those threads wait for each other to be scheduled: a norm of 15,000 values took 1.9 ms
-instead of 6 us (bench.aggregator, ``blas_threads``), and the trust check's norms made the aggregator
-too slow for its learners (issue 37). The roles' vector work is memory-bound and single-threaded
-anyway (numpy ufuncs), so one BLAS thread costs nothing where the cores are free.
+runner), those threads wait for each other to be scheduled: a float64 norm of 15,000 values took 1.9 ms
+instead of 6 us beside two learners and a benchmark (once, by hand), and 0.20 ms instead of 4 us
+beside four JAX processes (``bench.aggregator``, ``blas_threads``; 1.7x beside two): the trust check's
+norms made the aggregator too slow for its learners (issue 37). The roles' vector work is
+memory-bound and single-threaded anyway (numpy ufuncs), so one BLAS thread costs nothing where the
+cores are free.
 
 ``threadpoolctl`` sets the limit on the BLAS library numpy has loaded, whichever it is, after
 import (an environment variable works only before numpy is loaded). A user's own choice wins: with
