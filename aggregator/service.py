@@ -381,7 +381,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                             pass
 
     def _busy(self, t0: float) -> None:
-        """Count the work since ``t0`` in the busy share; with DILOCO_SLOWDOWN > 1 (benchmarks and
+        """Count the work since ``t0`` in the busy share; with DILOCO_AGG_SLOWDOWN > 1 (benchmarks and
         tests: an aggregator too slow for its run), block the loop for (slowdown - 1) times it, as a
         slower CPU would (intake and merging both stall)."""
         dt = time.monotonic() - t0
