@@ -46,14 +46,18 @@ class Setup:
 
     def shard(self, m: int, incarnation: str | None = None):
         """Learner m's sampler: bench.dp's (so dp and the learners see the same data), or with an
-        ``incarnation`` the one ``diloco learner`` process ``learner-<m>`` of it uses."""
-        from learner.loop import batch_seed
+        ``incarnation`` the one ``diloco learner`` process ``learner-<m>`` of it uses (resuming, as
+        by default, its seed is the learner id's: ``learner.loop.sampler_seed``)."""
+        from learner.loop import sampler_seed
 
         seed = (self.cfg.data_seed * 1_000_003 + m if incarnation is None
-                else batch_seed(self.cfg.data_seed, f"learner-{m}", incarnation))
+                else sampler_seed(self.cfg.data_seed, f"learner-{m}", incarnation, resume=True))
         return self.corpus.shard(m, self.cfg.M, self.spec.seq_len, seed)
 
     def learner_batches(self, m: int, incarnation: str | None = None):
+        """bench.dp's stream, or (an ``incarnation``: a system run replayed) the learner's, by step."""
+        if incarnation is not None:
+            return _by_step(self.shard(m, incarnation), self.cfg.batch)
         return _forever(self.shard(m, incarnation), self.cfg.batch)
 
     def dp_batches(self):
@@ -163,6 +167,13 @@ class TreeSetup:
 def _forever(shard, b: int):
     while True:
         yield shard.batch(b)
+
+
+def _by_step(shard, b: int):
+    step = 0
+    while True:
+        yield shard.batch_at(step, b)
+        step += 1
 
 
 def _dp_batches(shards, b: int):

@@ -18,14 +18,15 @@ cannot fill the disk:
   of a handful of subjects) whatever the model, or an explicit ``DILOCO_STREAM_MAX_BYTES`` if smaller.
 * KV buckets: ``members`` 64 MiB (a bucket refuses new writes when full: a record per learner
   with its versions per fragment, 5 revisions each), ``lease`` 1 MiB, ``run`` twice the
-  connection's ``max_payload`` (the manifest is one message of at most that), 16 MiB by default.
+  connection's ``max_payload`` (the manifest is one message of at most that), 16 MiB by default;
+  ``progress`` 2 MiB (a record of ~300 bytes with its overhead per learner id: some 7,000 ids).
 
 **What a run reserves.** nats-server *reserves* every stream's ``max_bytes`` against its
 ``max_file_store`` when the stream is created, however little it holds; a stream it cannot
 reserve is refused (:class:`StorageUnavailable`, one line naming ``diloco run list`` /
 ``diloco run delete`` and what the account's streams reserve). So the limits are as small as the
-run allows: a 10k-parameter run reserves 337 MiB (the floors; 4.3 GiB before), a 1M-parameter
-one 375 MiB, so some 55 such runs fit a default ``diloco nats`` (20 GiB; 4 did before).
+run allows: a 10k-parameter run reserves 339 MiB (the floors; 4.3 GiB before), a 1M-parameter
+one 377 MiB, so some 55 such runs fit a default ``diloco nats`` (20 GiB; 4 did before).
 ``diloco run list`` shows each run's stored and reserved bytes; ``diloco run delete`` frees a
 finished run's reservation.
 
@@ -79,7 +80,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from bus.server import DEFAULT_MAX_FILE_STORE
 from bus.subjects import GLOBAL, STATE, Subjects
 
-KV_KINDS = ("members", "lease", "run")
+KV_KINDS = ("members", "lease", "run", "progress")
 MIB = 1024 * 1024
 #: the smallest byte limit of a run's data stream (GLOBAL, STATE, GRAD), and what one gets from a
 #: process that does not know the run's size (``Limits()``, ``Limits.from_config``: the monitor)
@@ -90,8 +91,9 @@ DEFAULT_MAX_BYTES = MIN_STREAM_BYTES
 EVENTS_MAX_BYTES = 64 * MIB
 #: KV buckets. A KV bucket discards *new* writes when full, so ``members`` keeps its 64 MiB (a
 #: record per learner with its versions per fragment, 5 revisions each); ``run`` is at least
-#: twice the connection's max_payload (the manifest is one message)
-KV_MAX_BYTES = {"members": 64 * MIB, "lease": 1 * MIB, "run": 16 * MIB}
+#: twice the connection's max_payload (the manifest is one message); ``progress`` a ~250-byte record
+#: per learner id, one revision (``bus.progress``)
+KV_MAX_BYTES = {"members": 64 * MIB, "lease": 1 * MIB, "run": 16 * MIB, "progress": 2 * MIB}
 #: per fragment and version, beyond its float32 values: codec and chunk headers, the head
 PER_VERSION_OVERHEAD = 64 * 1024
 #: the aggregator's state of a fragment: parameters and up to two optimizer arrays of the same

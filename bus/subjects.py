@@ -19,7 +19,8 @@ subject                              carried by       what
 ===================================  ===============  ==================================================
 
 KV buckets: ``diloco_R_members`` (membership, written only by the monitor), ``diloco_R_lease``
-(monitor leader lease), ``diloco_R_run`` (run manifest: model spec, fragment plan).
+(monitor leader lease), ``diloco_R_run`` (run manifest: model spec, fragment plan),
+``diloco_R_progress`` (each learner id's progress record, written by that learner: ``bus.progress``).
 """
 
 from __future__ import annotations

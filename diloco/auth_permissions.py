@@ -22,7 +22,7 @@ INBOX = "_INBOX.>"
 ROLES = ("admin", "aggregator", "monitor", "evaluator", "metrics", "learner")
 #: Fixed users, one per role (learners get ``learner-<id>``).
 SERVICE_USERS = ("admin", "aggregator", "monitor", "evaluator", "metrics")
-KV_KINDS = ("members", "lease", "run")
+KV_KINDS = ("members", "lease", "run", "progress")
 LEASE_KEY = "leader"  # monitor.lease.LEASE_KEY (not imported: keep this module free of role code)
 CONF_NAME = "nats-auth.conf"
 LEAF_CONF_NAME = "nats-auth-leaf.conf"
@@ -150,8 +150,9 @@ def _provision(s: Subjects) -> list[str]:
 
 
 def learner_permissions(run: str, learner: str) -> Permissions:
-    """A learner: its own gradients, heartbeats and metrics; reads global versions, the manifest and
-    its own membership record (plus the members bucket as a whole through the watch: see docs)."""
+    """A learner: its own gradients, heartbeats, metrics and progress record (``bus.progress``: read
+    and written); reads global versions, the manifest and its own membership record (plus the
+    members bucket as a whole through the watch: see docs)."""
     s = Subjects(run)
     check_token("learner", learner)
     pub = [
@@ -164,6 +165,8 @@ def learner_permissions(run: str, learner: str) -> Permissions:
         *_kv_read(s, "run", MANIFEST_KEY),
         *_kv_read(s, "members", learner),
         *_watch(kv_stream(s, "members")),
+        kv_subject(s, "progress", learner),
+        *_kv_read(s, "progress", learner),
     ]
     return Permissions(_uniq(pub), (s.feedback(learner), INBOX))
 
@@ -247,6 +250,7 @@ def metrics_permissions(run: str) -> Permissions:
         *_kv_read(s, "members"),
         *_kv_read(s, "lease"),
         *_kv_read(s, "run"),
+        *_kv_read(s, "progress"),
         *_watch(kv_stream(s, "members")),
     ]
     return Permissions(_uniq(pub), (s.metrics_all, s.events_all, INBOX))

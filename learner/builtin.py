@@ -47,21 +47,28 @@ async def create_builtin_run(js, common: CommonConfig, model: ModelConfig, log=N
                             provision=provision)
 
 
-def builtin_backend(spec: ModelSpec, plan: FragmentPlan, cfg, shard):
+def builtin_backend(spec: ModelSpec, plan: FragmentPlan, cfg, shard, start_step: int = 0):
     """``diloco learner``'s compute: the island library's run-it-for-me backend
     (``learner.backends.TrainBackend``) with the built-in transformer's jitted AdamW step (it
-    donates its inputs), its optimizer (``learner.inner``) and batches of this learner's shard."""
+    donates its inputs), its optimizer (``learner.inner``) and batches of this learner's shard.
+
+    ``start_step``: a learner resumed at that step (``bus.progress``) gets the schedule's rate of
+    that step (a fresh AdamW, re-warmed over DILOCO_RESUME_WARMUP steps) and the batches a learner
+    that never stopped would draw from there on (``TokenShard.batch_at``)."""
     from learner.backends import TrainBackend
     from learner.inner import make_optimizer, make_train_step
     from learner.loop import params_from_fragments
     from learner.model import to_jax
 
     optimizer = make_optimizer(cfg.lr_for(spec.d_model), cfg.warmup, cfg.total_steps,
-                               weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
+                               weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None,
+                               start_step=start_step, rewarm_steps=cfg.resume_warmup if start_step else 0)
 
     def batches():
+        step = start_step
         while True:
-            yield shard.batch(cfg.batch_size)
+            yield shard.batch_at(step, cfg.batch_size)
+            step += 1
 
     return TrainBackend(make_train_step(spec, optimizer, donate=True), batches(), builtin_tree(spec), plan,
                         build=lambda vectors: to_jax(params_from_fragments(plan, vectors)), init_opt=optimizer.init)

@@ -125,6 +125,12 @@ class LearnerConfig:
     data: str = var("", text(), "corpus: empty = Python stdlib sources; a text file/folder; or a uint16 .bin")
     data_max_bytes: int = var(8 * 1024 * 1024, integer(1024), "bytes of the corpus to load")
     data_seed: int = var(0, integer(0, 2**31 - 1), "seed of this learner's batch sampling")
+    resume: bool = var(True, boolean(),
+                       "a learner started with an id that trained in this run before resumes where the run holds its "
+                       "work: step, learning-rate schedule, remaining budget, data position (false: start over)")
+    resume_warmup: int = var(0, integer(0, 1_000_000),
+                             "a resumed learner's fresh AdamW: ramp its learning rate up linearly over this many steps "
+                             "(0: at once, at the schedule's rate for its step)")
     shard_index: int = var(-1, integer(-1), "this learner's data shard (-1: derived from DILOCO_LEARNER_ID)")
     num_shards: int = var(0, integer(0), "data shards (0: DILOCO_NUM_LEARNERS)")
     num_learners: int = var(4, integer(1, 100_000), "learners expected in the run (for data sharding)")

@@ -222,6 +222,8 @@ class IslandCore:
                 sent = np.array(codec.decode_array(sent_blob), dtype=np.float32).reshape(-1)
                 self.unsent[p] = sent if self.unsent[p] is None else self.unsent[p] + sent
             self.book.end_sync(c, ok)
+            if ok:
+                self._progress_moved()
         return ok
 
     async def _sync_wait(self, waits: list) -> None:

@@ -194,18 +194,32 @@ class TokenShard:
                 f"{seq_len + 1}; use fewer learners, a shorter seq_len or a bigger corpus"
             )
         self.tokens, self.lo, self.hi, self.seq_len = tokens, lo, hi, seq_len
-        self.vocab_size, self.source, self.index = vocab_size, source, index
+        self.vocab_size, self.source, self.index, self.seed = vocab_size, source, index, seed
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(index,))))
 
     def __len__(self) -> int:
         return self.hi - self.lo
 
     def batch(self, batch_size: int) -> np.ndarray:
-        """int32 [batch_size, seq_len + 1]; starts uniform over the shard's valid positions."""
+        """int32 [batch_size, seq_len + 1]; starts uniform over the shard's valid positions (one
+        Generator for the shard's whole stream; :meth:`batch_at` is the learner's, by step)."""
+        return self._draw(self.rng, batch_size)
+
+    def batch_at(self, step: int, batch_size: int) -> np.ndarray:
+        """The batch of inner step ``step`` (0-based): a function of (seed, index, step) alone, so a
+        learner restarted at step S draws exactly the batches one that never stopped would have
+        drawn from S on, and none it trained on before (``bus.progress``). Its own Generator per
+        step (``SeedSequence(seed, spawn_key=(index, step))``, ~20 us)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=(self.index, int(step)))))
+        return self._draw(rng, batch_size)
+
+    def _draw(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         length = self.seq_len + 1
-        starts = self.lo + self.rng.integers(0, self.hi - self.lo - length + 1, size=batch_size)
+        starts = self.lo + rng.integers(0, self.hi - self.lo - length + 1, size=batch_size)
         return _windows(self.tokens, starts, length, self.vocab_size, self.source)
 
 

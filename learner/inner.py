@@ -23,6 +23,7 @@ from functools import partial
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from learner.model import loss_fn
@@ -33,10 +34,16 @@ EvalFn = Callable[[dict, jax.Array], jax.Array]
 
 
 def make_schedule(
-    lr: float, warmup_steps: int, total_steps: int, end_lr_fraction: float = 0.1
+    lr: float, warmup_steps: int, total_steps: int, end_lr_fraction: float = 0.1, start_step: int = 0,
+    rewarm_steps: int = 0,
 ) -> optax.Schedule:
     """Linear warm-up 0 -> lr over ``warmup_steps``, then cosine lr -> end_lr_fraction * lr
-    reaching the end value at ``total_steps`` (which counts the warm-up)."""
+    reaching the end value at ``total_steps`` (which counts the warm-up).
+
+    ``start_step``: the schedule of a learner resumed at that step (``bus.progress``): update t of
+    its fresh optimizer gets the rate of step ``start_step + t``. ``rewarm_steps``: the resumed
+    rate is further scaled by ``min(1, (t + 1) / rewarm_steps)`` (a short warm-up for the fresh
+    AdamW moments; 0: none)."""
     if lr <= 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if warmup_steps < 0 or total_steps < 1:
@@ -45,13 +52,25 @@ def make_schedule(
         raise ValueError(f"warmup_steps ({warmup_steps}) must be < total_steps ({total_steps})")
     if not 0.0 <= end_lr_fraction <= 1.0:
         raise ValueError(f"end_lr_fraction must be in [0, 1], got {end_lr_fraction}")
-    return optax.warmup_cosine_decay_schedule(
+    if start_step < 0 or rewarm_steps < 0:
+        raise ValueError(f"need start_step >= 0 and rewarm_steps >= 0, got {start_step}, {rewarm_steps}")
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=lr,
         warmup_steps=warmup_steps,
         decay_steps=total_steps,
         end_value=lr * end_lr_fraction,
     )
+    if start_step == 0 and rewarm_steps == 0:
+        return base
+
+    def resumed(count):
+        rate = base(count + start_step)
+        if rewarm_steps > 0:
+            rate = rate * jnp.minimum(1.0, (count + 1) / rewarm_steps)
+        return rate
+
+    return resumed
 
 
 def _decay_mask(params: dict) -> dict:
@@ -68,8 +87,11 @@ def make_optimizer(
     b1: float = 0.9,
     b2: float = 0.95,
     end_lr_fraction: float = 0.1,
+    start_step: int = 0,
+    rewarm_steps: int = 0,
 ) -> optax.GradientTransformation:
-    """clip_by_global_norm(clip_norm) then AdamW on ``make_schedule(...)``.
+    """clip_by_global_norm(clip_norm) then AdamW on ``make_schedule(...)`` (``start_step`` and
+    ``rewarm_steps``: a resumed learner's schedule, see there).
 
     ``clip_norm=None`` (or 0) disables clipping. Weight decay is decoupled (AdamW) and masked
     to tensors with ndim >= 2. If the loss spikes after a global merge, lower ``clip_norm``
@@ -79,7 +101,7 @@ def make_optimizer(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     if clip_norm is not None and clip_norm < 0:
         raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm}")
-    schedule = make_schedule(lr, warmup_steps, total_steps, end_lr_fraction)
+    schedule = make_schedule(lr, warmup_steps, total_steps, end_lr_fraction, start_step, rewarm_steps)
     adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=_decay_mask)
     if not clip_norm:
         return adamw

@@ -57,14 +57,21 @@ def derive_shard(learner_id: str, num_shards: int, configured: int = -1) -> int:
     return zlib.crc32(learner_id.encode()) % num_shards
 
 
-def batch_seed(data_seed: int, learner_id: str, incarnation: str) -> int:
-    """Seed of a learner's batch sampler: differs per learner and per process start.
-
-    A restarted learner (new incarnation) must not replay the batches of its previous life, so
-    the incarnation is mixed in. 31-bit non-negative.
-    """
+def batch_seed(data_seed: int, learner_id: str, incarnation: str = "") -> int:
+    """Seed of a learner's batch sampler: differs per learner (and per process start when an
+    ``incarnation`` is mixed in). 31-bit non-negative."""
     h = zlib.crc32(f"{int(data_seed)}/{learner_id}/{incarnation}".encode())
     return (int(data_seed) * 1_000_003 + h) % (2**31 - 1)
+
+
+def sampler_seed(data_seed: int, learner_id: str, incarnation: str, resume: bool) -> int:
+    """The seed ``diloco learner`` samples its batches with (``TokenShard.batch_at``, by step).
+
+    Resuming (DILOCO_RESUME, the default): the learner id's alone, so a process restarted at step S
+    draws the batches of steps S, S+1, ... that the one before it would have drawn, and never those
+    it trained on. Not resuming, the incarnation is mixed in: a restart starts its steps at 0
+    again, and must not replay the batches of its previous life."""
+    return batch_seed(data_seed, learner_id, "" if resume else incarnation)
 
 
 # -- per-fragment counters and versions -----------------------------------------------------------
@@ -110,12 +117,23 @@ class Contribution:
     # the share of a round of work the contribution holds (the outer optimizer ``rounds``)
 
 
+def _due_after(first: int, H: int, step: int) -> int:
+    """The first of ``first, first + H, first + 2H, ...`` that is after ``step``."""
+    return first if step < first else first + ((step - first) // H + 1) * H
+
+
 class Bookkeeper:
     """Counters, rounds, versions and the sync schedule of one learner (see module docstring)."""
 
-    def __init__(self, num_fragments: int, H: int, tokens_per_step: int, staggered: bool = True, window: int = 0):
+    def __init__(self, num_fragments: int, H: int, tokens_per_step: int, staggered: bool = True, window: int = 0,
+                 start_step: int = 0):
+        """``start_step``: steps of this learner id the run holds already (a restarted learner resumes
+        there, ``bus.progress``): the step counter, tokens and sync schedule continue from it."""
         if tokens_per_step < 0:
             raise ValueError(f"tokens_per_step must be >= 0, got {tokens_per_step}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.start_step = int(start_step)
         self.H = int(H)
         # staggered (Streaming DiLoCo): offset_p = floor(p H / P). Not staggered (synchronous
         # DiLoCo): every fragment every H steps. Synchronous learners must not stagger: two learners
@@ -124,7 +142,8 @@ class Bookkeeper:
         # the schedule as the next step each fragment is due (first: offset_p, or H for offset 0),
         # so the period can change while running (Dynamic Local Updates, :meth:`set_period`)
         self.period = self.H
-        self._next_due = [off if off >= 1 else self.H for off in self.offsets]
+        # (resumed: the first due step after start_step in the same phase, as if it never stopped)
+        self._next_due = [_due_after(off if off >= 1 else self.H, self.H, self.start_step) for off in self.offsets]
         self.tokens_per_step = int(tokens_per_step)
         # the sync window (issue 37): at most ``window`` rounds of a fragment sent and not yet merged
         # into this learner's base; a sync due while more are out is deferred (0: never)
@@ -132,8 +151,10 @@ class Bookkeeper:
         self.valve_opened = 0
         self.deferrals = 0  # syncs deferred so far, all fragments  # deferrals ended by the valve (no merge seen for VALVE_PERIODS periods)
         self.frags = [FragmentBook() for _ in range(num_fragments)]
-        self.step = 0  # inner steps completed by this process
-        self.tokens = 0  # tokens trained on by this process
+        self.step = self.start_step  # inner steps of this learner id (this process's and those resumed)
+        self.tokens = self.start_step * self.tokens_per_step  # tokens of those steps
+        self.sent_step = self.start_step  # the step of the newest outer gradient published (its work is the run's)
+        self._sync_steps: dict[tuple[int, int], int] = {}  # (fragment, round) in flight -> step it was taken at
         self.step_seconds_total = 0.0  # seconds spent in inner steps (slowdown included)
         self.contributions = 0  # outer gradients published successfully
         self.steps_sent = 0  # inner steps carried by those contributions
@@ -232,6 +253,7 @@ class Bookkeeper:
             f.skipped += 1
             return None
         c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens, self.period)
+        self._sync_steps[(p, c.round)] = self.step
         f.next_round += 1
         f.steps = f.tokens = 0
         f.inflight = True
@@ -246,7 +268,10 @@ class Bookkeeper:
         """A publish finished. A failed one gives its counters back (the work is still in theta)."""
         f = self.frags[c.fragment]
         f.inflight = False
+        at = self._sync_steps.pop((c.fragment, c.round), None)
         if ok:
+            if at is not None:
+                self.sent_step = max(self.sent_step, at)
             f.sent += 1
             f.last_contrib_base = c.base_version
             self.contributions += 1

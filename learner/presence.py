@@ -287,6 +287,7 @@ class Presence:
             "steps_sent": self.book.steps_sent, "period": self.book.period,
             "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "window_valve": c["valve"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
+            "start_step": self.book.start_step, "sent_step": self.book.sent_step, "restarts": self.resume.restarts,
             "rejected_globals": {**self.rejected_globals,
                                  **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
             "versions": {str(p): v for p, v in self.book.versions().items()},

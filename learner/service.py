@@ -60,6 +60,8 @@ from learner.config import LearnerConfig, ModelConfig
 from learner.core import IslandCore
 from learner.fate import WorkLedger
 from learner.presence import Presence
+from learner.progress import ProgressKeeper
+from bus.progress import resume_from
 from learner.startup import (EXIT_ERROR, EXIT_MISMATCH, EXIT_OK, BuiltinModel, StartupError, check_geometry,
                              close_quietly, connect_until, fetch_newest, global_reader, join_run_model,
                              peak_rss_mib, start_unless_halted)
@@ -89,11 +91,17 @@ class Learner(IslandCore, Presence):
         self.s = Subjects(common.run)
         self.log = get_logger(component="learner", incarnation=self.incarnation)
         self.tokens_per_step = self.run_model.tokens_per_step
-        self.book = lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync",
-                                  window=cfg.sync_window if cfg.mode != "sync" else 0)
+        self.book = self._new_book(0)
         self.num_shards = cfg.num_shards or cfg.num_learners
         self.shard_index = lp.derive_shard(self.id, self.num_shards, cfg.shard_index)
-        self.seed = lp.batch_seed(cfg.data_seed, self.id, self.incarnation)
+        self.seed = lp.sampler_seed(cfg.data_seed, self.id, self.incarnation, cfg.resume)
+        # this learner id's progress in the run (bus.progress): read at start, written while training;
+        # the step budget is ours for the built-in model, an island's loop decides its own
+        self.budget = cfg.steps_to_run if isinstance(self.run_model, BuiltinModel) else None
+        self.progress: ProgressKeeper | None = None
+        self.resume = resume_from(None, self.budget)
+        self.nothing_left = False  # resumed with the whole budget trained already
+        self._progress_due = asyncio.Event()
         self.base: list[np.ndarray | None] = [None] * self.P
         self.residual: list[np.ndarray | None] = [None] * self.P
         self.unsent: list[np.ndarray | None] = [None] * self.P  # work of failed publishes
@@ -137,6 +145,11 @@ class Learner(IslandCore, Presence):
         self._publishes: set[asyncio.Task] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"inner-{self.id}")
 
+    def _new_book(self, start_step: int) -> lp.Bookkeeper:
+        cfg = self.cfg
+        return lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync",
+                             window=cfg.sync_window if cfg.mode != "sync" else 0, start_step=start_step)
+
     # -- running ------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
@@ -148,15 +161,19 @@ class Learner(IslandCore, Presence):
                                              f"diloco learner {self.id}")
             if code is not None:
                 return code
+            if self.nothing_left:
+                return EXIT_OK
             beats = asyncio.create_task(self._heartbeats())
             await self._follow_feedback()
             tasks += [beats] + [asyncio.create_task(c) for c in (
-                self._metrics_loop(), self._follow_globals(), self._follow_membership(), self._advise_loop())]
+                self._metrics_loop(), self._follow_globals(), self._follow_membership(), self._advise_loop(),
+                self._keep_progress())]
             if self.cfg.dynamic_h:
                 tasks.append(asyncio.create_task(self._follow_rates()))
             await self._wait_for_peers()
             await self._train()
             await self._drain()
+            await self._save_progress()
             await self._leave(beats)
             await self._await_fate()
             await self._publish_metrics()
@@ -221,6 +238,9 @@ class Learner(IslandCore, Presence):
                 self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
         d_model = self.run_model.spec.d_model if isinstance(self.run_model, BuiltinModel) else None
         check_geometry(manifest, self.cfg.lr_for(d_model), self.tokens_per_step)
+        await self._resume()
+        if self.nothing_left:
+            return
         self.store.local = self.run_model.initial_blob(manifest)
         try:
             vectors, versions = await fetch_newest(self.store, self.plan, deadline, self.log)
@@ -245,6 +265,76 @@ class Learner(IslandCore, Presence):
         self.log.info("joined", versions=versions, params=self.run_model.num_params,
                       memory_mib=round(self.memory()["total"] / 2**20, 2))
 
+    async def _resume(self) -> None:
+        """Read this learner id's progress record and continue where the run holds its work: the
+        step counter and sync schedule (the book), the learning-rate schedule and data position
+        (the backend, made after this), the remaining budget. Told in one line, ``resumed``."""
+        self.progress = ProgressKeeper(self.js, self.common.run, self.id, self.incarnation, self.budget, self.log)
+        record = await self.progress.load()
+        self.resume = r = resume_from(record, self.budget, self.cfg.resume)
+        self.progress.adopt(r)
+        if r.start_step:
+            self.book = self._new_book(r.start_step)
+        await self.progress.write(r.start_step, r.start_step, done=r.remaining == 0, force=True)
+        if record is None:
+            return
+        where = dict(step=r.start_step, restarts=r.restarts, lost_steps=r.lost, lost_total=r.lost_total,
+                     previous=r.previous, remaining=r.remaining, budget=self.budget, data_step=r.start_step,
+                     **self._schedule_at(r.start_step))
+        if not self.cfg.resume:
+            self.log.warning("restarted_over", **where, message=f"learner id {self.id} trained to step {record.step} "
+                             "in this run before; DILOCO_RESUME=false: this process starts its steps, schedule, budget "
+                             "and data over at step 0")
+            return
+        if r.remaining == 0:
+            self.nothing_left = True
+            msg = (f"learner id {self.id} has trained its whole budget of {self.budget} steps in run "
+                   f"{self.common.run} already: nothing left to train (DILOCO_RESUME=false trains it again)")
+            self.log.warning("resumed", **where, message=msg)
+            print(f"diloco learner {self.id}: {msg}", file=sys.stderr, flush=True)
+            return
+        self.log.warning("resumed", **where,
+                         message=f"learner id {self.id} restarted (restart {r.restarts}): it continues at step "
+                                 f"{r.start_step}, where the run holds its work ({r.lost} steps of the previous "
+                                 "process were trained and never sent: lost)")
+
+    def _schedule_at(self, step: int) -> dict:
+        """The learning-rate schedule at ``step`` for the ``resumed`` line (built-in model only)."""
+        if not isinstance(self.run_model, BuiltinModel) or self.cfg.synthetic:
+            return {}
+        from learner.inner import make_schedule
+
+        cfg = self.cfg
+        lr = cfg.lr_for(self.run_model.spec.d_model)
+        rate = float(make_schedule(lr, cfg.warmup, cfg.total_steps)(step))
+        return {"lr": round(rate, 8), "lr_peak": lr, "in_warmup": step < cfg.warmup,
+                "rewarm_steps": cfg.resume_warmup if step else 0}
+
+    def _progress_moved(self) -> None:
+        """A publish succeeded: once the work sent is half a sync period ahead of the record, write it
+        now (not at the next heartbeat), so a restart loses less than a period of steps however fast
+        the steps are (two writes per period at most)."""
+        if self.progress is not None and self.progress.written is not None and \
+                self.book.sent_step - self.progress.written[0] >= max(1, self.book.period // 2):
+            self._progress_due.set()
+
+    async def _keep_progress(self) -> None:
+        """Write this learner id's progress record when the work sent moved half a period, and
+        whatever changed every heartbeat interval (one task: the writes never overlap)."""
+        while not self._halt.is_set():
+            try:
+                await asyncio.wait_for(self._progress_due.wait(), self.cfg.heartbeat_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._progress_due.clear()
+            await self._save_progress()
+
+    async def _save_progress(self) -> None:
+        if self.progress is not None:
+            b = self.book
+            await self.progress.write(b.sent_step, b.step,
+                                      done=self.budget is not None and b.sent_step >= self.budget)
+
     def _make_backend(self):
         if not isinstance(self.run_model, BuiltinModel):
             return self.run_model.make_backend(self)
@@ -262,7 +352,7 @@ class Learner(IslandCore, Presence):
                       shard=self.shard_index, shard_tokens=len(shard))
         from learner.builtin import builtin_backend
 
-        return builtin_backend(spec, self.plan, self.cfg, shard)
+        return builtin_backend(spec, self.plan, self.cfg, shard, start_step=self.book.start_step)
 
     def memory(self) -> dict[str, int]:
         keys = list(self.store.keys.values()) + list(self.store.views.values()) if self.store is not None else []

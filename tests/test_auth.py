@@ -691,7 +691,7 @@ async def test_strict_mode_only_admin_provisions(tmp_path):
                                 lambda: admin.js(DENY_TIMEOUT).publish(S.versioned_head(GLOBAL, 0), b"{}"))
             from bus.streams import delete_run
 
-            assert len(await delete_run(admin.js(), RUN)) == 7
+            assert len(await delete_run(admin.js(), RUN)) == 8  # 4 streams, 4 KV buckets
         finally:
             await agg.nc.close()
             await admin.nc.close()

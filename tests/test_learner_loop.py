@@ -28,6 +28,40 @@ def test_batch_seed_differs_per_incarnation_and_learner():
     assert 0 <= a < 2**31
 
 
+def test_a_resuming_learner_samples_by_its_id_alone_and_one_starting_over_by_its_incarnation():
+    assert lp.sampler_seed(0, "l0", "inc1", resume=True) == lp.sampler_seed(0, "l0", "inc2", resume=True)
+    assert lp.sampler_seed(0, "l0", "inc1", resume=True) != lp.sampler_seed(0, "l1", "inc1", resume=True)
+    assert lp.sampler_seed(0, "l0", "inc1", resume=False) != lp.sampler_seed(0, "l0", "inc2", resume=False)
+
+
+def test_a_resumed_bookkeeper_continues_the_step_the_tokens_and_the_phase_of_the_schedule():
+    fresh = lp.Bookkeeper(num_fragments=4, H=8, tokens_per_step=10)
+    due_fresh = {s: fresh.on_step() for s in range(1, 41)}
+    for start in (16, 13, 1):
+        resumed = lp.Bookkeeper(num_fragments=4, H=8, tokens_per_step=10, start_step=start)
+        assert (resumed.step, resumed.tokens, resumed.sent_step) == (start, 10 * start, start)
+        due = {}
+        while resumed.step < 40:
+            fragments = resumed.on_step()
+            due[resumed.step] = fragments
+        assert due == {s: due_fresh[s] for s in range(start + 1, 41)}  # the same syncs on the same steps
+
+
+def test_sent_step_is_the_step_of_the_newest_outer_gradient_published():
+    b = lp.Bookkeeper(num_fragments=2, H=4, tokens_per_step=1, window=0)
+    sent = []
+    for _ in range(4):
+        for p in b.on_step():
+            sent.append((b.step, b.begin_sync(p)))
+    (s1, c1), (s2, c2) = sent[:2]
+    b.end_sync(c2, ok=False)  # a failed publish does not count
+    assert b.sent_step == 0
+    b.end_sync(c1, ok=True)
+    assert b.sent_step == s1
+    with pytest.raises(ValueError):
+        lp.Bookkeeper(1, H=1, tokens_per_step=1, start_step=-1)
+
+
 def test_schedule_counters_and_rounds():
     b = lp.Bookkeeper(num_fragments=4, H=4, tokens_per_step=10)
     for p in range(4):

@@ -87,7 +87,7 @@ async def _publish_a_little(js, run: str) -> None:
 async def test_twenty_small_runs_fit_a_default_diloco_nats_server(tmp_path):
     """The issue's case, 20 runs back to back on the server ``diloco nats`` starts (same config:
     ``cmd_nats`` builds an EmbeddedServer with these defaults), plus a 21st whose monitor provisioned
-    it before its creator: every run complete, each reserving what its model needs (337 MiB), all
+    it before its creator: every run complete, each reserving what its model needs (339 MiB), all
     of them listed by ``list_runs`` with the bytes the server itself says are reserved."""
     with EmbeddedServer(store_dir=str(tmp_path / "store"), log_file=str(tmp_path / "nats.log")) as srv:
         jsz = _get_json(f"{srv.monitor_url}/jsz")
