@@ -117,9 +117,11 @@ def main(argv=None) -> int:
             params = island.step(params, loss=float(loss))
         island.close()
     st = island.stats  # what became of the work: final once closed
+    m = island.metrics()
     print(f"island {a.island}: done, {island.step_count} steps, held-out loss "
           f"{float(loss_fn(params, held_x, held_y)):.4f}; rounds sent {st['sent']}, merged {st['merged']}, "
-          f"rejected {st['rejected_total']}", flush=True)
+          f"rejected {st['rejected_total']}; syncs deferred {m.get('deferred_syncs')}, sent by the valve "
+          f"{m.get('window_valve')}, staleness {m.get('staleness')}", flush=True)
     return 0
 
 

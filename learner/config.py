@@ -84,6 +84,10 @@ class LearnerConfig:
                            "rounds of a fragment sent and not yet merged into this learner's base before its next sync "
                            "of that fragment is deferred (the steps go out with the deferred sync; bounds staleness "
                            "when the aggregator falls behind; 0: never defer)")
+    sync_hold: int = var(1, integer(0, 1_000_000),
+                         "periods a sync deferred by the window may wait before this learner holds its inner steps "
+                         "until the aggregator merged its previous round (at most DILOCO_SYNC_TIMEOUT s; then it "
+                         "trains on): a lagging aggregator costs speed, not the model (0: never hold)")
     on_arrival: str = var("rebase", choice("rebase", "mix"),
                           "rebase: theta <- global + (theta - base), keeping local progress since the last sync; "
                           "mix: theta <- a*theta + (1-a)*global (DILOCO_MIX_ALPHA)")
@@ -128,16 +132,17 @@ class LearnerConfig:
     resume: bool = var(True, boolean(),
                        "a learner started with an id that trained in this run before resumes where the run holds its "
                        "work: step, learning-rate schedule, remaining budget, data position (false: start over)")
-    resume_warmup: int = var(0, integer(0, 1_000_000),
+    resume_warmup: int = var(50, integer(0, 1_000_000),
                              "a resumed learner's fresh AdamW: ramp its learning rate up linearly over this many steps "
-                             "(0: at once, at the schedule's rate for its step)")
+                             "to the schedule's rate at its step (0: at once; bench.restart measured 50 against 0)")
     shard_index: int = var(-1, integer(-1), "this learner's data shard (-1: derived from DILOCO_LEARNER_ID)")
     num_shards: int = var(0, integer(0), "data shards (0: DILOCO_NUM_LEARNERS)")
     num_learners: int = var(4, integer(1, 100_000), "learners expected in the run (for data sharding)")
     heartbeat_interval: float = var(1.0, number(0.05, 60), "seconds between heartbeats")
     step_time: float = var(0.05, number(0.0, 3600), "synthetic mode: seconds per inner step")
     slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer")
-    sync_timeout: float = var(120.0, number(0.1), "sync mode: seconds to wait for the merged version")
+    sync_timeout: float = var(120.0, number(0.1), "sync mode: seconds to wait for the merged version; async mode: "
+                              "the longest hold (DILOCO_SYNC_HOLD)")
     start_with: int = var(0, integer(0, 100_000),
                           "before the first inner step, wait until this many learners (this one included) are active "
                           "in the run, so they start in step (0: start at once; needs a monitor)")

@@ -45,6 +45,8 @@ class IslandCore:
         loss: float
         quant_error: float
         blocked_s: float
+        held_s: float
+        admitted: bool
         sync_timeouts: int
         _resync_requested: bool
 
@@ -73,6 +75,8 @@ class IslandCore:
             due = self.book.on_step(time.monotonic() - t0)
             if self.book.deferrals and not self._told_behind:
                 self._tell_behind()
+            if self.admitted and self.book.holding():
+                await self._hold(hook)
             self.loss = loss
             self.rate.add(time.monotonic(), self.tokens_per_step)
             if hook:
@@ -109,7 +113,49 @@ class IslandCore:
             await self._final_sync()
         c = self.book.counters()
         self.log.info("training_done", step=self.book.step, halted=self._halt.is_set(), deferred_syncs=c["deferred"], window_valve=c["valve"],
+                      holds=c["holds"], held_s=round(self.held_s, 3),
                       steps_per_sync=round(self.book.steps_sent / max(1, self.book.contributions), 2))
+
+    async def _hold(self, hook: bool) -> None:
+        """The sync window's hold (``Bookkeeper.holding``): a fragment's deferred sync has waited
+        DILOCO_SYNC_HOLD periods for the merge of this learner's previous round. Hold the next inner
+        step (an island's user waits in ``island.step``) until the version holding that round is
+        here: mixed in now, or, on an island, into the deposit the user's step hands over (the hook
+        path below). Heartbeats and downloads go on meanwhile. At most DILOCO_SYNC_TIMEOUT seconds:
+        then train on (``hold_expired``, once per hold) until the sync goes out. Only while admitted:
+        the work of a learner the monitor has not admitted (a restart rejoining) is held by the
+        aggregator until it is, and admission needs current versions, which a held learner would not
+        take (it waited for its own round's merge: a deadlock that the held work's rejection ended)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.sync_timeout
+        self.book.holds += 1
+        while not self._halt.is_set() and self.admitted:
+            held = self.book.holding()
+            if not held:
+                break
+            if any(p in self.pending for p in held):
+                if hook:
+                    break  # applied to the user's next deposit (its step is not served early now)
+                await self._apply_pending()
+                continue
+            if not self._fetch_all:  # (a step boundary's downloads: a head that came before it was due)
+                self._fetch_candidates()
+            rest = deadline - time.monotonic()
+            if rest <= 0:
+                for p in held:
+                    self.book.give_up_hold(p)
+                self.log.warning("hold_expired", fragments=held, waited=round(time.monotonic() - t0, 3),
+                                 message="the aggregator merged none of this learner's held rounds within "
+                                         "DILOCO_SYNC_TIMEOUT s: training on without it (is the aggregator up?)")
+                break
+            self._news.clear()
+            try:
+                await asyncio.wait_for(self._news.wait(), min(rest, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        waited = time.monotonic() - t0
+        self.blocked_s += waited
+        self.held_s += waited
 
     def _tell_behind(self) -> None:
         """Once per process: a sync was deferred because the aggregator had not merged the previous
@@ -120,7 +166,8 @@ class IslandCore:
                          message=f"the aggregator has not merged this learner's last {self.book.window} round(s) of "
                          f"fragment {p} a whole sync period ({self.book.period} steps) after sending: its syncs are "
                          "deferred until it has (no work is lost: each outer gradient then holds more inner steps, "
-                         "and the run syncs less often). The aggregator is too slow for this run: see its "
+                         "and the run syncs less often), and after a whole period deferred this learner's steps wait "
+                         "for the merge (DILOCO_SYNC_HOLD). The aggregator is too slow for this run: see its "
                          "aggregator_saturated line and docs/aggregator.md, 'When the aggregator falls behind'")
 
     async def _final_sync(self) -> None:
@@ -314,7 +361,7 @@ class IslandCore:
     def _fetch_candidates(self) -> None:
         """fetch=round, at a step boundary: start the downloads that became due."""
         for p, head in list(self._candidate.items()):
-            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period)) and not any(
+            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.admitted) and not any(
                     t.get_name() == f"fetch-{p}" for t in self._fetches):
                 task = asyncio.create_task(self._on_head(head), name=f"fetch-{p}")
                 self._fetches.add(task)
@@ -342,7 +389,7 @@ class IslandCore:
                 # so a forged huge version is replaced by the next genuine one)
                 if head.version > self.book.frags[p].base_version:
                     self._candidate[p] = head
-                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period))
+                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.admitted)
                 if not due:
                     return
             if due:

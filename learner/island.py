@@ -294,10 +294,20 @@ class Island:
         return self._tree.tree()
 
     @property
+    def start_step(self) -> int:
+        """The run's step for this learner id when the island started: the inner steps an island of
+        the same id trained before (the step of its newest published outer gradient, from the run's
+        progress record), 0 for a new id or with ``DILOCO_RESUME=false``. Continue your schedule and
+        data loader from it: ``lr = schedule(island.start_step + t)``."""
+        return self.learner.book.start_step
+
+    @property
     def step_count(self) -> int:
-        """Inner steps this island took: ``island.step`` calls that returned (the core counts a step
-        the user's thread served itself a moment later: ``metrics()["step"]`` may lag by one)."""
-        return max(self.learner.book.step, self._backend._served - 1)
+        """Inner steps of this learner id: ``start_step`` plus the ``island.step`` calls that returned
+        (the core counts a step the user's thread served itself a moment later: ``metrics()["step"]``
+        may lag by one)."""
+        b = self.learner.book
+        return max(b.step, b.start_step + self._backend._served - 1)
 
     def metrics(self) -> dict:
         """The learner metrics this island publishes (steps, contributions, bytes, staleness...)."""
@@ -305,7 +315,8 @@ class Island:
 
     @property
     def stats(self) -> dict:
-        """What became of this island's work so far: ``steps`` taken; rounds (one outer gradient of one
+        """What became of this island's work so far: ``steps`` of this learner id (``start_step`` of
+        them before this island started); rounds (one outer gradient of one
         fragment) ``sent``, ``merged`` into a global version, ``rejected`` by reason (and
         ``rejected_total``), ``unresolved`` (sent, fate not known yet); ``held``: contributions the
         aggregator held while this island was not admitted; ``member_state``: what the monitor calls
@@ -315,11 +326,12 @@ class Island:
         lr = self.learner
         for _ in range(5):  # the counts move in the island's thread: copy until a copy is whole
             try:
-                return {"steps": self.step_count, **lr.fate.stats(), "member_state": lr.member_state}
+                return {"steps": self.step_count, "start_step": self.start_step, **lr.fate.stats(),
+                        "member_state": lr.member_state}
             except RuntimeError:
                 time.sleep(0.001)
-        return {"steps": self.step_count, "sent": lr.fate.sent, "merged": lr.fate.merged,
-                "member_state": lr.member_state}
+        return {"steps": self.step_count, "start_step": self.start_step, "sent": lr.fate.sent,
+                "merged": lr.fate.merged, "member_state": lr.member_state}
 
     def step(self, params: Any, loss: float | None = None) -> Any:
         """Count one inner step of ``params`` (the parameters after it); returns them with any
@@ -333,10 +345,11 @@ class Island:
 
     def _quiet(self) -> bool:
         """Nothing for the core to mix into the next step: no arrival waiting, no resync, not a
-        lock-step learner (whose steps wait for merges), and the core is not failing."""
+        lock-step learner (whose steps wait for merges), not held by the sync window (the step waits
+        for a merge then, ``learner.core._hold``), and the core is not failing."""
         lr = self.learner
         return (not lr.pending and not lr._resync_requested and self.cfg.mode != "sync"
-                and lr.failure is None)
+                and lr.failure is None and not (lr.admitted and lr.book.holding()))
 
     def train(self, train_step: Callable, opt_state: Any, batches: Iterable, steps: int | None = None
               ) -> tuple[Any, Any]:

@@ -99,6 +99,7 @@ class FragmentBook:
     rejected_round: int = -1  # highest round of ours the aggregator said it rejected
     deferred_at: int = -1  # the step a due sync was deferred at (sync window closed; -1: none deferred)
     deferred: int = 0  # syncs deferred so far
+    hold_off: bool = False  # a hold for the deferred sync timed out: no more holds until it goes out
     sent: int = 0
     skipped: int = 0
     failed: int = 0
@@ -126,7 +127,7 @@ class Bookkeeper:
     """Counters, rounds, versions and the sync schedule of one learner (see module docstring)."""
 
     def __init__(self, num_fragments: int, H: int, tokens_per_step: int, staggered: bool = True, window: int = 0,
-                 start_step: int = 0):
+                 start_step: int = 0, hold: int = 0):
         """``start_step``: steps of this learner id the run holds already (a restarted learner resumes
         there, ``bus.progress``): the step counter, tokens and sync schedule continue from it."""
         if tokens_per_step < 0:
@@ -149,6 +150,10 @@ class Bookkeeper:
         # into this learner's base; a sync due while more are out is deferred (0: never)
         self.window = max(0, int(window))
         self.valve_opened = 0
+        # the hold: a deferred sync that waited ``hold`` periods holds the learner's steps until its
+        # round is merged (``holding``; 0: never hold)
+        self.hold = int(hold)
+        self.holds = 0  # holds begun (the core counts them, ``begin_hold``)
         self.deferrals = 0  # syncs deferred so far, all fragments  # deferrals ended by the valve (no merge seen for VALVE_PERIODS periods)
         self.frags = [FragmentBook() for _ in range(num_fragments)]
         self.step = self.start_step  # inner steps of this learner id (this process's and those resumed)
@@ -183,6 +188,7 @@ class Bookkeeper:
                 if f.deferred_at >= 0 and not self._merged_in(p):
                     self.valve_opened += 1
                 f.deferred_at = -1
+                f.hold_off = False
                 self._next_due[p] = self.step + self.period  # a whole period from this sync
                 due.append(p)
             elif f.deferred_at < 0:  # due, but the previous round is still out: defer
@@ -216,6 +222,24 @@ class Bookkeeper:
         if f.deferred_at >= 0 and self.step - f.deferred_at >= VALVE_PERIODS * self.period:
             return True
         return self._merged_in(p)
+
+    def holding(self) -> list[int]:
+        """Fragments whose deferred sync has waited ``hold`` periods for the merge of the learner's
+        previous round (and no hold for it timed out): the learner holds its next inner step until
+        that round is merged into its base (or rejected). Without the hold, a learner whose steps are
+        far shorter than the aggregator's round trip trains on alone for many periods and its outer
+        gradients hold hundreds of steps each: two islands of a 1-2 ms model ended 3-6x worse than
+        one alone (docs/BENCHMARKS.md). A lagging aggregator then costs speed, not the model."""
+        if self.window <= 0 or self.hold <= 0:
+            return []
+        return [p for p, f in enumerate(self.frags)
+                if f.deferred_at >= 0 and not f.hold_off and self.step - f.deferred_at >= self.hold * self.period
+                and not self._merged_in(p)]
+
+    def give_up_hold(self, p: int) -> None:
+        """A hold for p timed out (the aggregator is down, say): train on until its deferred sync
+        goes out (the valve, or the merge), holding no more for it meanwhile."""
+        self.frags[p].hold_off = True
 
     def deferred(self) -> list[int]:
         """Fragments whose due sync waits for its window."""
@@ -295,7 +319,7 @@ class Bookkeeper:
         f = self.frags[p]
         return version > f.base_version and version > f.pending_version
 
-    def fetch_due(self, p: int, version: int, delay: int) -> bool:
+    def fetch_due(self, p: int, version: int, delay: int, admitted: bool = True) -> bool:
         """Fetch policy ``round``: download version ``version`` of p now?
 
         At most one download per fragment per round of this learner: ``delay`` inner steps after a
@@ -306,14 +330,20 @@ class Bookkeeper:
         round (issue 24): a learner ahead of the others by more than the delay took the version
         before its round's merge and so ran a whole round behind the merges; now it waits for
         that merge, until the step before its next sync, when it takes the newest version anyway
-        (its round was rejected, or the merges lag by a round).
+        (its round was rejected, or the merges lag by a round). A learner not ``admitted`` yet (a
+        restart rejoining) takes the newest version of a deferred fragment the same way: its round
+        is held by the aggregator until the monitor admits it, which needs current versions.
         """
         f = self.frags[p]
-        if not (f.armed and self.wants(p, version) and f.steps >= max(0, int(delay))):
+        # an admitted learner's deferred fragment is always armed: its one download of the round may
+        # have gone to the newest version while the learner was not admitted yet, and it must still
+        # take the version that merged its round (a hold waited for it in vain, 120 s)
+        waits = f.deferred_at >= 0 and admitted
+        if not ((f.armed or waits) and self.wants(p, version) and f.steps >= max(0, int(delay))):
             return False
         mine = f.next_round - 1  # the round sent at the last sync
         holds_mine = f.merged_round >= mine and version >= f.merged_version
-        if f.deferred_at >= 0:  # a deferred sync waits for exactly that version (window_open)
+        if waits:  # a deferred sync waits for exactly that version (window_open)
             return holds_mine
         return holds_mine or f.steps >= max(int(delay), self.period - 1)
 
@@ -351,6 +381,7 @@ class Bookkeeper:
             f.armed = False
             f.rejected_round = max(f.rejected_round, f.next_round - 1)  # the rounds out are dropped too
             f.deferred_at = -1
+            f.hold_off = False
 
     def versions(self) -> dict[int, int]:
         """{fragment: base version} for heartbeats (fragments without a version are left out)."""
@@ -372,6 +403,7 @@ class Bookkeeper:
             "skipped": sum(f.skipped for f in self.frags),
             "deferred": sum(f.deferred for f in self.frags),
             "valve": self.valve_opened,
+            "holds": self.holds,
             "failed": sum(f.failed for f in self.frags),
         }
 

@@ -30,7 +30,9 @@ class Presence:
     if TYPE_CHECKING:  # the state is the Learner's (set in its __init__)
         def __getattr__(self, name: str) -> Any: ...
         member_state: str | None
+        admitted: bool
         blocked_s: float
+        held_s: float
         _resync_requested: bool
 
     # -- membership ---------------------------------------------------------------------------------
@@ -46,6 +48,8 @@ class Presence:
             self.log.warning("bad_member_record", error=repr(e))
             return
         self.member_state = rec.state.value
+        # admitted: this process (not an earlier one of its id) is active; the aggregator merges its work
+        self.admitted = rec.state.value == "active" and rec.incarnation == self.incarnation
         if lp.should_resync(rec.state.value, rec.incarnation, self.incarnation):
             self.log.warning("evicted", reason=rec.reason)
             self._resync_requested = True
@@ -81,9 +85,13 @@ class Presence:
         """DILOCO_START_WITH=N: hold the first inner step until N learners (this one included) are
         active in the members bucket, or DILOCO_START_WAIT seconds passed (then start anyway, with a
         warning). Learners started together then train in step: a quorum of K = M is met from the
-        first round, instead of whoever the monitor admitted first merging alone."""
+        first round, instead of whoever the monitor admitted first merging alone. A resumed learner
+        (issue 38) does not wait: it rejoins a run under way, whose other learners may have finished."""
         n = self.cfg.start_with
         if n <= 1:
+            return
+        if self.book.start_step > 0:  # a resumed learner rejoins a run under way: its peers may be done
+            self.log.info("peers_not_awaited", start_with=n, start_step=self.book.start_step)
             return
         t0 = time.monotonic()
         deadline = t0 + self.cfg.start_wait
@@ -285,9 +293,10 @@ class Presence:
             "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),
             "quant_error": self.quant_error, "contributions": self.book.contributions,
             "steps_sent": self.book.steps_sent, "period": self.book.period,
-            "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "window_valve": c["valve"], "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
+            "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "window_valve": c["valve"], "holds": c["holds"], "held_s": round(self.held_s, 3), "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
             "start_step": self.book.start_step, "sent_step": self.book.sent_step, "restarts": self.resume.restarts,
+            "progress_writes": self.progress.writes if self.progress else 0,
             "rejected_globals": {**self.rejected_globals,
                                  **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
             "versions": {str(p): v for p, v in self.book.versions().items()},

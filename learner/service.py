@@ -111,8 +111,10 @@ class Learner(IslandCore, Presence):
         self.loss = float("nan")
         self.quant_error = 0.0
         self.blocked_s = 0.0
+        self.held_s = 0.0  # seconds held by the sync window's hold (learner.core._hold)
         self.sync_timeouts = 0
         self.member_state: str | None = None
+        self.admitted = False  # the monitor's record says this incarnation is active (learner.presence)
         self.backend = None
         self.nc = None
         self.js = None
@@ -148,7 +150,8 @@ class Learner(IslandCore, Presence):
     def _new_book(self, start_step: int) -> lp.Bookkeeper:
         cfg = self.cfg
         return lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync",
-                             window=cfg.sync_window if cfg.mode != "sync" else 0, start_step=start_step)
+                             window=cfg.sync_window if cfg.mode != "sync" else 0, start_step=start_step,
+                             hold=cfg.sync_hold)
 
     # -- running ------------------------------------------------------------------------------------
 
@@ -312,22 +315,35 @@ class Learner(IslandCore, Presence):
 
     def _progress_moved(self) -> None:
         """A publish succeeded: once the work sent is half a sync period ahead of the record, write it
-        now (not at the next heartbeat), so a restart loses less than a period of steps however fast
-        the steps are (two writes per period at most)."""
+        soon (not only at the next heartbeat interval), so a restart redoes less than a period of steps.
+        At most one write per 0.1 s (``_keep_progress``): a model of milliseconds per step redoes at
+        most 0.1 s of steps, and its learner's loop and the broker are not busy with a write per
+        publish."""
         if self.progress is not None and self.progress.written is not None and \
                 self.book.sent_step - self.progress.written[0] >= max(1, self.book.period // 2):
             self._progress_due.set()
 
     async def _keep_progress(self) -> None:
         """Write this learner id's progress record when the work sent moved half a period, and
-        whatever changed every heartbeat interval (one task: the writes never overlap)."""
+        whatever changed every heartbeat interval, at most one per 0.1 s (one task: the writes never
+        overlap)."""
+        gap = min(0.1, self.cfg.heartbeat_interval / 2)
+        last = time.monotonic()
         while not self._halt.is_set():
             try:
                 await asyncio.wait_for(self._progress_due.wait(), self.cfg.heartbeat_interval)
             except asyncio.TimeoutError:
                 pass
+            wait = last + gap - time.monotonic()
+            if wait > 0:
+                try:  # (the halt ends the wait: the final write is run()'s)
+                    await asyncio.wait_for(self._halt.wait(), wait)
+                    return
+                except asyncio.TimeoutError:
+                    pass
             self._progress_due.clear()
             await self._save_progress()
+            last = time.monotonic()
 
     async def _save_progress(self) -> None:
         if self.progress is not None:

@@ -100,7 +100,7 @@ def test_busy_fragment_is_skipped_and_failed_publish_returns_counters():
     assert b.frags[0].steps == 2 and b.frags[0].tokens == 10 and b.frags[0].failed == 1
     c3 = b.begin_sync(0)
     assert (c3.round, c3.steps, c3.base_version) == (1, 2, 3)  # round numbers are never reused
-    assert b.counters() == {"sent": 0, "skipped": 1, "deferred": 0, "valve": 0, "failed": 1}
+    assert b.counters() == {"sent": 0, "skipped": 1, "deferred": 0, "valve": 0, "holds": 0, "failed": 1}
 
 
 def test_versions_wants_merge_staleness():
@@ -388,6 +388,67 @@ def test_sync_window_opens_on_a_rejection_and_after_the_valve():
     sent = [b.step for _ in range(2 + lp.VALVE_PERIODS * 2 + 4) if b.on_step()]
     assert sent[0] == 7 + lp.VALVE_PERIODS * 2  # deferred at step 7 (due), sent 16 periods later
     assert b.valve_opened == 1
+
+
+def test_a_sync_deferred_for_hold_periods_holds_the_learner_until_its_round_is_merged():
+    """A lagging aggregator costs speed, not the model: once a deferred sync waited ``hold`` periods,
+    the learner holds its steps (``holding``) until the round is merged into its base; a hold that
+    timed out (``give_up_hold``) holds no more until the sync goes out."""
+    b = lp.Bookkeeper(num_fragments=2, H=4, tokens_per_step=1, window=1, hold=1)
+    b.on_merged(0, 0), b.on_merged(1, 0)
+    sent = []
+    for _ in range(4):
+        for p in b.on_step():
+            sent.append(_sync(b, p))
+    assert [c.fragment for c in sent] == [1, 0]  # staggered: fragment 1 at step 2, 0 at step 4
+    # nothing merged: fragment 1 is deferred at step 6, fragment 0 at step 8
+    for _ in range(5):
+        assert b.on_step() == [] and b.holding() == []
+    assert b.step == 9 and b.deferred() == [0, 1]
+    b.on_step()  # step 10: fragment 1 has waited one period (since step 6)
+    assert b.holding() == [1]
+    b.on_applied(1, [0], 1)
+    b.on_downloaded(1, 1)
+    b.on_merged(1, 1)  # its round is in the base: the hold ends, the deferred sync goes out next step
+    assert b.holding() == []
+    b.on_step(), b.on_step()  # step 12: fragment 0 waited a period (since 8)
+    assert b.holding() == [0]
+    b.give_up_hold(0)  # timed out: no more holds for it
+    assert b.holding() == []
+    for _ in range(8):
+        b.on_step()
+    assert b.holding() == []
+    off = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1, hold=0)
+    off.on_merged(0, 0)
+    off.on_step(), off.on_step()
+    _sync(off, 0)
+    for _ in range(10):
+        off.on_step()
+    assert off.deferred() == [0] and off.holding() == []  # hold 0: deferred, never held
+
+
+def test_a_deferred_fragment_takes_the_version_that_merged_its_round_even_after_an_early_download():
+    """A learner not admitted yet (a restart rejoining) downloads the newest versions of a deferred
+    fragment (admission needs current versions); that used its one download of the round, and once
+    admitted it never took the version that merged its round: its hold waited 120 s for it, and its
+    peer (quorum all) for its next round (bench.restart: 181 s instead of 56 s)."""
+    b = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1, hold=1)
+    b.on_merged(0, 10)
+    b.on_step(), b.on_step()
+    _sync(b, 0)  # round 0, held by the aggregator until the learner is admitted
+    b.on_step(), b.on_step()
+    assert b.deferred() == [0]
+    assert b.fetch_due(0, 12, delay=1, admitted=False)  # not admitted: the newest, for the monitor
+    b.on_downloaded(0, 12)
+    b.on_merged(0, 12)
+    assert not b.fetch_due(0, 13, delay=1)  # admitted now: only the version that holds round 0
+    b.on_step(), b.on_step()
+    assert b.holding() == [0]
+    b.on_applied(0, [0], 14)
+    assert b.fetch_due(0, 14, delay=1)  # taken although its round's one download went to version 12
+    b.on_downloaded(0, 14)
+    b.on_merged(0, 14)
+    assert b.holding() == [] and b.on_step() == [0]
 
 
 def test_sync_window_zero_never_defers_and_resync_clears_deferral():

@@ -685,7 +685,11 @@ async def test_fetch_round_downloads_once_per_sync_after_the_delay(nats_server, 
         rounds = learner.book.frags[p].next_round
         assert downloads == int(downloads) == len(taken)  # nothing else was downloaded
         if fetch == "round":
-            assert 1 <= downloads <= rounds, (downloads, rounds)
+            # one download per round, and one more per sync the window deferred: this learner is never
+            # admitted (no monitor), and one not admitted takes the newest version when its sync is
+            # deferred (its round is held until admission, which needs current versions)
+            deferred = learner.book.frags[p].deferred
+            assert 1 <= downloads <= rounds + deferred, (downloads, rounds, deferred)
             assert all(steps >= 3 for _, steps in taken), taken  # 3 steps after the sync
         else:
             assert downloads > rounds, (downloads, rounds)
