@@ -72,8 +72,9 @@ class Report:
 
 class ChaosRun:
     def __init__(self, workdir: str, learners: int = 3, seed: int = 0, run: str = "chaos",
-                 learner_env: dict | None = None, agg_env: dict | None = None):
+                 learner_env: dict | None = None, agg_env: dict | None = None, monitor_env: dict | None = None):
         self.workdir, self.n, self.run = workdir, learners, run
+        self.monitor_env = {**FAST_MONITOR, **(monitor_env or {})}
         self.learner_env = {**LEARNER, **(learner_env or {})}
         self.agg_env = dict(agg_env or {})
         self.rng = random.Random(seed)
@@ -105,7 +106,7 @@ class ChaosRun:
                                                 "DILOCO_EMBEDDED_MONITOR": "false",  # the monitor is killed on its own
                                                 **self.agg_env})
         elif name == "monitor":
-            env = self._env(self.server.url, **FAST_MONITOR)
+            env = self._env(self.server.url, **self.monitor_env)
         elif name == "evaluator":
             env = self._env(self.server.url, **EVAL)
         else:
