@@ -50,13 +50,15 @@ class BadProgress(ValueError):
     """A progress record that cannot be read (wrong types, negative counters, another schema)."""
 
 
-def _int(d: dict, key: str, default: int | None = 0) -> int | None:
-    v = d.get(key, default)
-    if v is None and default is None:
-        return None
+def _int(d: dict, key: str) -> int:
+    v = d.get(key, 0)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise BadProgress(f"progress record: {key} must be an int >= 0, got {v!r}")
     return v
+
+
+def _int_or_none(d: dict, key: str) -> int | None:
+    return None if d.get(key) is None else _int(d, key)
 
 
 def progress_from_dict(d: object) -> Progress:
@@ -75,7 +77,7 @@ def progress_from_dict(d: object) -> Progress:
     if not isinstance(done, bool):
         raise BadProgress(f"progress record: done must be true or false, got {done!r}")
     p = Progress(learner=learner, incarnation=inc, step=_int(d, "step"), trained=_int(d, "trained"),
-                 budget=_int(d, "budget", None), restarts=_int(d, "restarts"), lost=_int(d, "lost"), done=done,
+                 budget=_int_or_none(d, "budget"), restarts=_int(d, "restarts"), lost=_int(d, "lost"), done=done,
                  at=float(at))
     if p.trained < p.step:
         raise BadProgress(f"progress record: trained {p.trained} < step {p.step}")

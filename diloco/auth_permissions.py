@@ -252,6 +252,7 @@ def metrics_permissions(run: str) -> Permissions:
         *_kv_read(s, "run"),
         *_kv_read(s, "progress"),
         *_watch(kv_stream(s, "members")),
+        *_watch(kv_stream(s, "progress")),  # `diloco status` lists every learner id's record
     ]
     return Permissions(_uniq(pub), (s.metrics_all, s.events_all, INBOX))
 

@@ -14,6 +14,7 @@ from step 0 as before.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
@@ -28,7 +29,7 @@ class ProgressKeeper:
     def __init__(self, js, run: str, learner: str, incarnation: str, budget: int | None, log):
         self.js, self.learner, self.incarnation, self.budget, self.log = js, learner, incarnation, budget, log
         self.bucket = Subjects(run).bucket(KIND)
-        self.kv = None
+        self.kv: Any = None
         self.rev = 0  # the revision of the record we last read or wrote (0: none)
         self.available = True  # false: no bucket, or another process took the id over
         self.superseded = False

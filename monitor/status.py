@@ -147,6 +147,7 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
         out["membership"] = None
     except Exception as e:  # noqa: BLE001
         out["membership"] = {"error": _describe(e)}
+    out["progress"] = await read_progress(js, s)
     if sub is not None:
         if isinstance(out["membership"], dict) and out["membership"].get("members"):
             try:
@@ -229,6 +230,43 @@ def trust_cell(rec: dict[str, Any] | None) -> str:
     return f"{cell} {rec['reason']}" if rec.get("reason") else cell
 
 
+async def read_progress(js, s: Subjects) -> dict[str, Any] | None:
+    """{learner: its progress record (``bus.progress``)} (None: a run without the bucket; an
+    unreadable record as {"error": ...})."""
+    from nats.js.errors import BucketNotFoundError, NoKeysError
+
+    from bus.progress import BadProgress, KIND, progress_from_dict
+
+    try:
+        kv = await js.key_value(s.bucket(KIND))
+    except BucketNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001
+        return {"error": _describe(e)}
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return {}
+    except Exception as e:  # noqa: BLE001
+        return {"error": _describe(e)}
+    out: dict[str, Any] = {}
+    for k in keys[:4096]:
+        try:
+            out[k] = progress_from_dict(loads_json((await kv.get(k)).value or b"null")).to_dict()
+        except (BadProgress, CodecError, ValueError) as e:
+            out[k] = {"error": str(e)}
+        except Exception as e:  # noqa: BLE001
+            out[k] = {"error": _describe(e)}
+    return out
+
+
+def restarts_cell(rec: dict[str, Any] | None) -> str:
+    """``2 (14 lost)``: processes started with this id after its first, and the steps they lost."""
+    if not isinstance(rec, dict) or "restarts" not in rec:
+        return "-"
+    return f"{rec['restarts']} ({rec.get('lost', 0)} lost)" if rec["restarts"] else "0"
+
+
 def render_status(st: dict[str, Any], width: int = 120) -> str:
     """Text form of :func:`gather_status` output (deterministic given ``st``)."""
     now = st.get("ts") or 0.0
@@ -270,15 +308,17 @@ def render_status(st: dict[str, Any], width: int = 120) -> str:
         counts = ", ".join(f"{k} {n}" for k, n in ms["counts"].items())
         lines.append(f"members    {len(ms['members'])}: {counts}")
         trust = st.get("trust") or {}
+        p_ = st.get("progress")
+        prog: dict[str, Any] = p_ if isinstance(p_, dict) else {}
         if ms["members"]:
-            rows = [("LEARNER", "REGION", "STATE", "SINCE", "SEEN", "STEP", "TRUST", "REASON")]
+            rows = [("LEARNER", "REGION", "STATE", "SINCE", "SEEN", "STEP", "RESTARTS", "TRUST", "REASON")]
             for m in ms["members"]:
                 rows.append((m["learner"], m["region"], m["state"], fmt_age(now - m["since"]),
-                             fmt_age(now - m["last_seen"]), str(m["step"]), trust_cell(trust.get(m["learner"])),
-                             m["reason"]))
-            widths = [max(len(r[i]) for r in rows) for i in range(7)]
+                             fmt_age(now - m["last_seen"]), str(m["step"]), restarts_cell(prog.get(m["learner"])),
+                             trust_cell(trust.get(m["learner"])), m["reason"]))
+            widths = [max(len(r[i]) for r in rows) for i in range(8)]
             for r in rows:
-                text = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:7], widths)) + "  " + r[7]
+                text = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:8], widths)) + "  " + r[8]
                 lines.append(text[:width])
         suspects = sorted(k for k, v in trust.items() if isinstance(v, dict) and v.get("reason"))
         if suspects:

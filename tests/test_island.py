@@ -479,3 +479,43 @@ async def test_the_built_in_transformer_trains_through_the_island_api_in_a_built
     finally:
         agg.terminate()
         agg.wait(30)
+
+
+@pytest.mark.timeout(180)
+def test_an_island_started_again_with_its_id_knows_its_step(nats_server):
+    """Issue 38: a user's loop continues its schedule and data loader from ``island.start_step``: the
+    step of the newest outer gradient an island of that id published (the run's progress record)."""
+    import jax.numpy as jnp
+
+    from learner.island import Island
+
+    tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
+    kw = dict(run="again", nats_url=nats_server.url, sync_every=4, num_fragments=1, join_timeout=60)
+    first = Island(tree, learner_id="u", **kw)
+    try:
+        assert first.start_step == 0 and first.stats["start_step"] == 0
+        p = first.params
+        for _ in range(10):
+            p = first.step(jax_tree_add(p, 0.01), loss=1.0)
+    finally:
+        first.close(final_sync=True, wait=0.5)  # the final sync carries steps 9-10: published at step 10
+    again = Island(tree, learner_id="u", **kw)
+    try:
+        assert again.start_step == 10, again.learner.book.sent_step
+        p = again.params
+        for _ in range(3):
+            p = again.step(p, loss=1.0)
+        assert again.step_count == 13 and again.stats["steps"] == 13 and again.stats["start_step"] == 10
+    finally:
+        again.close(final_sync=False)
+    other = Island(tree, learner_id="v", **kw)  # another id starts at 0
+    try:
+        assert other.start_step == 0
+    finally:
+        other.close(final_sync=False)
+
+
+def jax_tree_add(tree, x):
+    import jax
+
+    return jax.tree_util.tree_map(lambda a: a + x, tree)

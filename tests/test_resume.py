@@ -177,3 +177,21 @@ async def test_a_learner_killed_at_half_its_budget_resumes_and_trains_the_budget
     finally:
         procs.close()
         await asyncio.sleep(0)
+
+
+async def test_status_shows_restarts_and_lost_steps_per_learner(nc, js):
+    from monitor.status import gather_status, render_status
+
+    await ensure_run(js, "st")
+    k = ProgressKeeper(js, "st", "us-0", "inc-b", 600, _Log())
+    await k.load()
+    k.adopt(resume_from(Progress("us-0", "inc-a", step=300, trained=302), 600))
+    assert await k.write(300, 300)
+    st = await gather_status(nc, "st")
+    assert st["progress"]["us-0"]["restarts"] == 1 and st["progress"]["us-0"]["lost"] == 2
+    now = st["ts"]
+    st["membership"] = {"counts": {"active": 1}, "unreadable": {}, "members": [
+        {"learner": "us-0", "region": "us", "state": "active", "since": now - 5, "last_seen": now - 1, "step": 310,
+         "reason": ""}]}
+    text = render_status(st)
+    assert "RESTARTS" in text and "1 (2 lost)" in text, text
