@@ -153,7 +153,7 @@ class Bookkeeper:
         # the hold: a deferred sync that waited ``hold`` periods holds the learner's steps until its
         # round is merged (``holding``; 0: never hold)
         self.hold = int(hold)
-        self.holds = 0  # holds begun (the core counts them, ``begin_hold``)
+        self.holds = 0  # holds begun (counted by the core's ``_hold``)
         self.deferrals = 0  # syncs deferred so far, all fragments  # deferrals ended by the valve (no merge seen for VALVE_PERIODS periods)
         self.frags = [FragmentBook() for _ in range(num_fragments)]
         self.step = self.start_step  # inner steps of this learner id (this process's and those resumed)
