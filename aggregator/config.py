@@ -70,16 +70,18 @@ class AggregatorConfig:
     participation_window: float = var(30.0, number(0.0, 86400),
                                       "learners that contributed within this many seconds count in the participation "
                                       "scale even while the monitor calls them evicted")
-    trust: str = var("weigh", choice("off", "observe", "weigh"),
-                     "trust across rounds: score each learner by how its outer gradients agree with the others' "
-                     "(observe: scores in metrics only; weigh: a learner that disagrees merges at a lower weight, "
-                     "down to 0; see docs/security.md)")
+    trust: str = var("observe", choice("off", "observe", "weigh"),
+                     "trust across rounds: suspect a learner whose outer gradients oppose the others', agree with "
+                     "nobody or replay its own (observe: verdicts in metrics and diloco status only; weigh: a "
+                     "suspect merges at weight 0, for runs open to parties you do not control; see docs/security.md)")
     trust_rate: float = var(0.05, number(0.0, 1.0, lo_open=True),
-                            "forgetting rate of a learner's weighted mean agreement (about 1/rate merges of memory)")
-    trust_low: float = var(0.0, number(-1.0, 1.0),
-                           "trust score (upper confidence bound of the mean agreement) at and below which a learner "
-                           "merges at weight 0")
-    trust_high: float = var(0.1, number(-1.0, 1.5), "trust score from which a learner merges at full weight")
+                            "forgetting rate of the pairwise agreement records (about 1/rate merges of memory)")
+    trust_oppose: float = var(0.5, number(0.0, 10.0, lo_open=True),
+                              "a learner opposes the others when its median pairwise agreement is at most -this x "
+                              "the typical agreement (and it agrees with nobody)")
+    trust_nil: float = var(0.1, number(0.0, 1.0),
+                           "a learner is uncorrelated when every pairwise and its own round-to-round agreement are "
+                           "within +-this x the typical agreement")
     trim_fraction: float = var(0.1, number(0.0, 0.49), "fraction trimmed at each end (robust=trim)")
     outer_lr: float = var(0.7, number(0.0, 100.0, lo_open=True), "outer Nesterov learning rate")
     outer_momentum: float = var(0.5, number(0.0, 0.999), "outer Nesterov momentum")

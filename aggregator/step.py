@@ -70,7 +70,7 @@ class MergeSettings:
                    delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink_quantiser,
                    clip_factor=cfg.clip_factor, reference_steps=cfg.clip_reference_steps,
                    max_weight_ratio=cfg.max_weight_ratio, momentum_open_rounds=cfg.momentum_open_rounds,
-                   trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_low, cfg.trust_high))
+                   trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_oppose, cfg.trust_nil))
 
 
 @dataclass

@@ -1,63 +1,55 @@
-"""Trust across rounds (pure): which learners' outer gradients agree with everyone else's.
+"""Trust across rounds (pure): a learner loses its weight on evidence of hostility, not of difference.
 
 A learner can lie inside every bound (issue 29): the negation of what it trained, a random
 direction at an honest norm, its own old rounds sent again, or honest training on corrupted data.
 Validation, the norm bound, the outlier check and the norm caps pass all of them by construction.
-What gives them away is their *direction* over many rounds: honest learners of one run train the
-same model on samples of the same distribution, so each one's outer gradient points, on average,
-where the others' do.
+What gives the first three away is their *direction* over many rounds. What must not give anyone
+away is data that differ (issue 39): learners of one run in other regions train on other corpora,
+and even contiguous shards of one corpus differ (in the reference's "IID" runs two of eight
+learners agree with each other at 0.47 and with the other six at about 0). An earlier rule compared
+each learner with the trusted majority's mean and silenced such learners: a whole honest region,
+and the "majority" was simply the other region.
 
-Per fragment, for every contribution i of a merge this module measures its **agreement**
+So the evidence here is **pairwise and relative**. Per fragment, for every two learners of a merge,
+the cosine of their outer gradients (a fixed strided sample of at most ``SAMPLE`` coordinates, read
+in runs of ``RUN`` values) feeds an exponentially weighted mean per pair (about ``1 / rate``
+merges of memory), and every contribution's cosine with its own learner's previous one on the
+fragment (``OWN`` values of it are kept) feeds the learner's **own** mean. The **typical agreement**
+``T`` of the fragment is the median, over its learners, of each one's median pair: how much the
+typical learner agrees with the typical other. A learner's **best** pair is the partner it agrees with
+most; a **loner** is a learner whose best pair is at most ``nil x T``. On the non-IID benchmark
+(``bench.noniid``, figures in docs/security.md) every honest learner's best pair stayed well above
+that at every merge (an honest learner agrees with the learners of its own data, or with the
+typical learner), while a negation's best pair is the negation of its true worst one (about 0 or
+below) and a random direction's is about 0. A learner is suspected, once it was measured in ``MIN_SEEN`` merges, when
 
-    a_i = cos(v_i, r_i),   r_i = sum_{j: another learner} t_j unit(v_j)
+* **opposes**: it is a loner and the median of its pairs (each at its upper confidence bound,
+  ``kappa`` standard errors) is below 0, or that median is at most ``-oppose x T`` and it agrees with
+  no partner more than ``PARTNER x T``: it points against the others as strongly as the typical
+  learner points with them (a negation of an honest vector). Learners whose data differ point
+  *apart*, weakly, and each agrees with the learners of its own data;
+* **uncorrelated**: it is a loner and its own round-to-round agreement is at most ``nil x T`` too: it
+  agrees with nobody, not even with itself (a random direction). An honest learner with data of its
+  own agrees at least with itself;
+* **replays**: its sample is bit for bit one of its own last ``HASHES_KEPT`` (that contribution gets
+  weight 0 at once) in at least ``REPLAY_RATE`` of its recent contributions (one replay does it: a
+  copy is never honest).
 
-the cosine between its vector and the vectors of the merge's other learners (each as a unit vector, weighted by
-its learner's current trust t_j, so a distrusted learner is nobody's reference). A merge of one
-contribution carries no evidence (the fragment's momentum is no reference: one learner's
-consecutive outer gradients are as often opposed as aligned), and its learner's score from earlier
-merges sets its weight. ``a_i`` is taken on a fixed strided
-sample of at most ``SAMPLE`` coordinates, read as runs of ``RUN`` consecutive values (the cosine of two dense vectors to about 1/sqrt(SAMPLE)).
-It is normalised by the typical agreement of trusted contributions to the fragment (the median of
-the last ``HISTORY`` of them; of the merge itself before that): ``z_i = a_i / typical``, about 1
-for an honest learner whatever the phase of training, about 0 for a random direction, about -1 for
-a negation.
+In mode ``weigh`` a suspected learner's contributions merge at weight 0: they leave the mean and the
+step (``aggregator.step.merge_step``), are still applied and acknowledged, and the learner regains its
+weight when the evidence fades. Nobody is weighed down while half the judged learners or more are
+suspected (the measure itself is then in doubt). Nobody is judged anew while the fragment has fewer
+than three learners with a measured pair (of three learners, one opposed by two is indistinguishable
+from one opposing two, and ``T`` is 0: trust needs four learners or more), or while ``T`` is within
+``NOISE_FLOORS`` of the cosine of two unrelated samples (the outer gradients of a schedule's last
+steps are noise): the verdicts then stand as they were.
+In mode ``observe`` the same verdicts are reported (metrics, ``diloco status``) and nothing is weighed.
+An operator clears a learner's record (``diloco trust clear``: :func:`clear`).
 
-Each learner's **score** is the upper confidence bound of its mean ``z``: an exponentially
-weighted mean (forgetting rate ``rate``, about 1 / rate merges of memory; each ``z`` clipped to
-[-1, 1.5]) plus ``kappa`` standard errors (its weighted spread over the square root of the
-effective count). Its **trust** is
-
-    t = clip((score - low) / (high - low), 0, 1)        (defaults: low 0, high 0.1)
-
-and a learner is trusted in full for its first ``MIN_SEEN`` measured merges. So trust is withheld
-only on clear evidence: a learner whose outer gradients point against the others' (a negation:
-mean -1), or reliably nowhere (a random direction: a mean of 0 with a spread of about
-1/sqrt(SAMPLE)) loses its weight; an honest learner whose data differ from the others' keeps it,
-although it agrees less and far more noisily (two of eight learners of the reference, whose shards
-are other Python sources: median z of 0.1-0.3 against 0.8-0.9, one in twenty below -0.5). A rule
-on the mean alone weighed those two down and cost a clean run 1.1% of held-out loss
-(``bench.byzantine``). A contribution whose own ``z`` is at most ``cut`` (-0.8: it points straight
-against the others) gets weight 0 at once, before the score has moved. An agreement counts only
-against at least three trusted others (``MIN_SUPPORT``: in a merge of a liar and one honest
-learner, each points against the other, and with two honest ones each one's reference is the
-other's vector minus the liar's: noise), so trust needs merges of four learners or more.
-A **replay** (its sampled values are bit for bit those of
-one of the learner's own last ``HASHES_KEPT`` contributions to the fragment: a digest of the sample
-is kept) gets weight 0, and counts as z = -1. Near-copies are not looked for: honest consecutive
-rounds of one learner can be nearly parallel (Adam's first steps move every value by about its
-learning rate in a persistent direction; a run pulled off course makes every honest learner pull
-back the same way: 0.985 measured), and a replay with noise added is an old direction, which the
-agreement judges like any other.
-
-Trust is relative to a majority: while the learners known to a fragment do not hold more than
-half their trust (``has_majority``), every weight stays whole and everyone is a reference, so the
-scores can recover. The merge then leaves the distrusted contributions out of both the mean and the step
-(``aggregator.step.merge_step``): a merge of one honest and one distrusted contribution moves the
-fragment by the honest one's share, a merge of distrusted ones only does not move it. They are still
-*applied* (counted once, acknowledged): a weight is a decision, not a rejection, and a learner that
-comes back into agreement regains its weight as its score rises.
-
-Measured in ``bench.byzantine`` (docs/security.md): the figures for every kind and the clean cost.
+What this cannot see: a liar whose negation looks like another region's honest data (two regions
+whose data pull apart as strongly as each agrees within) is not named; a learner training honestly
+on corrupted data is an honest learner with other data. Measured in ``bench.noniid`` and
+``bench.byzantine`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -68,92 +60,95 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SAMPLE = 1 << 16  # coordinates of a fragment the agreement is measured on (strided)
+OWN = 4096  # values of a learner's newest sample kept (float16) to compare its next contribution with
 HASHES_KEPT = 64  # digests of a learner's newest contributions to a fragment, to recognise a replay
-HISTORY = 64  # agreements of trusted contributions the typical agreement is the median of
-MIN_HISTORY = 8
-# below this typical agreement the learners do not agree with each other either (outer gradients of
-# pure noise, or a run that has converged): nobody can be singled out, and no score moves
-MIN_TYPICAL = 0.05
-# an agreement is evidence only against at least three trusted others: in a merge of a liar and one
-# honest learner each points against the other (under load, the first merges of a run held two:
-# an honest learner was scored -1 three times and merged at weight 0 eight times, bench.byzantine's
-# system test). Then only the scores from other merges tell them apart
-# Three, not two: in a merge of three with a liar still trusted, an honest learner's reference is the
-# other honest vector minus the liar's, i.e. noise (bench.byzantine's system test: an honest learner
-# averaged z -0.5 there and was cut 4 times)
-MIN_SUPPORT = 2.5  # three others, most of them trusted
+MIN_SEEN = 5  # merges a learner was measured in before it can be suspected
+MIN_PAIR = 3  # observations of a pair (or of a learner's own cosine) before it counts as evidence
+MIN_JUDGED = 3  # learners with a measured pair before anyone is judged
+# below this typical agreement (x 1 / sqrt(values sampled): the cosine of two unrelated samples is
+# about that) the learners do not agree with each other either (outer gradients of pure noise, or a
+# run that has converged): nobody can be singled out
+NOISE_FLOORS = 5.0
+# "opposes" by its median needs no partner: a learner that agrees with another one at least this x
+# the typical agreement is no negation (late in a run the typical agreement falls while an honest
+# learner of a region of two still opposes the other region and agrees with its partner). A
+# negation's best pair is the negation of its true worst one
+PARTNER = 1.0
+REPLAY_RATE = 0.1  # a learner whose recent contributions are replays at this rate or more: "replays"
+FORGET_AFTER = 512  # versions of a fragment after which a learner not seen since is forgotten
 MODES = ("off", "observe", "weigh")
 
 
 @dataclass(frozen=True)
 class TrustSettings:
-    mode: str = "weigh"  # off: nothing measured; observe: scores only; weigh: scores set the weights
-    rate: float = 0.05  # forgetting rate of the weighted mean (a memory of about 1 / rate merges)
-    low: float = 0.0  # score at and below which a learner merges at weight 0
-    high: float = 0.1  # score from which it merges at full weight
-    cut: float = -0.8  # a contribution whose own z is at most this merges at weight 0 at once
-    kappa: float = 2.0  # the score is the mean z plus kappa standard errors
+    mode: str = "observe"  # off: nothing measured; observe: verdicts only; weigh: a suspect merges at weight 0
+    rate: float = 0.05  # forgetting rate of the weighted means (a memory of about 1 / rate observations)
+    oppose: float = 0.5  # "opposes": median pair agreement at most -oppose x the typical agreement
+    nil: float = 0.25  # a loner: its best pair's mean at most nil x the typical agreement
+    kappa: float = 2.0  # standard errors of the upper confidence bounds
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"trust mode must be one of {MODES}, got {self.mode!r}")
-        if not 0 < self.rate <= 1 or not self.low < self.high:
-            raise ValueError("trust needs 0 < rate <= 1 and low < high")
+        if not 0 < self.rate <= 1 or not 0 < self.oppose or not 0 <= self.nil < 1 or self.kappa < 0:
+            raise ValueError("trust needs 0 < rate <= 1, oppose > 0, 0 <= nil < 1 and kappa >= 0")
 
 
-MIN_SEEN = 3  # agreements measured before a learner's score can lower its weight
+def _ew(st: list, x: float, rate: float) -> list:
+    """An exponentially weighted record [s0, s1, s2, q, n] with ``x`` added (weight 1, older ones x (1 - rate))."""
+    d = 1.0 - rate
+    s0, s1, s2, q, n = st if st else (0.0, 0.0, 0.0, 0.0, 0)
+    return [d * s0 + 1.0, d * s1 + x, d * s2 + x * x, d * d * q + 1.0, int(n) + 1]
+
+
+def ew_mean(st: list) -> float:
+    return st[1] / st[0] if st and st[0] > 0 else 0.0
+
+
+def ew_bound(st: list, kappa: float, sign: float = 1.0) -> float:
+    """The mean plus (sign=1) or minus (sign=-1) ``kappa`` standard errors of the effective count."""
+    m = ew_mean(st)
+    var = max(0.0, st[2] / st[0] - m * m)
+    n = st[0] * st[0] / max(st[3], 1e-12)
+    return m + sign * kappa * (var / n) ** 0.5
 
 
 @dataclass
 class LearnerTrust:
-    """A learner's agreements on one fragment, as exponentially weighted sums (weight 1 for the
-    newest, times 1 - rate per later one): their mean, standard error, and the score."""
+    """A learner's record on one fragment: its own-history agreement, replay rate, counts, the verdict
+    after the fragment's newest merge (``trust``, ``reason``) and its evidence."""
 
-    s0: float = 0.0  # sum of weights
-    s1: float = 0.0  # weighted sum of z
-    s2: float = 0.0  # weighted sum of z^2
-    q: float = 0.0  # sum of squared weights (the effective count is s0^2 / q)
+    own: list = field(default_factory=list)  # ew record of cos(contribution, its previous one)
+    replay: list = field(default_factory=list)  # ew record of "this contribution was a replay" (0/1)
     seen: int = 0  # contributions measured
-    distrusted: int = 0  # merged at weight 0
+    distrusted: int = 0  # merged at weight 0 (mode weigh)
     replays: int = 0
-    last: float = 1.0  # the newest z
     hashes: list = field(default_factory=list)  # digests of its newest contributions' samples, newest last
+    prev: bytes = b""  # OWN values of its newest sample (float16, scaled to a max of 1)
     version: int = 0  # the fragment's version its newest contribution was merged into
-
-    def observe(self, z: float, rate: float) -> None:
-        d = 1.0 - rate
-        self.s0, self.s1, self.s2, self.q = d * self.s0 + 1, d * self.s1 + z, d * self.s2 + z * z, d * d * self.q + 1
-        self.seen += 1
-        self.last = z
-
-    @property
-    def mean(self) -> float:
-        return self.s1 / self.s0 if self.s0 > 0 else 1.0
-
-    def score(self, kappa: float = 2.0) -> float:
-        """The upper confidence bound of its mean agreement (1 before ``MIN_SEEN``): low only when
-        the evidence is clear, so a learner whose agreement is noisy (other data) keeps the doubt's
-        benefit and one whose agreement is reliably nil (a random direction) does not."""
-        if self.seen < MIN_SEEN or self.s0 <= 0:
-            return 1.0
-        m = self.mean
-        var = max(0.0, self.s2 / self.s0 - m * m)
-        n = self.s0 * self.s0 / max(self.q, 1e-12)
-        return m + kappa * (var / n) ** 0.5
+    trust: float = 1.0
+    reason: str = ""
+    evidence: dict = field(default_factory=dict)  # median / best pair (and partner), own, relative to typical
 
     def to_dict(self) -> dict:
-        return {"s": [self.s0, self.s1, self.s2, self.q], "seen": self.seen, "distrusted": self.distrusted,
-                "replays": self.replays, "last": self.last, "h": list(self.hashes), "v": self.version}
+        return {"own": list(self.own), "rp": list(self.replay), "seen": self.seen, "distrusted": self.distrusted,
+                "replays": self.replays, "h": list(self.hashes), "prev": self.prev, "v": self.version,
+                "t": self.trust, "r": self.reason, "e": dict(self.evidence)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LearnerTrust":
-        s0, s1, s2, q = (float(x) for x in d["s"])
-        return cls(s0, s1, s2, q, int(d["seen"]), int(d["distrusted"]), int(d["replays"]), float(d["last"]),
-                   [bytes(b) for b in d.get("h", [])], int(d.get("v", 0)))
+        return cls([float(x) for x in d.get("own", [])], [float(x) for x in d.get("rp", [])], int(d.get("seen", 0)),
+                   int(d.get("distrusted", 0)), int(d.get("replays", 0)), [bytes(b) for b in d.get("h", [])],
+                   bytes(d.get("prev", b"")), int(d.get("v", 0)), float(d.get("t", 1.0)), str(d.get("r", "")),
+                   dict(d.get("e", {})))
 
     def copy(self) -> "LearnerTrust":
-        return LearnerTrust(self.s0, self.s1, self.s2, self.q, self.seen, self.distrusted, self.replays, self.last,
-                            list(self.hashes), self.version)
+        return LearnerTrust(list(self.own), list(self.replay), self.seen, self.distrusted, self.replays,
+                            list(self.hashes), self.prev, self.version, self.trust, self.reason, dict(self.evidence))
+
+
+def pair_key(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
 
 
 @dataclass
@@ -161,53 +156,50 @@ class TrustState:
     """One fragment's trust record (persisted with its state, :class:`aggregator.step.FragmentState`)."""
 
     learners: dict = field(default_factory=dict)  # learner id -> LearnerTrust
-    agree: list = field(default_factory=list)  # agreements of the last HISTORY trusted contributions
+    pairs: dict = field(default_factory=dict)  # (a, b), a < b -> ew record of cos(a's, b's) in merges of both
+    typical: float = 0.0  # T after the newest merge
+    cleared: dict = field(default_factory=dict)  # learner -> id of the newest operator clear applied
 
     def to_dict(self) -> dict:
-        return {"l": {k: v.to_dict() for k, v in self.learners.items()}, "a": list(self.agree)}
+        return {"fmt": 2, "l": {k: v.to_dict() for k, v in self.learners.items()},
+                "p": [[a, b, *v] for (a, b), v in self.pairs.items()], "T": self.typical, "c": dict(self.cleared)}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "TrustState":
-        if not d:
+        if not d or d.get("fmt") != 2:  # none, or an earlier rule's record (agreement with the mean): start over
             return cls()
         return cls({str(k): LearnerTrust.from_dict(v) for k, v in d.get("l", {}).items()},
-                   [float(x) for x in d.get("a", [])])
+                   {(str(r[0]), str(r[1])): [float(x) for x in r[2:6]] + [int(r[6])] for r in d.get("p", [])},
+                   float(d.get("T", 0.0)), {str(k): int(v) for k, v in d.get("c", {}).items()})
 
     def copy(self) -> "TrustState":
-        return TrustState({k: v.copy() for k, v in self.learners.items()}, list(self.agree))
+        return TrustState({k: v.copy() for k, v in self.learners.items()}, {k: list(v) for k, v in self.pairs.items()},
+                          self.typical, dict(self.cleared))
 
 
-def trust_of(score: float, s: TrustSettings) -> float:
-    return float(min(1.0, max(0.0, (score - s.low) / (s.high - s.low))))
+def clear(state: TrustState, learner: str, clear_id: int) -> TrustState:
+    """``state`` without anything known of ``learner`` (an operator's ``diloco trust clear``): its
+    record and its pairs are dropped, as for a learner never seen; ``clear_id`` is remembered so a
+    clear is applied once. Pure."""
+    new = state.copy()
+    new.learners.pop(learner, None)
+    new.pairs = {k: v for k, v in new.pairs.items() if learner not in k}
+    new.cleared[learner] = max(int(clear_id), new.cleared.get(learner, 0))
+    return new
 
 
-def has_majority(state: TrustState, s: TrustSettings) -> bool:
-    """True while the learners known to the fragment hold more than half their trust in full: a
-    minority can be judged by the others. Otherwise the measure itself is in doubt (a run whose
-    learners all disagree, a fragment whose learners all restarted on another model) and nobody's
-    weight is lowered: without this, a fragment whose every contributor had fallen to weight 0
-    compared each contribution with nothing, no score could move again, and every later merge
-    applied nothing (bench.soak found four fragments frozen so, for minutes, under an earlier
-    rule)."""
-    if not state.learners:
-        return True
-    trust = [trust_of(lt.score(s.kappa), s) for lt in state.learners.values()]
-    return float(sum(trust)) > 0.5 * len(trust)
+def suspected(state: TrustState) -> list[str]:
+    return sorted(x for x, lt in state.learners.items() if lt.reason)
 
 
-OPPOSES = -0.3  # a mean agreement below this: the learner's outer gradients point against the others'
+def has_majority(state: TrustState) -> bool:
+    """True while fewer than half the judged learners of the fragment are suspected: a minority can be
+    judged by the others. Otherwise the measure itself is in doubt (a run whose learners all disagree,
+    a fragment whose learners all restarted on another model) and nobody's weight is lowered (an
+    earlier rule without this froze four fragments for minutes in bench.soak)."""
+    judged = [lt for lt in state.learners.values() if lt.evidence]
+    return 2 * sum(1 for lt in judged if lt.reason) < max(1, len(judged))
 
-
-def reason_of(lt: LearnerTrust, s: TrustSettings) -> str:
-    """Why a learner is suspected ("" when it is trusted), for metrics and ``diloco status``."""
-    score = lt.score(s.kappa)
-    if lt.replays and score < s.high:
-        return "replays"
-    if score < s.high and lt.mean < OPPOSES:
-        return "opposes"
-    if score < s.high:
-        return "uncorrelated"
-    return ""
 
 
 #: the sample is read in runs of this many consecutive values (one 64-byte cache line of float32): a
@@ -262,119 +254,175 @@ class Assessment:
     them in mode ``weigh`` only) and the state after."""
 
     factors: np.ndarray
-    agreements: list  # a_i (None: nothing to compare with)
-    z: list
     replay: list
     state: TrustState
 
 
+def own_sample(x: np.ndarray) -> bytes:
+    """The OWN values of a sample kept to compare the learner's next contribution with (float16 bytes,
+    scaled to a max of 1: a cosine does not see the scale)."""
+    v = np.asarray(x, dtype=np.float32)[:: max(1, x.size // OWN)][:OWN]
+    m = float(np.max(np.abs(v))) if v.size else 0.0
+    return (v / m if m > 0 else v).astype(np.float16).tobytes()
+
+
+def own_cosine(prev: bytes, x: np.ndarray) -> float | None:
+    """The cosine of a sample with a kept one (None: nothing kept, or of another size)."""
+    if not prev:
+        return None
+    a = np.frombuffer(prev, dtype=np.float16).astype(np.float64)
+    b = np.frombuffer(own_sample(x), dtype=np.float16).astype(np.float64)
+    if a.size != b.size:
+        return None
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    return float(a @ b / (na * nb)) if na > 0 and nb > 0 else 0.0
+
+
 def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], settings: TrustSettings,
            version: int = 0) -> Assessment:
-    """Measure one merge's contributions (``learners[i]`` sent ``vectors[i]``) against each other;
-    return each one's weight factor and the updated record. Pure: ``state`` is not modified."""
+    """Measure one merge's contributions (``learners[i]`` sent ``vectors[i]``); return each one's weight
+    factor and the updated record. Pure: ``state`` is not modified."""
     k = len(vectors)
-    new = state.copy()
     if settings.mode == "off" or k == 0:
-        return Assessment(np.ones(k), [None] * k, [None] * k, [False] * k, new)
+        return Assessment(np.ones(k), [False] * k, state.copy())
     X = samples(vectors)
-    t_prev = np.array([trust_of(new.learners[x].score(settings.kappa), settings) if x in new.learners else 1.0
-                       for x in learners])
-    majority = has_majority(new, settings)
-    if not majority:  # nobody to judge by: everyone is a reference again, and no weight is lowered
-        t_prev = np.ones(k)
-    G = cosines(X)
-    agreements: list = []
-    support = []  # the trust of the others each contribution is compared with
-    for i in range(k):
-        # the others are other learners: a merge can hold two rounds of one learner (a backlog, a
-        # learner out of step), and its own earlier round is no witness for it
-        # and each other learner counts once: its rounds in the merge are averaged (a liar's two
-        # rounds in one merge outweighed two honest learners in an honest one's reference)
-        others = [j for j in range(k) if learners[j] != learners[i]]
-        per: dict[str, int] = {}
-        for j in others:
-            per[learners[j]] = per.get(learners[j], 0) + 1
-        t = np.array([t_prev[j] / per[learners[j]] for j in others])
-        support.append(float(sum({learners[j]: t_prev[j] for j in others}.values())))
-        if not others:
-            agreements.append(None)
-            continue
-        dot = float(t @ G[i, others])
-        rr = float(t @ G[np.ix_(others, others)] @ t)
-        agreements.append(dot / np.sqrt(rr) if rr > 1e-12 else None)
     digests = [hashlib.blake2b(x.data, digest_size=8).digest() for x in X]
+    own: list[float | None] = []
+    kept: dict[str, bytes] = {}
+    for x, row in zip(learners, X):  # a learner's second round in one merge is compared with its first
+        lt = state.learners.get(x)
+        own.append(own_cosine(kept.get(x, lt.prev if lt else b""), row))
+        kept[x] = own_sample(row)
+    a = judge(state, learners, cosines(X), digests, [bool(np.any(x)) for x in X], own, settings, version,
+              sampled=X.shape[1])
+    for x, b in kept.items():
+        a.state.learners[x].prev = b
+    return a
+
+
+def judge(state: TrustState, learners: list[str], G: np.ndarray, digests: list[bytes], moved: list[bool],
+          own: list, settings: TrustSettings, version: int = 0, sampled: int = SAMPLE) -> Assessment:
+    """The decision of :func:`assess` from what it measured: the cosines ``G`` of the contributions'
+    samples, their digests, whether each sample is nonzero (``moved``) and each one's cosine with its
+    learner's previous contribution (``own``, None for a first). Pure."""
+    k = len(learners)
+    new = state.copy()
     replay = []
     for i, x in enumerate(learners):
-        lt = new.learners.get(x)
-        # an all-zero sample (a learner that did not move) is the same every time, and no replay
-        replay.append(bool(lt is not None and digests[i] in lt.hashes and bool(np.any(X[i]))))
-    known = [a for a in new.agree]
-    current = [a for a, r in zip(agreements, replay) if a is not None and not r]
-    ref = float(np.median(known)) if len(known) >= MIN_HISTORY else (float(np.median(current)) if current else 0.0)
-    factors = np.ones(k)
-    zs: list = []
-    for i, x in enumerate(learners):
         lt = new.learners.setdefault(x, LearnerTrust())
-        a = agreements[i]
-        if replay[i]:
-            z: float | None = -1.0
-            lt.replays += 1
-        elif a is None or ref < MIN_TYPICAL or support[i] < MIN_SUPPORT:
-            # nothing to compare with (a lone contribution, noise), or one other only: in a merge of
-            # a liar and one honest learner each points against the other, so neither is evidence
-            z = None
-        else:
-            z = float(min(1.5, max(-1.0, a / ref)))
-        zs.append(z)
-        if z is not None:
-            lt.observe(z, settings.rate)
-        weight = trust_of(lt.score(settings.kappa), settings)
-        if z is not None and z <= settings.cut:
-            weight = 0.0
-        factors[i] = weight
-        if weight <= 0:
-            lt.distrusted += 1
+        # an all-zero sample (a learner that did not move) is the same every time, and no replay
+        r = bool(digests[i] in lt.hashes and moved[i])
+        replay.append(r)
+        lt.replay = _ew(lt.replay, 1.0 if r else 0.0, settings.rate)
+        lt.replays += int(r)
+        lt.seen += 1
         lt.hashes = (lt.hashes + [digests[i]])[-HASHES_KEPT:]
         lt.version = version
-    if not majority:
-        factors = np.ones(k)
+        if not r and own[i] is not None:
+            lt.own = _ew(lt.own, float(own[i]), settings.rate)
+    # one observation per pair of learners per merge (a learner's two rounds in one merge averaged);
+    # a replay is an old direction: no evidence of how its learner relates to the others now
+    obs: dict[tuple[str, str], list[float]] = {}
     for i in range(k):
-        if factors[i] >= 1.0 and agreements[i] is not None and not replay[i]:
-            new.agree.append(float(agreements[i]))
-    new.agree = new.agree[-HISTORY:]
-    return Assessment(factors, agreements, zs, replay, new)
+        for j in range(i + 1, k):
+            if learners[i] != learners[j] and not replay[i] and not replay[j] and moved[i] and moved[j]:
+                obs.setdefault(pair_key(learners[i], learners[j]), []).append(float(G[i, j]))
+    for key, cs in obs.items():
+        new.pairs[key] = _ew(new.pairs.get(key, []), float(np.mean(cs)), settings.rate)
+    _forget(new, version)
+    _verdicts(new, settings, NOISE_FLOORS / np.sqrt(max(1, sampled)))
+    factors = np.ones(k)
+    if settings.mode == "weigh":
+        majority = has_majority(new)
+        for i, x in enumerate(learners):
+            lt = new.learners[x]
+            if replay[i] or (majority and lt.reason):
+                factors[i] = 0.0
+                lt.distrusted += 1
+    return Assessment(factors, replay, new)
+
+
+def _forget(st: TrustState, version: int) -> None:
+    """Learners not seen for FORGET_AFTER versions leave the record (and their pairs)."""
+    gone = {x for x, lt in st.learners.items() if version - lt.version > FORGET_AFTER}
+    for x in gone:
+        del st.learners[x]
+    if gone:
+        st.pairs = {key: v for key, v in st.pairs.items() if key[0] not in gone and key[1] not in gone}
+
+
+def _verdicts(st: TrustState, s: TrustSettings, min_typical: float) -> None:
+    """Every learner's verdict from the fragment's pair and own records (see the module docstring)."""
+    means: dict[str, dict[str, list]] = {x: {} for x in st.learners}
+    for (a, b), rec in st.pairs.items():
+        if rec[4] >= MIN_PAIR and a in means and b in means:
+            means[a][b] = rec
+            means[b][a] = rec
+    # the typical agreement: the median over learners of each one's median pair
+    typ = {x: float(np.median([ew_mean(r) for r in m.values()])) for x, m in means.items() if m}
+    T = float(np.median(list(typ.values()))) if typ else 0.0
+    st.typical = T
+    if len(typ) < MIN_JUDGED or T < min_typical:
+        # nobody can be singled out now (too few learners, or their agreement is noise: late in a run
+        # the outer gradients of the cosine schedule's last steps): the verdicts stand as they were
+        return
+    for x, lt in st.learners.items():
+        lt.trust, lt.reason, lt.evidence = 1.0, "", {}
+        m = means[x]
+        if len(m) < 2:
+            continue
+        med = float(np.median([ew_bound(r, s.kappa, 1.0) for r in m.values()]))
+        partner = max(m, key=lambda y: ew_mean(m[y]))
+        own_ok = len(lt.own) == 5 and lt.own[4] >= MIN_PAIR
+        med_mean = float(np.median([ew_mean(r) for r in m.values()]))
+        lt.evidence = {"median": round(med_mean / T, 3), "best": round(ew_mean(m[partner]) / T, 3), "partner": partner,
+                       "own": round(ew_mean(lt.own) / T, 3) if own_ok else None, "pairs": len(m)}
+        if lt.seen < MIN_SEEN:
+            continue
+        best = ew_mean(m[partner])
+        loner = best <= s.nil * T  # it agrees with no other learner
+        if len(lt.replay) == 5 and ew_mean(lt.replay) >= REPLAY_RATE:
+            lt.reason = "replays"
+        elif (loner and med < 0) or (med <= -s.oppose * T and best <= PARTNER * T):
+            lt.reason = "opposes"
+        elif loner and own_ok and abs(ew_mean(lt.own)) <= s.nil * T:
+            lt.reason = "uncorrelated"
+        lt.trust = 0.0 if lt.reason else 1.0
 
 
 def distrusted_participants(state: TrustState, version: int, per_round: int, settings: TrustSettings,
                             merged: dict | None = None) -> float:
-    """How many of a round's participants the trust leaves out: the sum of ``1 - trust`` over the
-    learners whose newest contribution to the fragment was merged within the last two rounds
-    (``2 x per_round`` versions). The merge counts the round without them (``merge_step``): a
-    distrusted learner's share is not applied, and the others' steps are not shrunk by its absence.
-    0 without a trusted majority (nobody's weight is lowered then)."""
-    if settings.mode != "weigh" or not has_majority(state, settings):
+    """How many of a round's participants the trust leaves out: the suspects (and this merge's replays,
+    ``merged``: its weight factor per learner) whose newest contribution to the fragment was merged
+    within the last two rounds (``2 x per_round`` versions). The merge counts the round without them
+    (``merge_step``): a distrusted learner's share is not applied, and the others' steps are not
+    shrunk by its absence. 0 without a majority of unsuspected learners (nobody is weighed down then)."""
+    if settings.mode != "weigh" or not has_majority(state):
         return 0.0
-    merged = merged or {}  # this merge's weight factor per learner (an instant cut counts as out)
-    return float(sum(1.0 - min(trust_of(lt.score(settings.kappa), settings), merged.get(x, 1.0))
-                     for x, lt in state.learners.items() if version - lt.version <= 2 * max(1, per_round)))
+    merged = merged or {}
+    return float(sum(1.0 - min(lt.trust, merged.get(x, 1.0)) for x, lt in state.learners.items()
+                     if version - lt.version <= 2 * max(1, per_round)))
 
 
 def summary(states: list[TrustState], settings: TrustSettings) -> dict:
-    """Per learner over a process's fragments: the lowest score (and that fragment's mean agreement
-    and reason), the trust it gives and the counts, for metrics and ``diloco status``."""
+    """Per learner over a process's fragments: its verdict where it is trusted least (the reason and the
+    evidence there, relative to that fragment's typical agreement), on how many fragments it is
+    suspected, and the counts, for metrics and ``diloco status``."""
     out: dict[str, dict] = {}
     for st in states:
         for x, lt in st.learners.items():
-            score = lt.score(settings.kappa)
-            o = out.setdefault(x, {"score": score, "mean": lt.mean, "seen": 0, "distrusted": 0, "replays": 0,
-                                   "reason": reason_of(lt, settings)})
-            if score < o["score"]:
-                o.update(score=score, mean=lt.mean, reason=reason_of(lt, settings))
+            o = out.setdefault(x, {"trust": 1.0, "reason": "", "evidence": {}, "suspected_on": 0, "fragments": 0,
+                                   "seen": 0, "distrusted": 0, "replays": 0})
+            if lt.reason:
+                o["suspected_on"] += 1
+            if lt.evidence and (not o["evidence"] or (lt.trust, lt.evidence.get("median", 1.0))
+                                < (o["trust"], o["evidence"].get("median", 1.0))):
+                o.update(trust=lt.trust, reason=lt.reason, evidence=dict(lt.evidence))
+            o["fragments"] += 1
             o["seen"] += lt.seen
             o["distrusted"] += lt.distrusted
             o["replays"] += lt.replays
     for o in out.values():
-        o["trust"] = round(trust_of(o["score"], settings), 3)
-        o["score"] = round(o["score"], 3)
-        o["mean"] = round(o["mean"], 3)
+        o["score"] = o["evidence"].get("median")  # the median pair agreement over the typical one
+        o["weighed"] = settings.mode == "weigh"  # observe: a verdict only
     return out

@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 
 from aggregator.intake import Pending
-from aggregator.mlog import LoggedContribution, MergeRecord
+from aggregator.mlog import LoggedContribution, MergeRecord, with_clears
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, decide
 from aggregator.rounds import held_for_round
@@ -122,6 +122,13 @@ class VersionMaker:
         pos = self.logpos[p]
         restarts = tuple(tuple(r) for r in pos.restarts)
         pos.restarts = []
+        # operator clears of trust records (diloco trust clear) not yet applied to this fragment:
+        # applied before the merge and logged with it, so a replay applies them at the same point
+        cleared = tuple(sorted((x, n) for x, n in self.trust_clears.items()
+                               if n > st.trust.cleared.get(x, 0) and x in st.trust.learners))
+        if cleared:
+            st = with_clears(st, cleared)
+            self.log.info("trust_cleared", fragment=p, learners=[x for x, _ in cleared], version=st.version + 1)
         # in place: the parameters and optimizer arrays are updated where they are (no copy of the
         # fragment); the record is retried as it is until stored, so the old state is never needed
         acc = self.accum.get(p)
@@ -132,7 +139,7 @@ class VersionMaker:
         rec = MergeRecord(p, new.version, tuple(
             LoggedContribution(x.c.learner, x.c.incarnation, x.c.fragment, x.c.round, x.c.base_version, x.seqs,
                                float(x.norm), x.nbytes) for x in items),
-            float(scale), int(per_round), self.settings_dict, restarts, time.time())
+            float(scale), int(per_round), self.settings_dict, restarts, time.time(), cleared)
         self.states[p] = new
         self.uncommitted[p] = (st.version, rec, items, first, reason, t0)
         await self._commit(p)
@@ -190,30 +197,27 @@ class VersionMaker:
 
     def _note_trust(self, p: int, new: FragmentState, items: list) -> None:
         """Count the contributions merged at a reduced weight, and say once per change when a learner
-        becomes suspected (or trusted again) by ``aggregator.trust`` (the reason, its score)."""
-        from aggregator.trust import reason_of
-
+        becomes suspected (or trusted again) by ``aggregator.trust``: the reason and its evidence."""
         for x, f in zip(items, new.last_trust):
             if f < 1.0:
                 self.stats.downweighted[x.c.learner] += 1
             if f <= 0.0:
                 self.stats.distrusted[x.c.learner] += 1
         for learner in sorted({x.c.learner for x in items}):
-            # its record on the fragment where it is trusted least (one reason per learner, not a
-            # line per merge where two fragments disagree)
+            # its verdict on the fragment where it is trusted least (one line per change of the
+            # reason, not a line per merge where two fragments disagree)
             records = [st.trust.learners[learner] for st in self.states.values() if learner in st.trust.learners]
             if not records:
                 continue
-            lt = min(records, key=lambda r: r.score(self.settings.trust.kappa))
-            reason = reason_of(lt, self.settings.trust)
-            score = lt.score(self.settings.trust.kappa)
-            if self.suspected.get(learner, "") != reason:
-                if reason:
-                    self.log.warning("learner_suspected", learner=learner, reason=reason, score=round(score, 3),
-                                     mean=round(lt.mean, 3), fragment=p, distrusted=lt.distrusted, replays=lt.replays)
+            lt = min(records, key=lambda r: (r.trust, (r.evidence or {}).get("median", 1.0)))
+            if self.suspected.get(learner, "") != lt.reason:
+                if lt.reason:
+                    self.log.warning("learner_suspected", learner=learner, reason=lt.reason, fragment=p,
+                                     weighed=self.settings.trust.mode == "weigh", evidence=lt.evidence,
+                                     distrusted=lt.distrusted, replays=lt.replays)
                 else:
-                    self.log.info("learner_trusted_again", learner=learner, score=round(score, 3), fragment=p)
-                self.suspected[learner] = reason
+                    self.log.info("learner_trusted_again", learner=learner, fragment=p, evidence=lt.evidence)
+                self.suspected[learner] = lt.reason
 
     # -- publishing -------------------------------------------------------------------------------
 

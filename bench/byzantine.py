@@ -73,8 +73,8 @@ def _one(item: tuple[str, object]) -> dict:
     t0 = time.perf_counter()
     ref = Reference(cfg)  # type: ignore[arg-type]
     r = ref.run()
-    trust = summary([st.trust for st in ref.states], TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_low,  # type: ignore[attr-defined]
-                                                                   cfg.trust_high))  # type: ignore[attr-defined]
+    trust = summary([st.trust for st in ref.states], TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_oppose,  # type: ignore[attr-defined]
+                                                                   cfg.trust_nil))  # type: ignore[attr-defined]
     kind = "oracle" if cfg.byzantine_oracle else (cfg.byzantine or "clean")  # type: ignore[attr-defined]
     return {"label": label, "kind": kind, "seed": cfg.seed, "trust_mode": cfg.trust,  # type: ignore[attr-defined]
             "eval_loss": round(float(r["eval_loss"]), 5), "merges": r["merges"], "rejected": r["rejected"],
@@ -134,10 +134,12 @@ def aggregator_defaults() -> dict:
 
 
 async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env: dict | None = None,
-                     status: bool = False) -> dict:
+                     status: bool = False, clear_when_named: bool = False) -> dict:
     """One run of real processes, learner ``l0`` lying as ``kind`` ("" for none), every learner
     ``steps`` inner steps; the final held-out loss once every learner finished and its final sync was
-    merged, and the aggregator's trust metrics."""
+    merged, and the aggregator's trust metrics (``DILOCO_TRUST=weigh`` unless ``agg_env`` says
+    otherwise: a run open to parties the operator does not control). ``clear_when_named``: the
+    first time the metrics name ``l0``, an operator clears it (``diloco trust clear``'s request)."""
     import orjson
 
     from tests.chaos.harness import ChaosRun
@@ -162,14 +164,22 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
     # heartbeats late by more than 0.6 s put live learners out of the quorum, so merges held one or two
     # learners (not proven by a log); with these timeouts 3 of 3 passed beside the same hogs
     run = Run(tmp, learners=learners, seed=1, run=f"byz{kind or 'clean'}",
-              learner_env={"DILOCO_MAX_STEPS": str(steps)}, agg_env={**aggregator_defaults(), **(agg_env or {})},
+              learner_env={"DILOCO_MAX_STEPS": str(steps)},
+              agg_env={**aggregator_defaults(), "DILOCO_TRUST": "weigh", **(agg_env or {})},
               monitor_env={"DILOCO_SUSPECT_AFTER": "3.0", "DILOCO_EVICT_AFTER": "5.0", "DILOCO_LEASE_TTL": "5.0"})
     metrics: dict = {}
+    cleared: dict = {}  # when l0 was cleared, and what the metrics said of it then
 
     async def on_agg(m):
         d = orjson.loads(m.data)
         if isinstance(d.get("trust"), dict):
             metrics.update(d)
+            l0 = d["trust"].get("l0") or {}
+            if clear_when_named and not cleared and l0.get("reason"):
+                from bus.trust_clears import request_clear
+
+                cleared.update(at=time.time(), seen=l0.get("seen"), reason=l0.get("reason"))
+                cleared["id"] = await request_clear(run.nc.jetstream(timeout=5), run.run, "l0", by="bench")
 
     try:
         await run.setup()
@@ -187,10 +197,14 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
             shown = {"trust": st.get("trust"), "text": render_status(st)}
         finals = [loss for _, loss, v in run.evals if v == run.evals[-1][2]]
         first = min(run.evals, key=lambda e: e[2])[1]
+        with open(os.path.join(tmp, "aggregator.log"), "rb") as f:
+            agg_log = f.read().decode(errors="replace")
         return {"kind": kind or "clean", "final": round(finals[-1], 4), "first": round(first, 4),
                 "trust": metrics.get("trust"), "distrusted": metrics.get("distrusted"),
                 "downweighted": metrics.get("downweighted"), "rejected": metrics.get("rejected"),
-                "merges": metrics.get("merges"), "status": shown}
+                "merges": metrics.get("merges"), "status": shown, "cleared": cleared or None,
+                "clears_applied": agg_log.count('"trust_cleared"'),
+                "suspected_lines": [ln for ln in agg_log.splitlines() if '"learner_suspected"' in ln][:20]}
     finally:
         await run.close()
 

@@ -172,9 +172,11 @@ class Reference:
                                       delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
                                       clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr,
                                       momentum_open_rounds=cfg.momentum_open_rounds,
-                                      trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_low, cfg.trust_high))
+                                      trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_oppose, cfg.trust_nil))
         v0 = s.v0_fragments()
         self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(self.P)]
+        self.trust_trace: list[dict] = []  # cfg.record_trust
+        self._prev_sample: dict = {}
         self.buffers: list[list[_Pending]] = [[] for _ in range(self.P)]
         self.keys: list = [None] * self.P
         from bus.downlink import View
@@ -522,6 +524,8 @@ class Reference:
                  if cfg.scale_by_participation else 1.0)
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale,
                          max(1, len(participants)))
+        if cfg.record_trust:
+            self._record_trust(p, st.version, items, new)
         self.states[p] = new
         self.merges += 1
         for x in items:
@@ -548,13 +552,34 @@ class Reference:
             self._at(self.now + cfg.down_delay, 2, self._deliver, ln, p, new.version, vec, applied)
 
 
+    def _record_trust(self, p: int, version: int, items: list, new) -> None:
+        """What the trust check saw in this merge (cfg.record_trust): the learners, the cosines of their
+        contributions' samples, the digests of those samples (a replay is a repeated digest) and the
+        weight factors the merge used."""
+        import hashlib
+
+        from aggregator.trust import cosines, samples
+
+        X = samples([x.c.vector for x in items])
+        own = []  # each one's cosine with its learner's previous contribution to the fragment
+        for x, row in zip(items, X):
+            prev = self._prev_sample.get((p, x.c.learner))
+            own.append(None if prev is None else round(float(cosines(np.stack([row, prev]))[0, 1]), 5))
+            self._prev_sample[(p, x.c.learner)] = row
+        self.trust_trace.append({"p": p, "v": version, "learners": [x.c.learner for x in items],
+                                 "G": cosines(X).round(5).tolist(), "own": own,
+                                 "m": [bool(np.any(r)) for r in X],
+                                 "d": [hashlib.blake2b(x.data, digest_size=8).hexdigest() for x in X],
+                                 "factors": [round(float(f), 4) for f in new.last_trust]})
+
+
 def run_reference(cfg: RefConfig, setup: Setup | None = None, progress=None) -> dict:
     return Reference(cfg, setup, progress).run()
 
 
 def same_setup(a: RefConfig, b: RefConfig) -> bool:
     """True when two configurations can share one :class:`Setup` (model, data and inner optimizer)."""
-    keys = ("M", "steps", "batch", "model", "seed", "corpus", "data_seed", "lr", "warmup", "total_steps", "weight_decay",
+    keys = ("M", "steps", "batch", "model", "seed", "corpus", "corpora", "data_seed", "lr", "warmup", "total_steps", "weight_decay",
             "clip_norm", "P", "eval_batches", "eval_batch_size")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 

@@ -51,6 +51,10 @@ class RefConfig:
     model: dict = field(default_factory=lambda: dict(SMALL_MODEL))
     seed: int = 0  # version 0
     corpus: str = ""  # DILOCO_DATA: empty = the Python standard library's sources; a text file or folder
+    # non-IID runs: one corpus per group of learners (the same kinds of source as ``corpus``; "" is the
+    # standard library), learner m in group m * len(corpora) // M; the held-out loss is the mean over
+    # the groups' held-out batches. Empty: every learner samples ``corpus`` (IID)
+    corpora: tuple[str, ...] = ()
     data_seed: int = 0
     # the learners' incarnations: given, each samples its batches as a ``diloco learner`` process of
     # that incarnation does (``learner.loop.batch_seed``), so a system run can be replayed
@@ -94,8 +98,8 @@ class RefConfig:
     clip_factor: float = _A("clip_factor")
     trust: str = _A("trust")
     trust_rate: float = _A("trust_rate")
-    trust_low: float = _A("trust_low")
-    trust_high: float = _A("trust_high")
+    trust_oppose: float = _A("trust_oppose")
+    trust_nil: float = _A("trust_nil")
     momentum_open_rounds: int = _A("momentum_open_rounds")
     downlink: str = _A("downlink_quantiser")
     keyframe_every: int = _A("keyframe_every")
@@ -126,6 +130,8 @@ class RefConfig:
     # the floor of any defence that can only leave a learner out: the byzantine learners train (their
     # compute is spent) but an oracle drops all they send and counts them out of every round
     byzantine_oracle: bool = False
+    # record every merge's cosines between its contributions (the trust check's inputs; bench.noniid)
+    record_trust: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

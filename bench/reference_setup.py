@@ -35,12 +35,16 @@ class Setup:
         self.plan = make_plan(self.spec, cfg.P, self.model.max_imbalance)
         self.params = count_params(self.spec)
         self.v0 = init_params(self.spec, cfg.seed)
-        self.corpus = load_corpus(cfg.corpus or None)
+        # learner groups with their own corpora (cfg.corpora: non-IID runs, bench.noniid), or one corpus
+        self.corpora = [load_corpus(c or None) for c in (cfg.corpora or (cfg.corpus,))]
+        self.corpus = self.corpora[0]
         total = cfg.total_steps or cfg.steps
         self.optimizer = make_optimizer(self.lr, min(resolved_warmup(cfg), total - 1), total,
                                         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None)
         self.train_step = make_train_step(self.spec, self.optimizer, donate=True)
-        self.heldout = self.corpus.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+        # the held-out loss weighs every group's corpus alike (the same number of batches of each)
+        self.heldout = np.concatenate([c.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+                                       for c in self.corpora])
         self._eval = make_eval_fn(self.spec)
         self.tokens_per_step = cfg.batch * self.spec.seq_len
 
@@ -52,7 +56,9 @@ class Setup:
 
         seed = (self.cfg.data_seed * 1_000_003 + m if incarnation is None
                 else sampler_seed(self.cfg.data_seed, f"learner-{m}", incarnation, resume=True))
-        return self.corpus.shard(m, self.cfg.M, self.spec.seq_len, seed)
+        g = group_of(m, self.cfg.M, len(self.corpora))
+        members = [j for j in range(self.cfg.M) if group_of(j, self.cfg.M, len(self.corpora)) == g]
+        return self.corpora[g].shard(members.index(m), len(members), self.spec.seq_len, seed)
 
     def learner_batches(self, m: int, incarnation: str | None = None):
         """bench.dp's stream, or (an ``incarnation``: a system run replayed) the learner's, by step."""
@@ -88,6 +94,11 @@ class Setup:
             out.append(np.concatenate([self.v0[s.path].reshape(-1)[s.start:s.stop] for s in frag.slices])
                        .astype(np.float32))
         return out
+
+
+def group_of(m: int, M: int, groups: int) -> int:
+    """The corpus group of learner ``m`` of ``M`` (contiguous: 8 learners in 2 groups are 0-3 and 4-7)."""
+    return m * groups // M
 
 
 def resolved_warmup(cfg: RefConfig) -> int:

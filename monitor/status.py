@@ -209,6 +209,33 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
     return out
 
 
+async def gather_trust(nc, run: str, wait: float) -> dict[str, dict] | None:
+    """Per learner, the least trusting aggregator's trust record (their metrics, listened to for up
+    to ``wait`` seconds: until one is heard and 0.5 s more for the others); None if none was heard."""
+    by_agg: dict[str, dict] = {}
+    heard = asyncio.Event()
+
+    async def on_aggregator(m) -> None:
+        try:
+            msg = loads_json(m.data)
+        except CodecError:
+            return
+        if isinstance(msg, dict) and isinstance(msg.get("trust"), dict):
+            by_agg[str(msg.get("id"))] = msg["trust"]
+            heard.set()
+
+    sub = await nc.subscribe(f"{Subjects(run).prefix}.metrics.aggregator.*", cb=on_aggregator)
+    try:
+        try:
+            await asyncio.wait_for(heard.wait(), timeout=wait)
+            await asyncio.sleep(min(0.5, wait))
+        except asyncio.TimeoutError:
+            pass
+    finally:
+        await sub.unsubscribe()
+    return merge_trust(by_agg) if by_agg else None
+
+
 def merge_trust(by_aggregator: dict[str, dict]) -> dict[str, dict]:
     """Per learner, the least trusting of the aggregators' records (each owns some fragments)."""
     out: dict[str, dict] = {}
@@ -217,17 +244,39 @@ def merge_trust(by_aggregator: dict[str, dict]) -> dict[str, dict]:
             if not isinstance(rec, dict):
                 continue
             cur = out.get(learner)
-            if cur is None or float(rec.get("score", 1.0)) < float(cur.get("score", 1.0)):
+            if cur is None or _rank(rec) < _rank(cur):
                 out[learner] = dict(rec)
     return out
+
+
+def _rank(rec: dict) -> tuple[float, float]:
+    score = rec.get("score")
+    return (float(rec.get("trust", 1.0)), 1.0 if score is None else float(score))
 
 
 def trust_cell(rec: dict[str, Any] | None) -> str:
     """The TRUST column: the weight a learner's contributions merge at, and why it is suspected."""
     if not rec:
         return "-"
+    if rec.get("reason") and rec.get("weighed") is False:  # observe: suspected, merged in full
+        return f"1.00 {rec['reason']} (observed)"
     cell = f"{float(rec.get('trust', 1.0)):.2f}"
     return f"{cell} {rec['reason']}" if rec.get("reason") else cell
+
+
+def suspicion(name: str, rec: dict) -> str:
+    """One suspect with its evidence: the median of its pairwise agreements, its best partner and its
+    agreement with itself, each relative to the typical agreement of its fragment (an honest learner
+    is near 1, a negation near -1, a random direction near 0 on all three)."""
+    ev = rec.get("evidence") or {}
+    own = ev.get("own")
+    parts = [rec.get("reason", "?"), f"median {ev.get('median')}", f"best {ev.get('best')} ({ev.get('partner')})",
+             f"own {own if own is not None else '-'}", f"on {rec.get('suspected_on', '?')}/{rec.get('fragments', '?')} fragments"]
+    if rec.get("weighed") is False:
+        parts.append("observed only: merged in full")
+    else:
+        parts.append(f"{rec.get('distrusted', 0)} merged at weight 0")
+    return f"{name} ({', '.join(parts)})"
 
 
 async def read_progress(js, s: Subjects) -> dict[str, Any] | None:
@@ -322,9 +371,9 @@ def render_status(st: dict[str, Any], width: int = 120) -> str:
                 lines.append(text[:width])
         suspects = sorted(k for k, v in trust.items() if isinstance(v, dict) and v.get("reason"))
         if suspects:
-            lines.append(("suspects   " + ", ".join(
-                f"{k} ({trust[k]['reason']}, score {trust[k].get('score')}, {trust[k].get('distrusted', 0)} merged "
-                f"at weight 0)" for k in suspects))[:width])
+            for i, k in enumerate(suspects):
+                lines.append((("suspects   " if i == 0 else "           ") + suspicion(k, trust[k]))[:width])
+            lines.append("           (diloco trust clear LEARNER forgets what the aggregator holds against one)"[:width])
         for key, why in ms.get("unreadable", {}).items():
             lines.append(f"  unreadable record {key}: {why}"[:width])
 
