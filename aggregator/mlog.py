@@ -27,7 +27,7 @@ import msgpack
 
 from aggregator.contribution import Contribution
 from aggregator.step import FragmentState, MergeSettings, merge_step
-from aggregator.trust import TrustSettings
+from aggregator.trust import TrustSettings, clear
 from aggregator.weights import StalenessPolicy
 
 LOG_FORMAT = 1
@@ -49,7 +49,10 @@ def settings_from_dict(d: dict) -> MergeSettings:
     d = dict(d)
     d["staleness"] = StalenessPolicy(**d["staleness"])
     # a record written before trust existed merged without it: replay it so
-    d["trust"] = TrustSettings(**d["trust"]) if "trust" in d else TrustSettings(mode="off")
+    # (an earlier rule's settings, low/high: its mode with this rule's defaults)
+    names_t = {f.name for f in dataclasses.fields(TrustSettings)}
+    d["trust"] = (TrustSettings(**{k: v for k, v in d["trust"].items() if k in names_t}) if "trust" in d
+                  else TrustSettings(mode="off"))
     names = {f.name for f in dataclasses.fields(MergeSettings)}
     return MergeSettings(**{k: v for k, v in d.items() if k in names})
 
@@ -85,6 +88,8 @@ class MergeRecord:
     settings: dict  # settings_to_dict(MergeSettings)
     restarts: tuple[tuple[float, ...], ...] = ()  # outlier-reference restarts, in order, before the merge
     ts: float = 0.0
+    # operator clears of trust records (``diloco trust clear``: learner, clear id), applied before the merge
+    cleared: tuple[tuple[str, int], ...] = ()
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({
@@ -93,6 +98,7 @@ class MergeRecord:
                   for c in self.contribs],
             "scale": self.scale, "per_round": self.per_round, "settings": self.settings,
             "restarts": [list(r) for r in self.restarts], "ts": self.ts,
+            **({"cl": [[x, n] for x, n in self.cleared]} if self.cleared else {}),
         }, use_bin_type=True)
 
     @classmethod
@@ -104,7 +110,8 @@ class MergeRecord:
                    tuple(LoggedContribution(str(a), str(b), int(c), int(r), int(v), tuple(int(x) for x in s), float(n),
                                             int(nb)) for a, b, c, r, v, s, n, nb in d["c"]),
                    float(d["scale"]), int(d["per_round"]), dict(d["settings"]),
-                   tuple(tuple(float(x) for x in r) for r in d.get("restarts", ())), float(d.get("ts", 0.0)))
+                   tuple(tuple(float(x) for x in r) for r in d.get("restarts", ())), float(d.get("ts", 0.0)),
+                   tuple((str(x), int(n)) for x, n in d.get("cl", ())))
 
 
 def replay_one(state: FragmentState, record: MergeRecord, contribs: list[Contribution],
@@ -119,6 +126,7 @@ def replay_one(state: FragmentState, record: MergeRecord, contribs: list[Contrib
         raise ValueError(f"contributions of f{record.fragment} v{record.version} do not match its record")
     for r in record.restarts:
         state.norms.restart(state.fragment, list(r))
+    state = with_clears(state, record.cleared)
     return merge_step(state, contribs, settings_from_dict(record.settings), [c.norm for c in record.contribs],
                       record.scale, record.per_round, inplace=inplace)
 
@@ -128,6 +136,7 @@ def applied_without_replay(state: FragmentState, record: MergeRecord) -> Fragmen
     limits): the version advances and its keys count as applied (they were acknowledged: they must
     not be merged again), the parameters stay as they are. The work is lost, loudly (the caller
     logs and counts it)."""
+    state = with_clears(state, record.cleared)
     applied = state.applied.copy()
     for c in record.contribs:
         if not applied.is_duplicate(k := _KeyOnly(*c.key, c.base)):  # type: ignore[arg-type]
@@ -135,6 +144,16 @@ def applied_without_replay(state: FragmentState, record: MergeRecord) -> Fragmen
     return dataclasses.replace(state, version=record.version, applied=applied,
                                last_merge=[c.key for c in record.contribs], last_scale=record.scale,
                                last_per_round=record.per_round, last_clipped=0)
+
+
+def with_clears(state: FragmentState, cleared) -> FragmentState:
+    """``state`` with the operator's trust clears of a record applied (``aggregator.trust.clear``)."""
+    if not cleared:
+        return state
+    trust = state.trust
+    for learner, clear_id in cleared:
+        trust = clear(trust, learner, clear_id)
+    return dataclasses.replace(state, trust=trust)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.members_rewatch = asyncio.Event()  # the connection came back: watch the bucket anew
         self.recent: dict[str, float] = {}  # learner -> monotonic time of its newest accepted contribution
         self.suspected: dict[str, str] = {}  # learner -> the reason aggregator.trust suspects it ("" : trusted)
+        self.trust_clears: dict[str, int] = {}  # learner -> its newest operator clear (bus.trust_clears)
         self.manifest = None  # the run's manifest: the tree, its plan, the declared geometry
         self.arrivals = ArrivalStats()
         self.stats = Stats()
@@ -368,6 +369,27 @@ class AggregatorService(Intake, VersionMaker, Durability):
             except asyncio.TimeoutError:
                 pass
 
+    async def _follow_clears(self, js, stop: asyncio.Event, every: float = 2.0) -> None:
+        """The operator's clears of the learners this aggregator holds trust records for, read every
+        ``every`` seconds; each fragment applies a new one at its next merge (aggregator.versions)."""
+        from bus.trust_clears import read_clears
+
+        while not stop.is_set():
+            known = {x for st in self.states.values() for x in st.trust.learners}
+            try:
+                for x, n in (await read_clears(js, self.common.run, known)).items():
+                    if n > self.trust_clears.get(x, 0):
+                        self.log.warning("trust_clear_received", learner=x, clear=n,
+                                         hint="its trust records are forgotten at each fragment's next merge")
+                        self.trust_clears[x] = n
+                        self.suspected.pop(x, None)
+            except Exception as e:  # noqa: BLE001 - a server restart: read again on the next pass
+                self.log.debug("trust_clears_unreadable", error=repr(e))
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except asyncio.TimeoutError:
+                pass
+
     async def _keep_alive_held(self) -> None:
         """Tell JetStream we still work on held chunks so they are not redelivered while buffered."""
         now = time.monotonic()
@@ -438,6 +460,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 self.log.warning("membership_not_loaded", waited_s=10)
         await self.consumer.start()
         tasks.append(asyncio.create_task(self._metrics(stop)))
+        if self.settings.trust.mode != "off":
+            tasks.append(asyncio.create_task(self._follow_clears(js, stop)))
         self.log.info("aggregator_started", fragments=f"{lo}-{hi}",
                       versions={p: s.version for p, s in self.states.items()})
         last_keepalive = time.monotonic()

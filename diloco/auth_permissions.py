@@ -258,9 +258,10 @@ def metrics_permissions(run: str) -> Permissions:
 
 
 def admin_permissions(run: str) -> Permissions:
-    """``diloco run create|inspect|delete``: stream administration of this run's streams only, no data."""
+    """``diloco run create|inspect|delete``: stream administration of this run's streams only, no data;
+    and ``diloco trust clear`` (the run bucket's ``trust_clear.*`` keys, ``bus.trust_clears``)."""
     s = Subjects(run)
-    pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST"]
+    pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST", kv_subject(s, "run", "trust_clear.*")]
     for name in run_streams(s):
         pub += [f"{API}.STREAM.{op}.{name}" for op in ("INFO", "CREATE", "UPDATE", "DELETE", "PURGE")]
         pub += [f"{API}.CONSUMER.{op}.{name}" for op in ("LIST", "NAMES")]

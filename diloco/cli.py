@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("learner.evaluator:main", "follow global versions and publish held-out loss"),
     "metrics": ("monitor.cli:cmd_metrics", "live table of a run's metrics"),
     "status": ("monitor.status:cmd_status", "one snapshot of a run: membership, versions, streams"),
+    "trust": ("monitor.trust_cli:cmd_trust", "each learner's trust and its evidence; clear a learner's record"),
     "export": ("learner.export:main", "write a run's newest global parameters to an .npz (while it runs)"),
     "up": ("diloco.up:main", "start a whole local run: server, aggregator, monitor, evaluator, learners"),
     "auth": ("diloco.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),

@@ -73,6 +73,7 @@ def _config(a: argparse.Namespace) -> CommonConfig:
     environ = None
     if getattr(a, "dir", None):
         environ = {**os.environ, **_watch_env(a.dir)}  # the run's own values win over the shell's
+        environ.update(getattr(a, "env_over", None) or {})  # a command's own user (diloco trust clear: the admin)
     for attr, field, parse in (("url", "nats_url", nats_urls()), ("run", "run", token())):
         value = getattr(a, attr)
         if value is not None:

@@ -107,6 +107,37 @@ def test_restarts_in_a_record_are_applied_before_its_merge():
     assert got[:2] == [0.5, 0.25] and len(got) == 3  # the restart, then the merge's own norm
 
 
+def test_trust_clears_in_a_record_are_applied_before_its_merge_and_replay_bit_for_bit():
+    """``diloco trust clear``: the live merge applies a clear before merging and logs it with the
+    record; a replay of the record applies it at the same point, so the state is the same bit for bit."""
+    from aggregator.mlog import with_clears
+    from aggregator.trust import TrustSettings
+
+    s = dataclasses.replace(SETTINGS[0], trust=TrustSettings(mode="weigh"))
+    rng = np.random.default_rng(3)
+    st = FragmentState.initial(0, 0, np.zeros(N, np.float32), s)
+    records = []
+    live = FragmentState.from_bytes(st.to_bytes())
+    for r in range(1, 12):
+        common = rng.standard_normal(N) * 1e-2
+        batch = [Contribution("r", "h", x, "inc", 0, r, live.version, 12, 12 * 64,
+                              ((-1 if x == "l0" else 1) * (common + 1e-2 * rng.standard_normal(N))).astype(np.float32),
+                              period=12) for x in ("l0", "l1", "l2", "l3")]
+        cleared = (("l0", 5),) if r == 9 else ()
+        live = with_clears(live, cleared)
+        live = merge_step(live, batch, s, [c.norm for c in (_logged(c) for c in batch)], 1.0, 4, inplace=True)
+        rec = MergeRecord(0, live.version, tuple(_logged(c) for c in batch), 1.0, 4, settings_to_dict(s), cleared=cleared)
+        assert MergeRecord.from_bytes(rec.to_bytes()) == rec
+        records.append((MergeRecord.from_bytes(rec.to_bytes()), batch))
+        if r == 8:
+            assert live.trust.learners["l0"].reason == "opposes"
+    assert live.trust.cleared == {"l0": 5} and live.trust.learners["l0"].seen == 3  # measured afresh since
+    replayed = FragmentState.from_bytes(st.to_bytes())
+    for rec, batch in records:
+        replayed = replay_one(replayed, rec, batch, inplace=True)
+    assert replayed.to_bytes() == live.to_bytes()
+
+
 def test_lost_contributions_advance_the_version_and_count_as_applied_without_moving_the_params():
     s = SETTINGS[0]
     st = FragmentState.initial(0, 0, np.ones(N, np.float32), s)

@@ -290,3 +290,42 @@ async def test_diloco_monitor_process_serves_and_stops_on_sigterm(nats_server, n
 
     rc, out, err = await diloco(dict(env, DILOCO_EVICT_AFTER="0.5"), "monitor")
     assert rc == 2 and err.strip() == ("diloco monitor: DILOCO_SUSPECT_AFTER=0.6 must be < DILOCO_EVICT_AFTER=0.5")
+
+
+async def test_trust_shows_the_evidence_and_clear_stores_a_clear_the_aggregator_reads(nats_server, nc, js):
+    """``diloco trust``: each learner's trust and, for a suspect, its evidence (from the aggregators'
+    metrics); ``diloco trust clear LEARNER``: a clear in the run bucket, what ``bus.trust_clears``
+    gives the aggregator (its id grows with every clear)."""
+    from bus.trust_clears import read_clears
+
+    run = "t1"
+    env = env_for(nats_server.url, run)
+    await ensure_run(js, run)
+    rec = {"l0": {"trust": 0.0, "reason": "opposes", "score": -1.1, "suspected_on": 3, "fragments": 4,
+                  "distrusted": 12, "weighed": True,
+                  "evidence": {"median": -1.1, "best": -0.8, "partner": "l2", "own": 1.9, "pairs": 3}},
+           "l1": {"trust": 1.0, "reason": "", "score": 1.2, "weighed": True}}
+
+    async def publish():
+        while True:
+            await nc.publish(Subjects(run).metrics("aggregator", "agg"),
+                             dumps_json({"role": "aggregator", "run": run, "ts": time.time(), "id": "agg", "trust": rec}))
+            await asyncio.sleep(0.2)
+
+    pub = asyncio.create_task(publish())
+    try:
+        rc, out, err = await diloco(env, "trust", "--wait", "1")
+    finally:
+        pub.cancel()
+    assert rc == 0, err
+    assert "l0" in out and "0.00 opposes" in out and "median -1.1, best -0.8 (l2), own 1.9, on 3/4 fragments" in out
+    assert read_clears is not None and await read_clears(js, run, ["l0", "l1"]) == {}
+    rc, out, err = await diloco(env, "trust", "clear", "l0")
+    assert rc == 0, err
+    assert "l0's trust records cleared" in out
+    first = await read_clears(js, run, ["l0", "l1"])
+    assert set(first) == {"l0"}
+    rc, out, err = await diloco(env, "trust", "clear", "l0")
+    assert rc == 0 and (await read_clears(js, run, ["l0"]))["l0"] > first["l0"]
+    rc, out, err = await diloco(env, "trust", "clear", "bad.id")  # not a learner id: one line, no traceback
+    assert rc != 0 and "Traceback" not in err and "learner" in err, err
