@@ -266,16 +266,14 @@ def own_sample(x: np.ndarray) -> bytes:
     return (v / m if m > 0 else v).astype(np.float16).tobytes()
 
 
-def own_cosine(prev: bytes, x: np.ndarray) -> float | None:
-    """The cosine of a sample with a kept one (None: nothing kept, or of another size)."""
-    if not prev:
+def own_cosine(prev: bytes, now: bytes) -> float | None:
+    """The cosine of two kept samples (:func:`own_sample`; None: nothing kept, or of another size)."""
+    if not prev or len(prev) != len(now):
         return None
-    a = np.frombuffer(prev, dtype=np.float16).astype(np.float64)
-    b = np.frombuffer(own_sample(x), dtype=np.float16).astype(np.float64)
-    if a.size != b.size:
-        return None
-    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    return float(a @ b / (na * nb)) if na > 0 and nb > 0 else 0.0
+    a = np.frombuffer(prev, dtype=np.float16).astype(np.float32)
+    b = np.frombuffer(now, dtype=np.float16).astype(np.float32)
+    na, nb = float(np.dot(a, a)), float(np.dot(b, b))
+    return float(np.dot(a, b)) / (na * nb) ** 0.5 if na > 0 and nb > 0 else 0.0
 
 
 def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], settings: TrustSettings,
@@ -291,8 +289,9 @@ def assess(state: TrustState, learners: list[str], vectors: list[np.ndarray], se
     kept: dict[str, bytes] = {}
     for x, row in zip(learners, X):  # a learner's second round in one merge is compared with its first
         lt = state.learners.get(x)
-        own.append(own_cosine(kept.get(x, lt.prev if lt else b""), row))
-        kept[x] = own_sample(row)
+        now = own_sample(row)
+        own.append(own_cosine(kept.get(x, lt.prev if lt else b""), now))
+        kept[x] = now
     a = judge(state, learners, cosines(X), digests, [bool(np.any(x)) for x in X], own, settings, version,
               sampled=X.shape[1])
     for x, b in kept.items():
@@ -363,8 +362,10 @@ def _verdicts(st: TrustState, s: TrustSettings, min_typical: float) -> None:
     T = float(np.median(list(typ.values()))) if typ else 0.0
     st.typical = T
     if len(typ) < MIN_JUDGED or T < min_typical:
-        # nobody can be singled out now (too few learners, or their agreement is noise: late in a run
-        # the outer gradients of the cosine schedule's last steps): the verdicts stand as they were
+        # nobody can be singled out now: too few learners, or the typical learner agrees with the
+        # typical other no more than noise does (late in a run, the cosine schedule's last steps; or
+        # a run where a liar leaves its region's honest learner without a partner, and that learner
+        # cannot be told from it by direction): the verdicts stand as they were
         return
     for x, lt in st.learners.items():
         lt.trust, lt.reason, lt.evidence = 1.0, "", {}

@@ -134,12 +134,14 @@ def aggregator_defaults() -> dict:
 
 
 async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env: dict | None = None,
-                     status: bool = False, clear_when_named: bool = False) -> dict:
+                     status: bool = False, clear_when_named: bool = False,
+                     corpora: dict[str, str] | None = None) -> dict:
     """One run of real processes, learner ``l0`` lying as ``kind`` ("" for none), every learner
     ``steps`` inner steps; the final held-out loss once every learner finished and its final sync was
     merged, and the aggregator's trust metrics (``DILOCO_TRUST=weigh`` unless ``agg_env`` says
     otherwise: a run open to parties the operator does not control). ``clear_when_named``: the
-    first time the metrics name ``l0``, an operator clears it (``diloco trust clear``'s request)."""
+    first time the metrics name ``l0``, an operator clears it (``diloco trust clear``'s request).
+    ``corpora``: ``DILOCO_DATA`` per learner (the others train on the standard library): non-IID."""
     import orjson
 
     from tests.chaos.harness import ChaosRun
@@ -147,9 +149,15 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
 
     class Run(ChaosRun):
         def start(self, name: str) -> None:
+            data = {"DILOCO_DATA": corpora[name]} if corpora and name in corpora else {}
             if name != "l0" or not kind:
-                return super().start(name)
-            env = self._env(self.proxies[name].url, **self.learner_env, DILOCO_LEARNER_ID=name,
+                saved = self.learner_env
+                self.learner_env = {**saved, **data}
+                try:
+                    return super().start(name)
+                finally:
+                    self.learner_env = saved
+            env = self._env(self.proxies[name].url, **self.learner_env, **data, DILOCO_LEARNER_ID=name,
                             DILOCO_NUM_LEARNERS=str(self.n), BYZ_KIND=kind)
             log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
             p = subprocess.Popen([PY, "-m", "bench.byzantine_learner"], env=env, stdout=log, stderr=log,

@@ -441,3 +441,51 @@ async def test_the_membership_is_watched_anew_when_the_server_comes_back(nats_se
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def test_an_operators_trust_clear_reaches_every_fragments_next_merge_and_survives_a_restart(nats_server, js):
+    """``diloco trust clear``: the key in the run bucket is read by the aggregator, each fragment
+    forgets the learner's record at its next merge (and records the clear), the learner is measured
+    afresh and, lying on, named again; a restarted aggregator keeps the clear applied, once."""
+    from bus.trust_clears import request_clear
+
+    svc, stop, task = await _start(nats_server, quorum=4, grace="fixed", grace_seconds=5.0, trust="weigh")
+    names = ["l0", "l1", "l2", "l3"]
+    await set_members(js, RUN, {x: "active" for x in names})
+    await _until(lambda: len(svc.active()) == 4)
+    fakes = {x: FakeLearner(js, RUN, x, i) for i, x in enumerate(names)}
+    rng = np.random.default_rng(0)
+    version = {0: 0, 1: 0}
+
+    async def one_round():
+        for p in (0, 1):
+            common = rng.standard_normal(PLAN.sizes[p])
+            for x in names:
+                v = (common + rng.standard_normal(PLAN.sizes[p])) * 1e-3 * (-1 if x == "l0" else 1)
+                await fakes[x].send(p, base=version[p], vector=v.astype(np.float32))
+            assert await _until(lambda: svc.published.get(p, 0) == version[p] + 1), svc.stats.to_metrics()
+            version[p] += 1
+
+    for _ in range(8):
+        await one_round()
+    assert all(svc.states[p].trust.learners["l0"].reason == "opposes" for p in (0, 1))
+    assert all(svc.states[p].last_trust[0] == 0.0 for p in (0, 1))  # l0 sent first: weight 0
+    cid = await request_clear(js, RUN, "l0", by="test")
+    assert await _until(lambda: svc.trust_clears.get("l0") == cid, timeout=10)
+    await one_round()
+    for p in (0, 1):
+        tr = svc.states[p].trust
+        assert tr.cleared == {"l0": cid} and tr.learners["l0"].seen == 1 and not tr.learners["l0"].reason
+        assert svc.states[p].last_trust[0] == 1.0  # measured afresh: trusted until the evidence is back
+    for _ in range(7):
+        await one_round()
+    assert all(svc.states[p].trust.learners["l0"].reason == "opposes" for p in (0, 1))
+    stop.set()
+    await task
+    svc2, stop2, task2 = await _start(nats_server, quorum=4, grace="fixed", grace_seconds=5.0, trust="weigh")
+    try:
+        assert all(svc2.states[p].trust.cleared == {"l0": cid} for p in (0, 1))
+        assert all(svc2.states[p].trust.learners["l0"].reason == "opposes" for p in (0, 1))
+    finally:
+        stop2.set()
+        await task2
