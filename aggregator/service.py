@@ -360,6 +360,10 @@ class AggregatorService(Intake, VersionMaker, Durability):
                        "active": len(self.active()), **self.stats.to_metrics(),
                        "busy": round(busy, 3), "saturated": self.saturated,
                        "trust": trust_summary([st.trust for st in self.states.values()], self.settings.trust),
+                       # per fragment: the typical agreement, and whether the check could judge anew
+                       # at its newest merge (not with fewer than 4 learners, or agreement at noise level)
+                       "trust_typical": {str(p): round(st.trust.typical, 4) for p, st in self.states.items()},
+                       "trust_judging": {str(p): st.trust.judging for p, st in self.states.items()},
                        "transport_dropped": dict(self.consumer.stats.dropped or {}), **self.store_watch.metrics()}
                 await self.nc.publish(self.s.metrics("aggregator", self.cfg.aggregator_id), codec.dumps_json(msg))
             except Exception as e:

@@ -159,10 +159,12 @@ class TrustState:
     pairs: dict = field(default_factory=dict)  # (a, b), a < b -> ew record of cos(a's, b's) in merges of both
     typical: float = 0.0  # T after the newest merge
     cleared: dict = field(default_factory=dict)  # learner -> id of the newest operator clear applied
+    judging: bool = False  # the newest merge judged anew (enough learners, T above the noise floor)
 
     def to_dict(self) -> dict:
         return {"fmt": 2, "l": {k: v.to_dict() for k, v in self.learners.items()},
-                "p": [[a, b, *v] for (a, b), v in self.pairs.items()], "T": self.typical, "c": dict(self.cleared)}
+                "p": [[a, b, *v] for (a, b), v in self.pairs.items()], "T": self.typical, "c": dict(self.cleared),
+                "j": bool(self.judging)}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "TrustState":
@@ -170,11 +172,11 @@ class TrustState:
             return cls()
         return cls({str(k): LearnerTrust.from_dict(v) for k, v in d.get("l", {}).items()},
                    {(str(r[0]), str(r[1])): [float(x) for x in r[2:6]] + [int(r[6])] for r in d.get("p", [])},
-                   float(d.get("T", 0.0)), {str(k): int(v) for k, v in d.get("c", {}).items()})
+                   float(d.get("T", 0.0)), {str(k): int(v) for k, v in d.get("c", {}).items()}, bool(d.get("j", False)))
 
     def copy(self) -> "TrustState":
         return TrustState({k: v.copy() for k, v in self.learners.items()}, {k: list(v) for k, v in self.pairs.items()},
-                          self.typical, dict(self.cleared))
+                          self.typical, dict(self.cleared), self.judging)
 
 
 def clear(state: TrustState, learner: str, clear_id: int) -> TrustState:
@@ -329,7 +331,7 @@ def judge(state: TrustState, learners: list[str], G: np.ndarray, digests: list[b
     for key, cs in obs.items():
         new.pairs[key] = _ew(new.pairs.get(key, []), float(np.mean(cs)), settings.rate)
     _forget(new, version)
-    _verdicts(new, settings, NOISE_FLOORS / np.sqrt(max(1, sampled)))
+    _verdicts(new, settings, float(NOISE_FLOORS / np.sqrt(max(1, sampled))))
     factors = np.ones(k)
     if settings.mode == "weigh":
         majority = has_majority(new)
@@ -361,7 +363,8 @@ def _verdicts(st: TrustState, s: TrustSettings, min_typical: float) -> None:
     typ = {x: float(np.median([ew_mean(r) for r in m.values()])) for x, m in means.items() if m}
     T = float(np.median(list(typ.values()))) if typ else 0.0
     st.typical = T
-    if len(typ) < MIN_JUDGED or T < min_typical:
+    st.judging = bool(len(typ) >= MIN_JUDGED and T >= min_typical)
+    if not st.judging:
         # nobody can be singled out now: too few learners, or the typical learner agrees with the
         # typical other no more than noise does (late in a run, the cosine schedule's last steps; or
         # a run where a liar leaves its region's honest learner without a partner, and that learner

@@ -177,11 +177,14 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
               monitor_env={"DILOCO_SUSPECT_AFTER": "3.0", "DILOCO_EVICT_AFTER": "5.0", "DILOCO_LEASE_TTL": "5.0"})
     metrics: dict = {}
     cleared: dict = {}  # when l0 was cleared, and what the metrics said of it then
+    history: list = []  # per metrics message: each fragment's typical agreement, judging, l0's reason
 
     async def on_agg(m):
         d = orjson.loads(m.data)
         if isinstance(d.get("trust"), dict):
             metrics.update(d)
+            history.append({"ts": round(time.time(), 2), "typical": d.get("trust_typical"),
+                            "judging": d.get("trust_judging"), "l0": (d["trust"].get("l0") or {}).get("reason")})
             l0 = d["trust"].get("l0") or {}
             if clear_when_named and not cleared and l0.get("reason"):
                 from bus.trust_clears import request_clear
@@ -211,7 +214,7 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
                 "trust": metrics.get("trust"), "distrusted": metrics.get("distrusted"),
                 "downweighted": metrics.get("downweighted"), "rejected": metrics.get("rejected"),
                 "merges": metrics.get("merges"), "status": shown, "cleared": cleared or None,
-                "clears_applied": agg_log.count('"trust_cleared"'),
+                "clears_applied": agg_log.count('"trust_cleared"'), "history": history,
                 "suspected_lines": [ln for ln in agg_log.splitlines() if '"learner_suspected"' in ln][:20]}
     finally:
         await run.close()
