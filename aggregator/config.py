@@ -76,12 +76,12 @@ class AggregatorConfig:
                      "suspect merges at weight 0, for runs open to parties you do not control; see docs/security.md)")
     trust_rate: float = var(0.05, number(0.0, 1.0, lo_open=True),
                             "forgetting rate of the pairwise agreement records (about 1/rate merges of memory)")
-    trust_oppose: float = var(0.5, number(0.0, 10.0, lo_open=True),
+    trust_oppose: float = var(0.75, number(0.0, 10.0, lo_open=True),
                               "a learner opposes the others when its median pairwise agreement is at most -this x "
                               "the typical agreement (and it agrees with nobody)")
-    trust_nil: float = var(0.1, number(0.0, 1.0),
-                           "a learner is uncorrelated when every pairwise and its own round-to-round agreement are "
-                           "within +-this x the typical agreement")
+    trust_nil: float = var(0.25, number(0.0, 1.0),
+                           "a learner is a loner when its best pairwise agreement is at most this x the typical "
+                           "agreement (uncorrelated: its own round-to-round agreement too)")
     trim_fraction: float = var(0.1, number(0.0, 0.49), "fraction trimmed at each end (robust=trim)")
     outer_lr: float = var(0.7, number(0.0, 100.0, lo_open=True), "outer Nesterov learning rate")
     outer_momentum: float = var(0.5, number(0.0, 0.999), "outer Nesterov momentum")

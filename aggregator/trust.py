@@ -23,11 +23,13 @@ that at every merge (an honest learner agrees with the learners of its own data,
 typical learner), while a negation's best pair is the negation of its true worst one (about 0 or
 below) and a random direction's is about 0. A learner is suspected, once it was measured in ``MIN_SEEN`` merges, when
 
-* **opposes**: it is a loner and the median of its pairs (each at its upper confidence bound,
-  ``kappa`` standard errors) is below 0, or that median is at most ``-oppose x T`` and it agrees with
-  no partner more than ``PARTNER x T``: it points against the others as strongly as the typical
-  learner points with them (a negation of an honest vector). Learners whose data differ point
-  *apart*, weakly, and each agrees with the learners of its own data;
+* **opposes**: the median of its pairs (each at its upper confidence bound, ``kappa`` standard
+  errors) is at most ``-oppose x T``, and it is a loner or agrees with no partner more than
+  ``PARTNER x T``: it points against the others nearly as strongly as the typical learner points
+  with them (a negation of an honest vector). Learners whose data differ point *apart*, and each
+  agrees with the learners of its own data; a region of one (no partner but itself) can point
+  against all the others late in a run, but less strongly (the benchmark's singleton region: at
+  most about two thirds of ``T``, hence ``oppose`` 0.75 and not 0.5);
 * **uncorrelated**: it is a loner and its own round-to-round agreement is at most ``nil x T`` too: it
   agrees with nobody, not even with itself (a random direction). An honest learner with data of its
   own agrees at least with itself;
@@ -83,7 +85,7 @@ MODES = ("off", "observe", "weigh")
 class TrustSettings:
     mode: str = "observe"  # off: nothing measured; observe: verdicts only; weigh: a suspect merges at weight 0
     rate: float = 0.05  # forgetting rate of the weighted means (a memory of about 1 / rate observations)
-    oppose: float = 0.5  # "opposes": median pair agreement at most -oppose x the typical agreement
+    oppose: float = 0.75  # "opposes": median pair agreement at most -oppose x the typical agreement
     nil: float = 0.25  # a loner: its best pair's mean at most nil x the typical agreement
     kappa: float = 2.0  # standard errors of the upper confidence bounds
 
@@ -387,7 +389,7 @@ def _verdicts(st: TrustState, s: TrustSettings, min_typical: float) -> None:
         loner = best <= s.nil * T  # it agrees with no other learner
         if len(lt.replay) == 5 and ew_mean(lt.replay) >= REPLAY_RATE:
             lt.reason = "replays"
-        elif (loner and med < 0) or (med <= -s.oppose * T and best <= PARTNER * T):
+        elif med <= -s.oppose * T and (loner or best <= PARTNER * T):
             lt.reason = "opposes"
         elif loner and own_ok and abs(ew_mean(lt.own)) <= s.nil * T:
             lt.reason = "uncorrelated"
