@@ -87,7 +87,7 @@ class TrustSettings:
     rate: float = 0.05  # forgetting rate of the weighted means (a memory of about 1 / rate observations)
     oppose: float = 0.75  # "opposes": median pair agreement at most -oppose x the typical agreement
     nil: float = 0.25  # a loner: its best pair's mean at most nil x the typical agreement
-    kappa: float = 2.0  # standard errors of the upper confidence bounds
+    kappa: float = 1.0  # standard errors of the upper confidence bound of the median pair
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -170,8 +170,22 @@ def trust_cost(n: int, reps: int, m: int = 4) -> dict:
             st = merge_step(st, cs, s, norms, m / 2, m // 2, inplace=True, out=acc)
         one()
         out[mode] = _best(one, reps) * 1e3
+    # the trust check alone (aggregator.trust.assess: the sample, its cosines, the verdicts) in CPU time,
+    # which a loaded machine disturbs less than the wall time of two whole merges
+    from aggregator.trust import TrustState, assess
+
+    tst = TrustState()
+    names = [f"l{i}" for i in range(m)]
+    for v in range(6):
+        tst = assess(tst, names, vs, s.trust, v + 1).state
+    cpu = []
+    for r in range(max(3, reps)):
+        t0 = time.process_time()
+        assess(tst, names, vs, s.trust, 10 + r)
+        cpu.append(time.process_time() - t0)
     return {"n": n, "off_ms": round(out["off"], 3), "weigh_ms": round(out["weigh"], 3),
-            "trust_adds": round(out["weigh"] / out["off"] - 1, 3)}
+            "trust_adds": round(out["weigh"] / out["off"] - 1, 3), "assess_cpu_ms": round(min(cpu) * 1e3, 3),
+            "assess_over_off": round(min(cpu) * 1e3 / out["off"], 4)}
 
 
 BURNERS = 4  # two learners' worth of XLA threads per core of this 2-core machine
