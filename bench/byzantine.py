@@ -134,13 +134,11 @@ def aggregator_defaults() -> dict:
 
 
 async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env: dict | None = None,
-                     status: bool = False, clear_when_named: bool = False,
-                     corpora: dict[str, str] | None = None) -> dict:
+                     status: bool = False, corpora: dict[str, str] | None = None) -> dict:
     """One run of real processes, learner ``l0`` lying as ``kind`` ("" for none), every learner
     ``steps`` inner steps; the final held-out loss once every learner finished and its final sync was
     merged, and the aggregator's trust metrics (``DILOCO_TRUST=weigh`` unless ``agg_env`` says
-    otherwise: a run open to parties the operator does not control). ``clear_when_named``: the
-    first time the metrics name ``l0``, an operator clears it (``diloco trust clear``'s request).
+    otherwise: a run open to parties the operator does not control).
     ``corpora``: ``DILOCO_DATA`` per learner (the others train on the standard library): non-IID."""
     import orjson
 
@@ -176,7 +174,6 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
               agg_env={**aggregator_defaults(), "DILOCO_TRUST": "weigh", **(agg_env or {})},
               monitor_env={"DILOCO_SUSPECT_AFTER": "3.0", "DILOCO_EVICT_AFTER": "5.0", "DILOCO_LEASE_TTL": "5.0"})
     metrics: dict = {}
-    cleared: dict = {}  # when l0 was cleared, and what the metrics said of it then
     history: list = []  # per metrics message: each fragment's typical agreement, judging, l0's reason
 
     async def on_agg(m):
@@ -185,12 +182,6 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
             metrics.update(d)
             history.append({"ts": round(time.time(), 2), "typical": d.get("trust_typical"),
                             "judging": d.get("trust_judging"), "l0": (d["trust"].get("l0") or {}).get("reason")})
-            l0 = d["trust"].get("l0") or {}
-            if clear_when_named and not cleared and l0.get("reason"):
-                from bus.trust_clears import request_clear
-
-                cleared.update(at=time.time(), seen=l0.get("seen"), reason=l0.get("reason"))
-                cleared["id"] = await request_clear(run.nc.jetstream(timeout=5), run.run, "l0", by="bench")
 
     try:
         await run.setup()
@@ -213,8 +204,7 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
         return {"kind": kind or "clean", "final": round(finals[-1], 4), "first": round(first, 4),
                 "trust": metrics.get("trust"), "distrusted": metrics.get("distrusted"),
                 "downweighted": metrics.get("downweighted"), "rejected": metrics.get("rejected"),
-                "merges": metrics.get("merges"), "status": shown, "cleared": cleared or None,
-                "clears_applied": agg_log.count('"trust_cleared"'), "history": history,
+                "merges": metrics.get("merges"), "status": shown, "history": history,
                 "suspected_lines": [ln for ln in agg_log.splitlines() if '"learner_suspected"' in ln][:20]}
     finally:
         await run.close()

@@ -89,14 +89,7 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
             if isinstance(msg, dict) and msg.get("leader") is True:
                 leader_heard.set()
 
-        async def on_aggregator(m) -> None:
-            try:
-                msg = loads_json(m.data)
-            except CodecError:
-                return
-            if isinstance(msg, dict) and isinstance(msg.get("trust"), dict):
-                trust_by_agg[str(msg.get("id"))] = msg["trust"]
-                aggregator_heard.set()
+        on_aggregator = trust_listener(trust_by_agg, aggregator_heard)
 
         try:
             sub = await nc.subscribe(f"{s.prefix}.metrics.monitor.*", cb=on_monitor)
@@ -209,11 +202,9 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
     return out
 
 
-async def gather_trust(nc, run: str, wait: float) -> dict[str, dict] | None:
-    """Per learner, the least trusting aggregator's trust record (their metrics, listened to for up
-    to ``wait`` seconds: until one is heard and 0.5 s more for the others); None if none was heard."""
-    by_agg: dict[str, dict] = {}
-    heard = asyncio.Event()
+def trust_listener(by_aggregator: dict[str, dict], heard: asyncio.Event):
+    """A callback for aggregators' metrics messages: each one's per-learner trust records into
+    ``by_aggregator`` (by aggregator id), ``heard`` set at the first."""
 
     async def on_aggregator(m) -> None:
         try:
@@ -221,10 +212,18 @@ async def gather_trust(nc, run: str, wait: float) -> dict[str, dict] | None:
         except CodecError:
             return
         if isinstance(msg, dict) and isinstance(msg.get("trust"), dict):
-            by_agg[str(msg.get("id"))] = msg["trust"]
+            by_aggregator[str(msg.get("id"))] = msg["trust"]
             heard.set()
 
-    sub = await nc.subscribe(f"{Subjects(run).prefix}.metrics.aggregator.*", cb=on_aggregator)
+    return on_aggregator
+
+
+async def gather_trust(nc, run: str, wait: float) -> dict[str, dict] | None:
+    """Per learner, the least trusting aggregator's trust record (their metrics, listened to for up
+    to ``wait`` seconds: until one is heard and 0.5 s more for the others); None if none was heard."""
+    by_agg: dict[str, dict] = {}
+    heard = asyncio.Event()
+    sub = await nc.subscribe(f"{Subjects(run).prefix}.metrics.aggregator.*", cb=trust_listener(by_agg, heard))
     try:
         try:
             await asyncio.wait_for(heard.wait(), timeout=wait)

@@ -37,6 +37,14 @@ class Groups:
                 for g in self.of]
 
 
+def negating_first(rng, k: int, rounds: int):
+    """``rounds`` honest rounds of k learners, the first of them sending the negation of its own."""
+    for _ in range(rounds):
+        vs = honest_round(rng, k, rng.standard_normal(N))
+        vs[0] = -vs[0]
+        yield vs
+
+
 def run_rounds(names: list[str], rounds, s: TrustSettings = WEIGH, st: TrustState | None = None):
     st = st or TrustState()
     out = []
@@ -178,13 +186,7 @@ def test_verdicts_fade_when_a_learner_agrees_again_and_the_record_round_trips():
     rng = np.random.default_rng(7)
     names = ["a", "b", "c", "d"]
 
-    def bad():
-        for _ in range(15):
-            vs = honest_round(rng, 4, rng.standard_normal(N))
-            vs[0] = -vs[0]
-            yield vs
-
-    st, _ = run_rounds(names, bad())
+    st, _ = run_rounds(names, negating_first(rng, 4, 15))
     assert st.learners["a"].reason == "opposes"
     st, out = run_rounds(names, (honest_round(rng, 4, rng.standard_normal(N)) for _ in range(60)), st=st)
     assert st.learners["a"].reason == "" and out[-1].factors[0] == 1.0
@@ -203,13 +205,7 @@ def test_clear_forgets_a_learner_and_its_pairs():
     rng = np.random.default_rng(8)
     names = ["a", "b", "c", "d"]
 
-    def bad():
-        for _ in range(15):
-            vs = honest_round(rng, 4, rng.standard_normal(N))
-            vs[0] = -vs[0]
-            yield vs
-
-    st, _ = run_rounds(names, bad())
+    st, _ = run_rounds(names, negating_first(rng, 4, 15))
     cleared = clear(st, "a", 7)
     assert "a" not in cleared.learners and not any("a" in k for k in cleared.pairs)
     assert cleared.cleared == {"a": 7} and "a" in st.learners  # pure
