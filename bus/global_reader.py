@@ -63,6 +63,10 @@ class GlobalReader:
         """
         return await self._decode(head, await self.store.fetch(head))
 
+    async def head(self, fragment: int) -> Head | None:
+        """The newest head of ``fragment``, without its blob (None: no version yet)."""
+        return await self.store.head(fragment)
+
     async def newest(self, fragment: int) -> tuple[Head, np.ndarray] | None:
         """The newest version of ``fragment``, checked, or None if it has none yet."""
         if self.local is not None:

@@ -22,6 +22,10 @@ from learner.startup import HEAD_POLL_INTERVAL, peak_rss_mib
 
 #: rounds per fragment sent, and seconds, without one of them merged before ``work_not_merged``
 UNMERGED_ROUNDS, UNMERGED_SECONDS = 4, 60.0
+#: membership states the leaving heartbeat moves to ``left``; a finishing learner waits at most
+#: LEAVE_BEATS heartbeat intervals for its monitor to record it left (resending the leaving heartbeat)
+STAYING = ("joining", "active", "suspect", "rejoining")
+LEAVE_BEATS = 5
 
 
 class Presence:
@@ -223,7 +227,11 @@ class Presence:
         """Done: wait (at most ``final_wait`` s) until every round sent is merged or rejected, then
         say what became of the work: info when all of it was merged, a warning otherwise."""
         t0 = t_beat = time.monotonic()
-        while self.fate.outstanding and time.monotonic() - t0 < self.final_wait and not self._halt.is_set():
+        # a monitor that records us (membership seen) is also given a few heartbeats to mark us left,
+        # so the stats and the summary say so (it was still "active" when the merges came back first)
+        leave_by = t0 + LEAVE_BEATS * self.cfg.heartbeat_interval
+        while ((self.fate.outstanding or (self.member_state in STAYING and time.monotonic() < leave_by))
+               and time.monotonic() - t0 < self.final_wait and not self._halt.is_set()):
             if time.monotonic() - t_beat >= self.cfg.heartbeat_interval:
                 # the leaving heartbeat again: a monitor that never heard of us (it started after our
                 # last step) records us as left, and the aggregator merges what it held of ours

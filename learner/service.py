@@ -262,11 +262,34 @@ class Learner(IslandCore, Presence):
             self.run_model.joined()
         if hasattr(self.backend, "compile"):
             self.log.info("compiled", seconds=round(await self._in_worker(self.backend.compile), 3))
+            await self._catch_up(vectors, versions)
         self.base = vectors
         for p, v in versions.items():
             self.book.on_merged(p, v)
         self.log.info("joined", versions=versions, params=self.run_model.num_params,
                       memory_mib=round(self.memory()["total"] / 2**20, 2))
+
+    async def _catch_up(self, vectors: list[np.ndarray], versions: dict[int, int]) -> None:
+        """The versions merged while this learner compiled (seconds on a loaded machine, while the
+        others train on): take the newest of each fragment that moved, so the first outer gradient is
+        computed from it. Without this a learner that started late sent its first round of every
+        fragment 4-7 versions stale (the guard test failed at staleness 7 in a loaded suite)."""
+        moved = 0
+        for p, v in list(versions.items()):
+            try:
+                head = await self.store.head(p)
+                if head is None or head.version <= v:
+                    continue
+                got = await self.store.newest(p)
+            except Exception as e:  # the version read at the start stands: the rounds' fetches catch up
+                self.log.info("catch_up_failed", fragment=p, error=repr(e))
+                continue
+            if got is not None and got[0].version > v:
+                vectors[p], versions[p] = got[1], got[0].version
+                await self._in_worker(self.backend.set_fragment, p, got[1])
+                moved += 1
+        if moved:
+            self.log.info("caught_up", fragments=moved, versions=versions)
 
     async def _resume(self) -> None:
         """Read this learner id's progress record and continue where the run holds its work: the
