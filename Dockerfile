@@ -19,6 +19,7 @@ COPY bus ./bus
 COPY learner ./learner
 COPY aggregator ./aggregator
 COPY monitor ./monitor
+COPY simulation ./simulation
 COPY diloco ./diloco
 RUN pip install . \
     && useradd --create-home --uid 10001 diloco \

@@ -36,7 +36,7 @@ Two checks, both per fragment of n parameters:
   contribution can have. Partial rounds (a staggered fragment's first sync, a final sync) are
   merged but not recorded. Recording them and the clipped norms (this module's first version)
   could lock the reference to the warm-up scale of the first syncs: the next rounds were then all
-  clipped to 3x that (measured with ``bench.reference``: docs/aggregator.md).
+  clipped to 3x that (measured with ``simulation.reference``: docs/aggregator.md).
 """
 
 from __future__ import annotations

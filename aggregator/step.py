@@ -193,7 +193,7 @@ def participation_scale(merged: float, participants: int) -> float:
     staggered fragment's first sync) counts for its share of a round only (:func:`round_work`). The
     token weights give it that share of the mean already; counting it as a whole round made a
     merge of two full rounds and a 2-step final sync move the model 1.5 rounds' worth, and advance
-    the ``rounds`` momentum by a whole step (``bench.reference`` found both: the global model of a
+    the ``rounds`` momentum by a whole step (``simulation.reference`` found both: the global model of a
     short run ended 0.3 to 1.1 nats worse than every learner's own parameters).
     """
     n = float(merged) if merged > 0 else 1.0

@@ -78,7 +78,7 @@ class OutlierWatch:
     The outlier reference is the median of *accepted* norms. If every honest norm outgrows it (the
     reference was learned during the learning-rate warm-up, when steps are small), every honest
     contribution is refused, nothing new is accepted, and the reference never moves again: the
-    fragment is locked (docs/deploy.md; ``bench.reference`` measured 80-96 honest contributions of
+    fragment is locked (docs/deploy.md; ``simulation.reference`` measured 80-96 honest contributions of
     about 1,500 refused at M=4). So once at least 2 distinct learners, and at least half of the
     active ones, have been refused on a fragment, :meth:`refused` returns their per-step norms and
     the caller restarts the fragment's reference from them (:meth:`NormHistory.restart`); the

@@ -1,5 +1,5 @@
 """Quality of the algorithm at a compute-optimal budget: data-parallel, synchronous DiLoCo, Streaming and
-Decoupled DiLoCo in one process (``bench.reference``), both sides tuned.
+Decoupled DiLoCo in one process (``simulation.reference``), both sides tuned.
 
 For each M (2 and 4; ``--M``): every run trains the built-in ``small`` model (119k parameters) on the
 same data shards for ``tokens_per_param`` x parameters tokens in total (20 by default: compute
@@ -43,8 +43,8 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 from dataclasses import replace
 
 from bench.common import finish, parser, progress
-from bench.reference import TINY_MODEL as QUICK_MODEL
-from bench.reference import RefConfig, Setup, run_reference, same_setup
+from simulation.reference import TINY_MODEL as QUICK_MODEL
+from simulation.reference import RefConfig, Setup, run_reference, same_setup
 
 
 class Runner:

@@ -1,11 +1,11 @@
 """A learner that lies within the bounds (issue 29): what one costs, and whether the run says who.
 
 One learner's contributions pass every check (shape, counters, norm, heartbeats) but lie, in the
-four ways of ``bench.byzantine_attacks``: ``sign`` (the negation of what it trained), ``random`` (a
+four ways of ``simulation.byzantine_attacks``: ``sign`` (the negation of what it trained), ``random`` (a
 random direction at an honest norm), ``replay`` (its own earlier rounds again as new ones),
 ``corrupt`` (it trains on shuffled tokens). The defence is ``aggregator.trust`` (on by default).
 
-**Reference tier** (``bench.reference``, the algorithm in one process with every decision the
+**Reference tier** (``simulation.reference``, the algorithm in one process with every decision the
 services' own): M learners (8 by default, learner 0 the liar), the ``small`` model at 20 tokens
 per parameter, the roles' defaults. For each seed: a clean run, one run per kind, and the clean run
 with trust off (what the defence costs a clean run). With ``--undefended``, each kind also with
@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from bench.byzantine_attacks import KINDS
+from simulation.byzantine_attacks import KINDS
 from bench.common import finish, parser, progress
 
 SMALL_PARAMS = 119_104
@@ -47,7 +47,7 @@ SMALL_PARAMS = 119_104
 def _configs(M: int, seeds: list[int], kinds: list[str], quick: bool, undefended: bool,
              oracle: bool = False) -> list[tuple[str, object]]:
     from bench.algorithm import budget_steps
-    from bench.reference import TINY_MODEL, RefConfig
+    from simulation.reference import TINY_MODEL, RefConfig
 
     out = []
     for seed in seeds:
@@ -67,7 +67,7 @@ def _configs(M: int, seeds: list[int], kinds: list[str], quick: bool, undefended
 
 def _one(item: tuple[str, object]) -> dict:
     from aggregator.trust import TrustSettings, summary
-    from bench.reference import Reference
+    from simulation.reference import Reference
 
     label, cfg = item
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """A lying learner for ``bench.byzantine``'s system tier: the real ``diloco learner`` process, changed
-on its way out as ``bench.byzantine_attacks`` says (``BYZ_KIND``: sign, random, replay, corrupt).
+on its way out as ``simulation.byzantine_attacks`` says (``BYZ_KIND``: sign, random, replay, corrupt).
 
 Not part of the product: a test double of a compromised or buggy host that keeps its identity. It
 runs the learner unmodified (same config, heartbeats, counters, codec, error feedback, publish
@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from bench.byzantine_attacks import KINDS, keep_for_replay, random_direction, replay_pick, shuffle_tokens
+from simulation.byzantine_attacks import KINDS, keep_for_replay, random_direction, replay_pick, shuffle_tokens
 
 
 def install(kind: str, seed: int = 0) -> None:

@@ -11,7 +11,7 @@ lr 0.7 / momentum 0.5 once per round) and each example's own inner optimizer (Ad
 - ``plain_n`` / ``plain_2n``: one process without any island, N steps on island 0's data / 2N steps
   on both islands' data (the same examples ``two`` saw, one after the other).
 
-The runs are the in-process reference (``bench.reference``: the services' own pure functions on a
+The runs are the in-process reference (``simulation.reference``: the services' own pure functions on a
 virtual clock, deterministic per seed; ``bench.fidelity`` holds the system to it), so a difference is
 the algorithm's, not the machine's load. ``two_vs_alone`` = two / alone - 1 (<= 0: collaborating did
 not hurt; ``tests/test_collab.py`` checks it), ``two_vs_plain_2n`` = two / plain_2n - 1 (what the
@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.common import finish, parser, progress
-from bench.reference import RefConfig, TreeSetup, run_reference
+from simulation.reference import RefConfig, TreeSetup, run_reference
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LR = 3e-3

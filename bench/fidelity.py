@@ -2,7 +2,7 @@
 
 An embedded NATS server, a monitor, an aggregator (K = M, ``diloco up``'s quorum) and M ``diloco
 learner`` processes (``bench.runs.run_learners``) train the built-in model; then ``diloco eval
---once`` gives the held-out loss of the global model. ``bench.reference`` then runs the same
+--once`` gives the held-out loss of the global model. ``simulation.reference`` then runs the same
 configuration, with each learner sampling its batches as the process of the same incarnation did,
 and ``system_vs_reference`` = |system - reference| / reference on the held-out loss (target <= 0.5%),
 the largest over the runs; per mode: ``sync`` (``DILOCO_MODE=sync``: every learner waits for the
@@ -30,8 +30,8 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 import asyncio
 
 from bench.common import finish, parser, progress
-from bench.reference import SMALL_MODEL as SMALL
-from bench.reference import TINY_MODEL as TINY
+from simulation.reference import SMALL_MODEL as SMALL
+from simulation.reference import TINY_MODEL as TINY
 
 
 def settings(quick: bool, mode: str = "sync") -> dict:
@@ -74,7 +74,7 @@ def system_env(s: dict) -> dict:
 
 
 def reference_config(s: dict, incarnations: tuple[str, ...]):
-    from bench.reference import RefConfig
+    from simulation.reference import RefConfig
 
     return RefConfig(mode="decoupled" if s["mode"] == "async" else "sync", M=s["M"], steps=s["steps"], batch=s["batch"], model=s["model"], lr=s["lr"],
                      warmup=s["warmup"], H=s["H"], P=s["P"], K=s["M"], fetch_delay=s["fetch_delay"],
@@ -84,7 +84,7 @@ def reference_config(s: dict, incarnations: tuple[str, ...]):
 
 
 async def measure(quick: bool, mode: str = "sync", preset: str = "default") -> dict:
-    from bench.reference import run_reference
+    from simulation.reference import run_reference
     from bench.runs import run_learners
 
     s = {**settings(quick, mode), "preset": preset}

@@ -44,7 +44,7 @@ from dataclasses import asdict, replace
 import orjson
 
 from bench.common import finish, parser, progress
-from bench.reference_config import TINY_MODEL, RefConfig
+from simulation.reference_config import TINY_MODEL, RefConfig
 
 PARITY = 0.01
 
@@ -91,7 +91,7 @@ def grid(quick: bool, M: int) -> tuple[RefConfig, list[tuple[str, RefConfig]]]:
 
 
 def _one(args: tuple[str, dict]) -> dict:
-    from bench.reference import run_reference
+    from simulation.reference import run_reference
 
     label, cfgd = args
     cfg = RefConfig(**cfgd)
@@ -200,7 +200,7 @@ def main() -> None:
             if a.journal:
                 with open(a.journal, "ab") as f:
                     f.write(orjson.dumps(row) + b"\n")
-    from bench.reference_setup import Setup
+    from simulation.reference_setup import Setup
 
     params = Setup(replace(dp, steps=2)).params
     rows = [done[label] for label, _ in runs]

@@ -1,6 +1,6 @@
 """Goodput simulator: the paper's Table 1 at 150k-2.4M chips, and the measured bench.goodput.
 
-A discrete-event model (pure part: ``bench/goodput_model.py``) of N chips in M islands of N/M
+A discrete-event model (pure part: ``simulation/goodput_model.py``) of N chips in M islands of N/M
 chips, each chip failing at a mean time between interruptions (MTBI) of one year, in four modes:
 
 * ``dp``: data-parallel without elasticity. Every failure stalls the whole job for a restart
@@ -74,7 +74,7 @@ import orjson
 
 from bench.common import finish, parser, progress
 from bench.goodput import failure_trace
-from bench.goodput_model import (
+from simulation.goodput_model import (
     CHIPS,
     DOCS_FULL_RUN,
     PUBLISHED,

@@ -1,6 +1,6 @@
 """The system timings of one ``bench.goodput`` mode, from what its tap recorded (pure, no I/O).
 
-The goodput simulator (``bench/goodput_model.py``, :func:`simulate_trace`) models the failure
+The goodput simulator (``simulation/goodput_model.py``, :func:`simulate_trace`) models the failure
 accounting of the benchmark; the speed of the machine under it is an input, not a prediction.
 These are the timings it needs, measured per mode in the same run (wall-clock seconds, every
 process on one host):

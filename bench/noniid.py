@@ -17,7 +17,7 @@ Splits (all offline, on every machine the project runs on):
 * ``py+c1``: a region of one: the last learner on the C headers, every other on the whole standard
   library (a learner with data of its own and nobody to agree with but itself).
 
-Kinds: ``""`` (nobody lies), ``bench.byzantine_attacks.KINDS`` (learner 0 lies), ``oracle`` (learner 0
+Kinds: ``""`` (nobody lies), ``simulation.byzantine_attacks.KINDS`` (learner 0 lies), ``oracle`` (learner 0
 trains but an oracle drops all it sends: the floor of any defence that leaves a learner out).
 
     python -m bench.noniid --quick --out noniid.json                 (tiny model, under a minute)
@@ -106,7 +106,7 @@ async def system_tier(splits: list[str], kinds: list[str], repeats: int, steps: 
 def configs(M: int, splits: list[str], kinds: list[str], modes: list[str], seeds: list[int], quick: bool,
             record: bool) -> list[tuple[str, object]]:
     from bench.algorithm import budget_steps
-    from bench.reference import TINY_MODEL, RefConfig
+    from simulation.reference import TINY_MODEL, RefConfig
 
     out = []
     for split in splits:
@@ -130,7 +130,7 @@ def one(item: tuple[str, object], trace_dir: str = "") -> dict:
     import orjson
 
     from aggregator.trust import TrustSettings, summary
-    from bench.reference import Reference
+    from simulation.reference import Reference
 
     label, cfg = item
     t0 = time.perf_counter()

@@ -96,7 +96,7 @@ def _plus(vec: np.ndarray, ref, base, what: str) -> np.ndarray:
 #
 # Against a keyframe, the error of a reconstruction is one quantisation step of everything since
 # the keyframe: at 2 bits that is most of the model's movement, and training broke down (a 400-step
-# bench.reference run: held-out 3.99 against 2.71 chained; docs/BENCHMARKS.md, "What each lever bought").
+# simulation.reference run: held-out 3.99 against 2.71 chained; docs/BENCHMARKS.md, "What each lever bought").
 # A chain sends each version against the *previous reconstruction* instead:
 #
 #     D_v = Q(Theta_v - V_{v-1}),  V_v = V_{v-1} + deQ(D_v)
@@ -106,7 +106,7 @@ def _plus(vec: np.ndarray, ref, base, what: str) -> np.ndarray:
 # reconstruction is bounded by one quantisation step of one version's change, and a sparse codec works
 # on the way down too. The cost: a follower must apply every version in order (a joiner starts from a
 # whole copy of V, which the aggregator keeps on the keyframe subjects for every version).
-# ``DILOCO_DOWNLINK_CHAIN`` (aggregator) and bench.reference's ``downlink_chain``.
+# ``DILOCO_DOWNLINK_CHAIN`` (aggregator) and simulation.reference's ``downlink_chain``.
 
 
 @dataclass(frozen=True)

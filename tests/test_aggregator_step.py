@@ -106,7 +106,7 @@ def test_a_contribution_holds_its_share_of_a_round():
 
 
 def test_a_short_final_sync_neither_inflates_the_step_nor_takes_a_momentum_step():
-    """Two learners' full rounds and one learner's 2-step final sync in one merge (bench.reference
+    """Two learners' full rounds and one learner's 2-step final sync in one merge (simulation.reference
     found it): the model moves by the two rounds' mean plus the small one's token-weighted share, and
     the momentum of ``rounds`` advances only once a whole round of work is in."""
     s = MergeSettings(staleness=StalenessPolicy("constant"), clip_factor=0.0, trust=NO_TRUST, momentum=0.9, lr=1.0)

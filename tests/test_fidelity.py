@@ -1,5 +1,5 @@
 """The system against the in-process reference (bench.fidelity): real roles over a real NATS server,
-learners in step (DILOCO_MODE=sync, DILOCO_START_WITH=M), then bench.reference on the same run with
+learners in step (DILOCO_MODE=sync, DILOCO_START_WITH=M), then simulation.reference on the same run with
 the learners' incarnations. The two compute the same thing: the held-out losses agree (they agreed
 bit for bit in every run so far; the target is 0.5%)."""
 

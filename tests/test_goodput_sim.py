@@ -1,4 +1,4 @@
-"""The goodput simulator (bench/goodput_model.py, bench/goodput_sim.py): properties of the model
+"""The goodput simulator (simulation/goodput_model.py, bench/goodput_sim.py): properties of the model
 and the benchmark's JSON line. Fast: no servers, a few seconds in all."""
 
 import itertools
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.goodput import failure_trace
-from bench.goodput_model import (
+from simulation.goodput_model import (
     CHIPS,
     SCALE_MODES,
     TRACE_MODES,

@@ -1,4 +1,4 @@
-"""bench.reference, the algorithm in one process: it composes the services' functions correctly (one
+"""simulation.reference, the algorithm in one process: it composes the services' functions correctly (one
 learner with an identity outer step is data-parallel), it is deterministic, and K=M merges do not
 depend on timing."""
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.reference import RefConfig, Setup, TreeSetup, failure_trace, run_reference
+from simulation.reference import RefConfig, Setup, TreeSetup, failure_trace, run_reference
 
 TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "seq_len": 16}
 BASE = RefConfig(M=1, steps=24, batch=4, model=TINY, warmup=4, eval_points=2, eval_batches=2, eval_batch_size=4,
@@ -129,7 +129,7 @@ def test_an_aggregator_outage_backlog_does_not_blow_up_the_model():
     (at 0.9 the held-out loss jumped from 2.97 to 11 in the reference); the ``rounds`` optimizer
     applies open-loop work as plain SGD (``DILOCO_MOMENTUM_OPEN_ROUNDS``), so the model recovers
     with the default momentum and with 0.9 alike."""
-    from bench.reference import TINY_MODEL
+    from simulation.reference import TINY_MODEL
 
     steps = 480
     down, back = steps / 6, steps * 5 / 6

@@ -1,4 +1,4 @@
-"""One reference run's configuration (``bench.reference``): ``RefConfig``, whose defaults are the
+"""One reference run's configuration (``simulation.reference``): ``RefConfig``, whose defaults are the
 roles' own settings, the model presets, the quorum a mode implies and seeded failure traces.
 """
 

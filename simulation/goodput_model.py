@@ -276,10 +276,11 @@ class BenchSystem:
         no sample keeps its value here."""
         t = {k: (v or {}).get("median") for k, v in (timings or {}).items()}
         out = self
-        if t.get("startup_s") is not None:
-            out = replace(out, startup_s=float(t["startup_s"]))
-        if t.get("admit_s") is not None:
-            out = replace(out, admit_s=float(t["admit_s"]))
+        startup, admit = t.get("startup_s"), t.get("admit_s")
+        if startup is not None:
+            out = replace(out, startup_s=float(startup))
+        if admit is not None:
+            out = replace(out, admit_s=float(admit))
         overhead = ((timings or {}).get("round_overhead_s") or {}).get("mean")
         if mode != "decoupled" and overhead is not None:
             out = replace(out, latency_s=max(0.0, float(overhead)))

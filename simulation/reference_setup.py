@@ -1,4 +1,4 @@
-"""What every mode of a reference run (``bench.reference``) shares: the model, its fragment plan,
+"""What every mode of a reference run (``simulation.reference``) shares: the model, its fragment plan,
 version 0, data shards, held-out batches and the inner optimizer, for the built-in transformer
 (``Setup``) or a user's JAX model (``TreeSetup``).
 """
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 if TYPE_CHECKING:
-    from bench.reference_config import RefConfig
+    from simulation.reference_config import RefConfig
 
 
 class Setup:
@@ -105,7 +105,8 @@ def resolved_warmup(cfg: RefConfig) -> int:
     """The warm-up in force: ``cfg.warmup``, or (-1, the learner's default) its share of the schedule."""
     from learner.config import LearnerConfig, warmup_for
 
-    return warmup_for(cfg.warmup, cfg.total_steps or cfg.steps, LearnerConfig.__dataclass_fields__["warmup_fraction"].default)
+    fraction = LearnerConfig.__dataclass_fields__["warmup_fraction"].default
+    return warmup_for(cfg.warmup, cfg.total_steps or cfg.steps, float(fraction))  # type: ignore[arg-type]
 
 
 class TreeSetup:

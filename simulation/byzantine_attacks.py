@@ -10,7 +10,7 @@ contribution, so validation, the norm bound, the outlier check and the norm caps
 * ``corrupt``: the learner trains on corrupted data (the tokens of every sequence shuffled) and
   sends what it trained, honestly.
 
-Used by the in-process reference (``bench.reference``, ``RefConfig.byzantine``) and by the system
+Used by the in-process reference (``simulation.reference``, ``RefConfig.byzantine``) and by the system
 benchmark's lying learner (``bench.byzantine_learner``), so both attack the same way.
 """
 

@@ -42,15 +42,15 @@ are up (a monitor's view, without its detection delay); the participants of a me
 learners and the merge's contributors (``DILOCO_PARTICIPATION_WINDOW`` is not modelled); a global
 version reaches every learner ``down_delay`` after its merge (download included).
 
-    python -m bench.reference --mode decoupled --M 2 --steps 200     (one run, one JSON line)
+    python -m simulation.reference --mode decoupled --M 2 --steps 200     (one run, one JSON line)
 
-The run's configuration is ``bench.reference_config``, the model and data it runs
-``bench.reference_setup``; this module is the simulation (both re-exported here).
+The run's configuration is ``simulation.reference_config``, the model and data it runs
+``simulation.reference_setup``; this module is the simulation (both re-exported here).
 """
 
 from __future__ import annotations
 
-if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+if __package__ in (None, ""):  # `python simulation/NAME.py` as well as `python -m simulation.NAME`
     import sys as _sys
     from pathlib import Path as _Path
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
@@ -63,8 +63,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.reference_config import MODES, SMALL_MODEL, TINY_MODEL, RefConfig, failure_trace, quorum  # noqa: F401
-from bench.reference_setup import Setup, TreeSetup  # noqa: F401 (public names)
+from simulation.reference_config import MODES, SMALL_MODEL, TINY_MODEL, RefConfig, failure_trace, quorum  # noqa: F401
+from simulation.reference_setup import Setup, TreeSetup  # noqa: F401 (public names)
 
 
 @dataclass
@@ -166,8 +166,9 @@ class Reference:
         self.P = s.plan.num_fragments  # P, or fewer for a tree with fewer parameters
         self.K = quorum(cfg)
         self.grace = GracePolicy(mode="fixed", grace=cfg.grace, max_grace=max(cfg.grace, 10.0))
-        self.settings = MergeSettings(method=cfg.merge, staleness=StalenessPolicy(cfg.staleness, cfg.staleness_a,
-                                                                                  cfg.staleness_b),
+        # cfg.staleness is the aggregator's setting, a str (StalenessPolicy checks it)
+        staleness = StalenessPolicy(cfg.staleness, cfg.staleness_a, cfg.staleness_b)  # type: ignore[arg-type]
+        self.settings = MergeSettings(method=cfg.merge, staleness=staleness,
                                       optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                       delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
                                       clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr,
@@ -200,7 +201,7 @@ class Reference:
             byz = cfg.byzantine if m in cfg.byzantine_learners else ""
             batches = s.learner_batches(m, inc)
             if byz == "corrupt":
-                from bench.byzantine_attacks import corrupted
+                from simulation.byzantine_attacks import corrupted
 
                 batches = corrupted(batches, cfg.byzantine_seed * 1000 + m)
             be = s.backend(batches)
@@ -309,7 +310,7 @@ class Reference:
         delta = outer_gradient(ln.base[p], theta)
         ln.base[p] = theta
         if ln.byzantine in ("sign", "random"):
-            from bench.byzantine_attacks import random_direction, sign_flip
+            from simulation.byzantine_attacks import random_direction, sign_flip
 
             if ln.byzantine == "sign":
                 delta = sign_flip(delta)
@@ -327,7 +328,7 @@ class Reference:
         ln.book.end_sync(c, True)
         vec = np.array(codec.decode_array(blob), dtype=np.float32).reshape(-1)
         if ln.byzantine == "replay":
-            from bench.byzantine_attacks import keep_for_replay, replay_pick
+            from simulation.byzantine_attacks import keep_for_replay, replay_pick
 
             old = replay_pick(ln.kept.get(p, []), ln.rng)
             if c.steps >= c.period:  # it keeps what it really trained in whole rounds
