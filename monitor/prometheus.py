@@ -29,6 +29,8 @@ from monitor.membership import State
 from monitor.metrics_view import MetricsSnapshot
 
 PREFIX = "diloco"
+#: where ``--serve :PORT`` listens: this machine only
+DEFAULT_HOST = "127.0.0.1"
 LEARNER_STATES: tuple[str, ...] = tuple(s.value for s in State)
 
 
@@ -158,11 +160,14 @@ class SnapshotCollector(Collector):
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``:PORT`` (all interfaces) -> (host, port); ValueError naming what it expected."""
+    """``HOST:PORT`` or ``:PORT`` -> (host, port); ValueError naming what it expected. ``:PORT``
+    listens on ``DEFAULT_HOST`` (127.0.0.1, this machine only): exposing the run's metrics to the
+    network takes an explicit host (``0.0.0.0:9464`` for every interface)."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--serve expects HOST:PORT or :PORT (e.g. :9464), got {text!r}")
-    host = host.strip("[]") or "0.0.0.0"
+        raise ValueError(f"--serve expects HOST:PORT or :PORT (e.g. :9464 on 127.0.0.1, 0.0.0.0:9464 on every "
+                         f"interface), got {text!r}")
+    host = host.strip("[]") or DEFAULT_HOST
     return host, int(port)
 
 

@@ -87,10 +87,28 @@ def test_a_diverged_loss_is_exposed_as_nan_and_an_empty_snapshot_has_no_role_sam
     assert {f.name for f in empty if f.samples} == {"diloco_metrics_applied"}
 
 
-@pytest.mark.parametrize("text,expected", [(":9464", ("0.0.0.0", 9464)), ("127.0.0.1:0", ("127.0.0.1", 0)),
-                                           ("[::1]:9000", ("::1", 9000))])
+@pytest.mark.parametrize("text,expected", [(":9464", ("127.0.0.1", 9464)), ("0.0.0.0:9464", ("0.0.0.0", 9464)),
+                                           ("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:9000", ("::1", 9000))])
 def test_listen_addresses(text, expected):
+    """`:PORT` is this machine only (the README's localhost); every interface takes `0.0.0.0:PORT`."""
     assert parse_listen(text) == expected
+
+
+def test_serve_without_a_host_listens_on_loopback_only():
+    """The real server: `:0` binds 127.0.0.1 (a scrape there answers), `0.0.0.0:0` every interface."""
+    import urllib.request
+
+    from monitor.prometheus import serve
+
+    for listen, host in ((":0", "127.0.0.1"), ("0.0.0.0:0", "0.0.0.0")):
+        server, _, (bound, port) = serve(listen, lambda: MetricsSnapshot(run="lo"))
+        try:
+            assert bound == host, (listen, bound)
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            assert 'diloco_metrics_applied_total{run="lo"} 0.0' in body
+        finally:
+            server.shutdown()
+            server.server_close()
 
 
 @pytest.mark.parametrize("text", ["9464", "host:", "host:port", ":70000", ""])
