@@ -97,6 +97,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Is TCP ``port`` on ``host`` in use by a listener (another server)? ``SO_REUSEADDR`` as
+    nats-server binds, so a port with only closed connections in TIME_WAIT counts as free."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
 def render_config(
     *,
     host: str,

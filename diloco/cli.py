@@ -77,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_nats(argv: list[str]) -> int:
-    from bus.server import HEAL_MIN_FREE, EmbeddedServer
+    from bus.server import HEAL_MIN_FREE, EmbeddedServer, ServerError, port_taken
 
     p = argparse.ArgumentParser(prog="diloco nats", description=COMMANDS["nats"][1])
-    p.add_argument("--port", type=int, default=4222, help="client port (0: a free one)")
-    p.add_argument("--http-port", type=int, default=8222, help="monitoring port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--port", type=int, default=4222, help="client port (default: %(default)s; 0: a free one)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="monitoring port on 127.0.0.1 (default: 0, a free one, printed in the ready line, so "
+                        "that two servers on one machine do not collide; nats-server's usual is 8222)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (keep loopback unless auth is on)")
     p.add_argument("--store-dir", default="./nats-data", help="JetStream file store")
     p.add_argument("--max-payload", type=int, default=8 * 1024 * 1024)
@@ -91,21 +93,35 @@ def cmd_nats(argv: list[str]) -> int:
                    help="after a full disk, restart the server (its streams cannot write until then) once "
                         "this many MiB are free in --store-dir")
     a = p.parse_args(argv)
-    extra = open(a.config_extra).read() if a.config_extra else ""
+    try:
+        extra = open(a.config_extra).read() if a.config_extra else ""
+    except OSError as e:
+        print(f"diloco nats: --config-extra: {e}", file=sys.stderr)
+        return 2  # a bad argument
+    for flag, host, port in (("--port", a.host, a.port), ("--http-port", "127.0.0.1", a.http_port)):
+        if port and port_taken(host, port):
+            print(f"diloco nats: {flag} {port}: {host}:{port} is in use (another nats-server?): "
+                  f"pass another {flag}, or {flag} 0 for a free one", file=sys.stderr)
+            return 2  # a bad argument: nothing was started
     srv = EmbeddedServer(store_dir=a.store_dir, host=a.host, port=a.port, http_port=a.http_port,
                          max_payload=a.max_payload, extra_config=extra, log_file=a.log_file,
                          heal_min_free=a.heal_min_free_mib * 2**20)
-    srv.start()
-    print(f"nats-server ready: {srv.url} (monitoring {srv.monitor_url}, store {a.store_dir}); Ctrl-C stops it",
-          flush=True)
     stop = {"flag": False}
 
     def on_signal(*_: object) -> None:
         stop["flag"] = True
 
+    # before the server starts: a signal at any instant ends in close(), which removes the temp config dir
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        try:
+            srv.start()
+        except ServerError as e:
+            print(f"diloco nats: {e}", file=sys.stderr)
+            return 1
+        print(f"nats-server ready: {srv.url} (monitoring {srv.monitor_url}, store {a.store_dir}); Ctrl-C stops it",
+              flush=True)
         checked = time.monotonic()
         while not stop["flag"] and srv.proc is not None and srv.proc.poll() is None:
             time.sleep(0.2)
@@ -114,7 +130,7 @@ def cmd_nats(argv: list[str]) -> int:
                 if line := srv.heal_store():
                     print(line, flush=True)
     finally:
-        srv.stop()
+        srv.close()  # stops it and removes its temp config dir (the store in --store-dir stays)
     return 0
 
 

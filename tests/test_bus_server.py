@@ -63,3 +63,63 @@ def test_no_orphan_when_parent_is_killed(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail("nats-server outlived its killed parent")
+
+
+def test_port_taken_sees_a_listener():
+    import socket
+
+    from bus.server import port_taken
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_taken("127.0.0.1", port)
+    assert not port_taken("127.0.0.1", port)
+
+
+def test_nats_help_states_the_monitoring_default(capsys):
+    from diloco.cli import cmd_nats
+
+    with pytest.raises(SystemExit):
+        cmd_nats(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "monitoring port on 127.0.0.1 (default: 0, a free one, printed in the ready line" in text
+    assert "client port (default: 4222" in text
+
+
+def _diloco_nats(tmp_path, name: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}  # where its temp config dir goes
+    return subprocess.Popen([sys.executable, "-m", "diloco.cli", "nats", "--port", "0", "--store-dir",
+                             str(tmp_path / name), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.timeout(90)
+def test_two_diloco_nats_side_by_side_and_no_temp_dir_after_a_signal(tmp_path):
+    """Two `diloco nats` on one machine both start (the monitoring port is a free one unless told);
+    a third on a taken port says so in one line; SIGTERM and SIGINT each leave no temp config dir."""
+    (tmp_path / "tmp").mkdir()
+    procs = [_diloco_nats(tmp_path, "a"), _diloco_nats(tmp_path, "b")]
+    try:
+        ready = [p.stdout.readline() for p in procs]
+        assert all(line.startswith("nats-server ready: nats://127.0.0.1:") for line in ready), ready
+        monitors = [line.split("(monitoring ")[1].split(",")[0] for line in ready]
+        assert len(set(monitors)) == 2 and not any(m.endswith(":8222") for m in monitors), monitors
+        assert len(list((tmp_path / "tmp").glob("diloco-nats-conf-*"))) == 2
+        taken = monitors[0].rsplit(":", 1)[1]
+        third = _diloco_nats(tmp_path, "c", "--http-port", taken)
+        _, err = third.communicate(timeout=30)
+        assert third.returncode == 2 and err.strip().count("\n") == 0, err
+        assert f"--http-port {taken}: 127.0.0.1:{taken} is in use" in err, err
+        procs[0].send_signal(signal.SIGTERM)
+        procs[1].send_signal(signal.SIGINT)
+        for p in procs:
+            _, err = p.communicate(timeout=30)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert list((tmp_path / "tmp").iterdir()) == []  # nothing left behind
