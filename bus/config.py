@@ -1,9 +1,15 @@
 """Typed, frozen, validated configuration from ``DILOCO_*`` environment variables.
 
-Every setting of every role is a field of a frozen dataclass below; the field's metadata names its
-parser and help text, and the environment variable is ``DILOCO_<FIELD NAME IN UPPER CASE>``. This
-module is the one place that lists every variable with its default: the README table is generated
-from :func:`markdown_table` and a test checks that the two agree.
+Every setting of every role is a field of a frozen dataclass (the common ones below, each role's
+in ``<role>/config.py``, declared with :func:`register`); the field's metadata names its parser and
+help text, and the environment variable is ``DILOCO_<FIELD NAME IN UPPER CASE>``. This module names
+no role: the operations layer imports every role's config (``diloco.config_registry``) to list them
+all (the README table, generated from :func:`markdown_table`; ``diloco config``), and
+:data:`bus.variables.VARIABLES`, generated from that registry and checked against it by a test,
+lets any process tell a typo from another role's variable without importing that role.
+
+Where a value comes from, highest first: the environment, the file ``DILOCO_ENV_FILE`` names, the
+model preset ``DILOCO_MODEL_PRESET`` names (:data:`bus.presets.MODEL_PRESETS`), the default.
 
 A bad value fails at start-up with one line that names the variable, the value and what was
 expected, e.g. ``DILOCO_INNER_LR='fast': expected a float > 0``.
@@ -13,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import math
 import os
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from bus.presets import MODEL_PRESETS
+from bus.variables import VARIABLES
 
 PREFIX = "DILOCO_"
 
@@ -149,6 +157,9 @@ class CommonConfig:
                                  "exits with one line saying what to check; once connected, long-running roles "
                                  "reconnect through outages forever")
     run: str = var("default", token(), "run id: every subject, stream and bucket of a run carries it")
+    model_preset: str = var("default", choice(*MODEL_PRESETS),
+                            "the built-in model's shape, batch and fragment count for every role by one name: "
+                            "tiny, small or default (the DILOCO_* values of bus/presets.py; a DILOCO_* you set wins)")
     region: str = var("local", token(), "region / island name of this process")
     nats_user: str = var("", text(), "NATS user name (empty: no user/password auth)")
     nats_password: str = var("", text(), "NATS password", secret=True)
@@ -188,11 +199,6 @@ def register(role: str) -> Callable[[type], type]:
     return deco
 
 
-#: The modules that declare the roles' configs (``@register``). Every process imports them all, by
-#: name, to know every variable of the run (a learner's env file may well hold DILOCO_QUORUM): they
-#: are declarations only (dataclasses of settings, no role code), so the layers stay as they are.
-CONFIG_MODULES = ("learner.config", "aggregator.config", "monitor.config")
-
 #: Variables read outside the config dataclasses (name -> who reads it).
 OTHER_VARIABLES = {
     "DILOCO_NATS_SERVER_BIN": "bus.server: the nats-server binary to run",
@@ -200,25 +206,16 @@ OTHER_VARIABLES = {
 }
 
 
-def load_role_configs() -> dict[str, type]:
-    """Import every module of :data:`CONFIG_MODULES` (one missing from this build is skipped) so
-    that :data:`ROLE_CONFIGS` lists every variable; returns it."""
-    for mod in CONFIG_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-    return ROLE_CONFIGS
+def config_variables(configs: Mapping[str, type]) -> set[str]:
+    """The ``DILOCO_*`` name of every field of ``configs`` (role -> config class)."""
+    return {env_name(f.name) for cls in configs.values() for f in _fields(cls)}
 
 
 def known_variables() -> set[str]:
-    """Every ``DILOCO_*`` name some process reads: each field of each role's config, and
-    :data:`OTHER_VARIABLES`."""
-    names = set(OTHER_VARIABLES)
-    for cls in load_role_configs().values():
-        names.update(env_name(f.name) for f in _fields(cls))
-    return names
+    """Every ``DILOCO_*`` name some process reads: :data:`bus.variables.VARIABLES` (every role's,
+    without importing the roles: a learner's env file may well hold DILOCO_QUORUM), the configs
+    registered in this process, and :data:`OTHER_VARIABLES`."""
+    return set(VARIABLES) | config_variables(ROLE_CONFIGS) | set(OTHER_VARIABLES)
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
@@ -303,10 +300,34 @@ def with_env_file(environ: Mapping[str, str]) -> Mapping[str, str]:
     return {**{k: v for k, v in found.items() if k.startswith(PREFIX)}, **environ}
 
 
+def preset_values(environ: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """(name, its ``DILOCO_*`` values) of the model preset ``DILOCO_MODEL_PRESET`` of ``environ``
+    (``default`` and {} if unset). ConfigError (one line naming the valid names) for an unknown one."""
+    f = CommonConfig.__dataclass_fields__["model_preset"]
+    name = env_name(f.name)
+    raw = environ.get(name)
+    if raw is None:
+        return str(f.default), {}
+    try:
+        preset = f.metadata["parse"](raw)
+    except ValueError as e:
+        raise ConfigError(f"{name}={raw!r}: {e}") from None
+    return preset, dict(MODEL_PRESETS[preset])
+
+
+def layered(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """Every value a process sees: ``environ`` over ``DILOCO_ENV_FILE``'s file over the model
+    preset's values (:func:`preset_values`, the preset named in either)."""
+    filed = with_env_file(environ)
+    _, values = preset_values(filed)
+    return {**values, **filed} if values else filed
+
+
 def from_env(cls: type, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
-    """Build ``cls`` from ``DILOCO_*`` variables (and ``DILOCO_ENV_FILE``'s, which the environment
-    overrides); unset ones take the default. Raises :class:`ConfigError`."""
-    env = with_env_file(os.environ if environ is None else environ)
+    """Build ``cls`` from ``DILOCO_*`` variables (and those of ``DILOCO_ENV_FILE``'s file and of the
+    model preset ``DILOCO_MODEL_PRESET``, which the environment overrides: :func:`layered`); unset
+    ones take the default. Raises :class:`ConfigError`."""
+    env = layered(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     for f in _fields(cls):
         name = env_name(f.name)
@@ -328,10 +349,11 @@ def from_env(cls: type, environ: Mapping[str, str] | None = None, **overrides: A
 
 
 def sources(cls: type, environ: Mapping[str, str] | None = None) -> list[tuple[str, Any, str]]:
-    """(variable, effective value, 'env' | 'default') for ``diloco config ROLE``."""
+    """(variable, effective value, 'env' | 'file' | 'preset NAME' | 'default') for ``diloco config ROLE``."""
     env = os.environ if environ is None else environ
     cfg = from_env(cls, env)
     filed = with_env_file(env)
+    preset, preset_vars = preset_values(filed)
     out = []
     for f in _fields(cls):
         name = env_name(f.name)
@@ -340,7 +362,9 @@ def sources(cls: type, environ: Mapping[str, str] | None = None) -> list[tuple[s
             value = f.metadata["show"](value)
         if f.metadata.get("secret") and value:
             value = "***"
-        out.append((name, value, "env" if name in env else "file" if name in filed else "default"))
+        src = ("env" if name in env else "file" if name in filed else f"preset {preset}" if name in preset_vars
+               else "default")
+        out.append((name, value, src))
     return out
 
 

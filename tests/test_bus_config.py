@@ -82,3 +82,32 @@ def test_env_file_fills_what_the_environment_does_not_set(tmp_path):
     from learner.config import LearnerConfig
     with pytest.raises(ConfigError, match=r"^DILOCO_INNER_LR='fast'"):
         from_env(LearnerConfig, {"DILOCO_ENV_FILE": str(f)})
+
+
+def test_the_generated_variable_list_is_the_registry_of_every_role():
+    from bus.config import config_variables
+    from bus.variables import VARIABLES
+    from diloco.config_registry import VARIABLES_FILE, variables_module
+
+    names = config_variables(load_role_configs())
+    assert {"DILOCO_QUORUM", "DILOCO_SYNC_EVERY", "DILOCO_EVICT_AFTER", "DILOCO_MODEL_PRESET"} <= names
+    assert VARIABLES == names, ("bus/variables.py is stale: regenerate it with "
+                                "`python -m diloco.config_registry --write`")
+    assert VARIABLES_FILE.read_text() == variables_module(names)
+
+
+def test_a_process_of_the_bus_alone_knows_every_role_variable_without_importing_the_roles():
+    code = ("import sys; from bus.config import known_variables, unknown_variables; "
+            "assert {'DILOCO_QUORUM', 'DILOCO_SYNC_EVERY', 'DILOCO_EVICT_AFTER'} <= known_variables(); "
+            "assert unknown_variables({'DILOCO_QUORUM': '2', 'DILOCO_QUROUM': '2'}) == "
+            "[('DILOCO_QUROUM', 'DILOCO_QUORUM')]; "
+            "roles = sorted(m for m in sys.modules if m.split('.')[0] in ('learner', 'aggregator', 'monitor', 'diloco')); "
+            "assert not roles, roles")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=str(pathlib.Path(__file__).parent.parent))
+    assert p.returncode == 0, p.stderr
+
+
+def test_bus_config_names_no_role_module():
+    text = (pathlib.Path(__file__).parent.parent / "bus" / "config.py").read_text()
+    assert "importlib" not in text and not any(f'"{r}.config"' in text for r in ("learner", "aggregator", "monitor"))

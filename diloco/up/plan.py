@@ -11,20 +11,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from bus.config import CommonConfig, ConfigError, from_env
+from bus.config import CommonConfig, ConfigError, from_env, preset_values
+from bus.presets import MODEL_PRESETS
 from learner.config import ModelConfig, auto_inner_lr
 
 # -- presets and defaults (pure) --------------------------------------------------------------------
 
-#: Model presets: DILOCO_* values. ``default`` is the configuration's own defaults (836,736 params).
-PRESETS: dict[str, dict[str, str]] = {
-    "tiny": {"DILOCO_D_MODEL": "32", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "2", "DILOCO_D_FF": "64",
-             "DILOCO_SEQ_LEN": "32", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "8",
-             "DILOCO_EVAL_BATCH_SIZE": "16"},
-    "small": {"DILOCO_D_MODEL": "64", "DILOCO_N_LAYERS": "2", "DILOCO_N_HEADS": "4", "DILOCO_D_FF": "256",
-              "DILOCO_SEQ_LEN": "64", "DILOCO_NUM_FRAGMENTS": "4", "DILOCO_BATCH_SIZE": "16"},
-    "default": {},
-}
+#: Model presets (``--model-preset``): the bus's, which every role reads as DILOCO_MODEL_PRESET.
+PRESETS = MODEL_PRESETS
 
 #: Bandwidth presets (``--preset``): DILOCO_* values for every process. ``lean``: sparse 2-bit outer
 #: gradients up (the 64 largest of each 4096 values, error feedback decayed by 0.95), each global version chained
@@ -122,6 +116,7 @@ def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: boo
         defaults["DILOCO_EVAL_INTERVAL"] = "2.0"
     for k, v in defaults.items():
         env.setdefault(k, v)
+    env["DILOCO_MODEL_PRESET"] = preset  # what the flag said, not a DILOCO_MODEL_PRESET of the caller's
     n = resolve_steps(environ, preset, steps, quick)
     env["DILOCO_MAX_STEPS"] = str(n)
     total = (environ.get("DILOCO_TOTAL_STEPS") or "").strip()
@@ -241,7 +236,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "new passwords every launch), start the server(s) with those accounts only and give each "
                         "process its user's credentials; the launcher reads as the metrics user")
     p.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
-                   help="tiny | small | default (default: default, or tiny with --quick); DILOCO_* overrides win")
+                   help="tiny | small | default (default: DILOCO_MODEL_PRESET, else default, or tiny with --quick); "
+                        "DILOCO_* overrides win")
     p.add_argument("--preset", choices=sorted(BANDWIDTH_PRESETS), default="default",
                    help="bandwidth preset: default, or lean (sparse 2-bit outer gradients up, chained sparse "
                         "4-bit versions down, outer SGD: docs/BENCHMARKS.md); DILOCO_* overrides win")
@@ -264,5 +260,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.regions = parse_regions(a.regions)
     except ValueError as e:
         p.error(str(e))
+    if a.model_preset is None and "DILOCO_MODEL_PRESET" in os.environ:  # the roles' variable: one name for both
+        try:
+            a.model_preset = preset_values(os.environ)[0]
+        except ConfigError as e:
+            p.error(str(e))
     a.model_preset = a.model_preset or ("tiny" if a.quick else "default")
     return a
