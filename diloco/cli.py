@@ -15,9 +15,7 @@ import signal
 import sys
 import time
 
-from bus.config import (CONFIG_MODULES, CommonConfig, ConfigError, describe_unknown, from_env, markdown_table,
-                        sources, unknown_variables)
-from bus.config import load_role_configs as _load_role_configs
+from bus.config import CommonConfig, ConfigError, describe_unknown, from_env, markdown_table, sources, unknown_variables
 from bus.entry import run_command
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -36,8 +34,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "auth": ("diloco.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),
 }
 
-ROLE_MODULES = CONFIG_MODULES
-
 #: The configs each role's command reads besides CommonConfig (what ``diloco config ROLE`` shows):
 #: ``diloco aggregator`` reads the model's (DILOCO_MODEL=builtin creates a run of it).
 ROLE_READS: dict[str, tuple[str, ...]] = {"learner": ("model", "learner"), "eval": ("model", "learner", "eval"),
@@ -45,8 +41,11 @@ ROLE_READS: dict[str, tuple[str, ...]] = {"learner": ("model", "learner"), "eval
 
 
 def load_role_configs() -> dict[str, type]:
-    """Import every role's config module so that ``ROLE_CONFIGS`` lists all variables."""
-    return _load_role_configs()
+    """Every role's config class by role (:mod:`diloco.config_registry`, imported on first use:
+    ``diloco nats`` needs none of them)."""
+    from diloco.config_registry import load_role_configs as registry
+
+    return registry()
 
 
 def main(argv: list[str] | None = None) -> int:
