@@ -87,3 +87,26 @@ def test_diloco_up_uses_the_same_presets_and_the_variable(monkeypatch):
     monkeypatch.setenv("DILOCO_MODEL_PRESET", "huge")
     with pytest.raises(SystemExit):
         plan.parse_args([])
+
+
+async def test_a_run_created_with_only_the_preset_is_the_run_of_the_explicit_variables(nats_server, nc):
+    """Real processes: `diloco run create` (what the aggregator does with DILOCO_MODEL=builtin) given
+    only DILOCO_MODEL_PRESET=small writes the manifest a learner given the seven variables expects."""
+    import asyncio
+
+    from bus.runs import read_manifest
+    from learner.builtin import builtin_manifest
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env.update(DILOCO_NATS_URL=nats_server.url, DILOCO_RUN="p42", DILOCO_MODEL_PRESET="small")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "diloco.cli", "run", "create", env=env,
+                                                cwd=str(ROOT), stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    m = await read_manifest(nc.jetstream(timeout=10), "p42")
+    assert m is not None
+    learner_side, plan = builtin_manifest("p42", from_env(ModelConfig, {**MODEL_PRESETS["small"], "DILOCO_RUN": "p42"}))
+    assert (m.model_hash, m.plan_hash, m.num_fragments) == (learner_side.model_hash, plan.plan_hash(), 4)
+    default_side, _ = builtin_manifest("p42", from_env(ModelConfig, {}))
+    assert m.model_hash != default_side.model_hash  # the check can fail: the defaults are another model
