@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import importlib
 import signal
 import sys
 import time
 
 from bus.config import CommonConfig, ConfigError, describe_unknown, from_env, markdown_table, sources, unknown_variables
-from bus.entry import run_command
+from bus.entry import EXIT_UNAVAILABLE, EXIT_USAGE, run_command
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "nats": ("diloco.cli:cmd_nats", "run an embedded JetStream nats-server in the foreground"),
@@ -57,22 +58,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"diloco: unknown command {name!r} (see diloco --help)", file=sys.stderr)
-        return 2
+        print(f"diloco: {unknown_command(name)}", file=sys.stderr)
+        return EXIT_USAGE
     target, _ = COMMANDS[name]
     mod_name, fn_name = target.split(":")
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except ModuleNotFoundError as e:
         print(f"diloco {name}: not available in this build ({e})", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     from bus.conn import ConnectFailed
 
     try:
         return run_command(name, fn, rest)
     except ConnectFailed as e:  # the server is not reachable at start: one line naming it, what to check
         print(f"diloco {name}: {e}", file=sys.stderr)
-        return 1
+        return EXIT_UNAVAILABLE
+
+
+def unknown_command(name: str) -> str:
+    """One line for ``diloco NAME`` with no such command, naming the closest one (``lerner``: learner)."""
+    close = difflib.get_close_matches(name, list(COMMANDS), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"unknown command {name!r}: {hint}(diloco --help lists them)"
 
 
 def cmd_nats(argv: list[str]) -> int:
@@ -232,7 +240,7 @@ async def _run_list(js) -> dict:
 def _one_line(who: str, go) -> tuple[int, object]:
     """Run ``go()`` (a coroutine function): (0, its result), or an exit code after one line on
     stderr for what a run's creation can meet: a limit too small (2), a server without the
-    storage (1), a run that is not this one or not provisioned (3), a server out of reach (1)."""
+    storage (1), a run that is not this one or not provisioned (3), a server out of reach (4)."""
     from bus.conn import ConnectFailed
     from bus.runs import RunMismatch
     from bus.streams import LimitsTooSmall, StorageUnavailable
@@ -244,7 +252,7 @@ def _one_line(who: str, go) -> tuple[int, object]:
         return {LimitsTooSmall: 2, StorageUnavailable: 1, RunMismatch: 3}[type(e)], None
     except ConnectFailed as e:  # the server is not reachable: the URL and what to check
         print(f"{who}: {e}", file=sys.stderr)
-        return 1, None
+        return EXIT_UNAVAILABLE, None
 
 
 def cmd_aggregator(argv: list[str]) -> int:
