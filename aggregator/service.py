@@ -556,5 +556,5 @@ def main(argv: list[str] | None = None, companions: Sequence[Callable[..., Await
         return 2
     except ConnectFailed as e:  # the server not reachable at start
         print(f"diloco aggregator: {e}", file=sys.stderr)
-        return 1
+        return 4  # bus.entry.EXIT_UNAVAILABLE, as every command
     return 0

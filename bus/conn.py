@@ -1,10 +1,12 @@
 """Connecting to NATS with a run's settings: credentials, TLS, and reconnect behaviour.
 
 At start, :func:`connect` tries for ``DILOCO_CONNECT_TIMEOUT`` seconds (10 by default: the
-servers of ``DILOCO_NATS_URL`` in turn, an attempt every 0.5 s, so a process may start a little
-before its server), then raises :class:`ConnectFailed`, whose message is one line naming the URL
+servers of ``DILOCO_NATS_URL`` in turn, an attempt every 0.5 s, so a slow server or network has
+time to answer), then raises :class:`ConnectFailed`, whose message is one line naming the URL
 (credentials redacted), what went wrong and what to check. A refused login or a failed TLS
-handshake ends the wait at once: retrying cannot fix them. Nothing is logged while it tries.
+handshake ends the wait at once: retrying cannot fix them. A refused connection (nothing listens
+on the port: every attempt refused at once) ends it after ``REFUSED_GRACE`` seconds (1.5), enough
+for a server that is just starting up, not the whole window. Nothing is logged while it tries.
 
 Once connected, nats-py's defaults would notice a dead peer only after minutes (ping every 120 s)
 and give up after 60 reconnect attempts; a training process must instead reconnect forever and
@@ -21,6 +23,7 @@ needed several attempts logs ``nats_connected`` once; a deliberate close, ``nats
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
 import socket
 import ssl
@@ -38,6 +41,10 @@ from bus.store_health import classify
 STILL_DOWN_AFTER = (10.0, 60.0, 300.0)
 #: A distinct error (same type and text) while connected is logged at most once per this many seconds.
 ERROR_REPEAT_S = 60.0
+#: Seconds a start keeps trying while every attempt is refused at once (nothing listens there).
+REFUSED_GRACE = 1.5
+#: errnos of an attempt refused at once (``Multiple exceptions`` of one host's addresses may mix them)
+_REFUSED_ERRNOS = {errno.ECONNREFUSED, errno.EADDRNOTAVAIL, errno.ENETUNREACH}
 
 
 class ConnectFailed(ConnectionError):
@@ -69,6 +76,20 @@ def _fatal(e: BaseException) -> bool:
     text = str(e).lower()
     return isinstance(e, ssl.SSLError) or "authorization violation" in text or "authentication" in text \
         or type(e).__name__ in ("AuthorizationError",)
+
+
+def refused_at_once(e: BaseException) -> bool:
+    """An attempt that the host refused at once: nothing listens on the port (``ECONNREFUSED``; a
+    host name whose addresses all failed so, or with no route for one family, as asyncio's
+    ``Multiple exceptions``). Not a timeout, a DNS failure or a slow server."""
+    if isinstance(e, ConnectionRefusedError):
+        return True
+    if not isinstance(e, OSError) or isinstance(e, (socket.gaierror, TimeoutError)):
+        return False
+    if e.errno is not None:
+        return e.errno == errno.ECONNREFUSED
+    codes = [int(c) for c in re.findall(r"\[Errno (\d+)\]", str(e))]
+    return bool(codes) and errno.ECONNREFUSED in codes and all(c in _REFUSED_ERRNOS for c in codes)
 
 
 def _lost(e: BaseException) -> bool:
@@ -170,10 +191,12 @@ class ConnectionLog:
 
 
 async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, timeout: float | None = None,
-                  **extra: Any) -> Client:
+                  refused_grace: float | None = REFUSED_GRACE, **extra: Any) -> Client:
     """A connected client named ``name`` (shown in the server's /connz) for ``cfg``.
 
     ``timeout``: seconds to try at start (default DILOCO_CONNECT_TIMEOUT), then ConnectFailed.
+    ``refused_grace``: seconds after which a start whose every attempt was refused at once
+    (:func:`refused_at_once`) gives up without waiting out ``timeout``; None: the whole window.
     ``extra``: nats-py options; an ``error_cb``, ``disconnected_cb`` or ``reconnected_cb`` given
     there replaces our logging once connected (errors while connecting are never passed to it:
     they make the ConnectFailed)."""
@@ -185,6 +208,7 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
     errors: list[BaseException] = []  # the last few errors while connecting
     refusal: list[BaseException] = []  # a refused login or TLS failure: no point trying again
     failed = [0]
+    only_refused = [True]  # every error so far refused at once
     fatal = asyncio.Event()
     connecting = True
 
@@ -193,6 +217,7 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
             del errors[:-4]
             errors.append(e)
             failed[0] += 1
+            only_refused[0] = only_refused[0] and refused_at_once(e)
             if _fatal(e) and not fatal.is_set():
                 refusal.append(e)  # what later errors (the server closing on us) must not hide
                 fatal.set()
@@ -254,8 +279,16 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
     t0 = time.monotonic()
     attempt = asyncio.ensure_future(nc.connect(**opts))
     refused = asyncio.ensure_future(fatal.wait())
+    grace = window if refused_grace is None else min(window, max(0.1, float(refused_grace)))
+    gave_up = False  # every attempt refused at once for ``grace`` seconds
     try:
-        await asyncio.wait({attempt, refused}, timeout=window, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({attempt, refused}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        if not attempt.done() and not fatal.is_set():
+            if failed[0] >= 2 and only_refused[0] and grace < window:
+                gave_up = True
+            else:
+                await asyncio.wait({attempt, refused}, timeout=max(0.0, window - (time.monotonic() - t0)),
+                                   return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the caller gave up (a stop while waiting for the server)
         await _abandon(nc, attempt)
         raise
@@ -263,12 +296,15 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
         refused.cancel()
     cause: BaseException | None = refusal[0] if refusal else errors[-1] if errors else None
     if not attempt.done() or attempt.cancelled() or attempt.exception() is not None:
-        timed_out = not attempt.done() and not fatal.is_set()
+        timed_out = not attempt.done() and not fatal.is_set() and not gave_up
         raised = attempt.exception() if attempt.done() and not attempt.cancelled() else None
         if raised is not None and not (type(raised).__name__ == "NoServersError" and cause is not None):
             cause = raised
+        attempts = failed[0]
         await _abandon(nc, attempt)
         within = f" within {window:g}s (DILOCO_CONNECT_TIMEOUT)" if timed_out else ""
+        if gave_up:
+            within = f" ({attempts} attempts in {time.monotonic() - t0:.1f}s, each refused at once)"
         raise ConnectFailed(f"cannot connect to {url}{within}: {explain(cause)}", url, cause)
     connecting = False
     if failed[0]:

@@ -11,7 +11,7 @@ Every failure is one line on stderr: an unreachable server (after DILOCO_CONNECT
 folder does not exist (checked before connecting; the folder is not created, so a mistyped path
 fails instead of leaving a stray tree). The file is written beside its final name and renamed.
 When every fragment is still at version 0 (the initial parameters: nothing merged yet) it warns,
-and ``--require-merged`` makes that a failure (exit 3, nothing written).
+and ``--require-merged`` makes that a failure (exit 5, nothing written).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import orjson
 
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect, redact_url
+from bus.entry import EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_USAGE
+from bus.entry import EXIT_NOT_MERGED as _EXIT_NOT_MERGED
 from learner import loop as lp
 from learner.config import ModelConfig
 
@@ -37,8 +39,8 @@ class ExportError(RuntimeError):
     """A one-line reason the export cannot be made (no run, no version yet...)."""
 
 
-#: exit code of ``--require-merged`` when every fragment is still at version 0
-EXIT_NOT_MERGED = 3
+#: exit code of ``--require-merged`` when every fragment is still at version 0 (``bus.entry``'s table)
+EXIT_NOT_MERGED = _EXIT_NOT_MERGED
 
 
 async def fetch_run_params(common: CommonConfig, timeout: float = 10.0) -> tuple[dict[str, np.ndarray], dict]:
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="diloco export", description="write the newest global parameters of a run to an .npz file (leaf paths "
         "as keys), while it runs. Exit codes: 0 written, 1 failed (one line on stderr), 2 bad configuration or "
-        f"--out, {EXIT_NOT_MERGED} --require-merged and nothing merged yet")
+        f"--out, {EXIT_UNAVAILABLE} server out of reach, {EXIT_NOT_MERGED} "
+        "--require-merged and nothing merged yet")
     p.add_argument("--run", default=None, help="the run (default: DILOCO_RUN)")
     p.add_argument("--out", required=True, help="output .npz file (its folder must exist)")
     p.add_argument("--timeout", type=float, default=10.0,
@@ -179,12 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         params, record = asyncio.run(fetch_run_params(common, a.timeout))
-    except (ExportError, ConnectFailed) as e:
+    except ConnectFailed as e:
         print(f"diloco export: {e}", file=sys.stderr)
-        return 1
+        return EXIT_UNAVAILABLE
+    except ExportError as e:
+        print(f"diloco export: {e}", file=sys.stderr)
+        return EXIT_ERROR
     except ConfigError as e:
         print(f"diloco export: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except Exception as e:
         print(f"diloco export: cannot read run {common.run!r} at {redact_url(common.nats_url)}: {e!r}",
               file=sys.stderr)
