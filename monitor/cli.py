@@ -11,8 +11,9 @@ Both read ``DILOCO_NATS_URL``, ``DILOCO_RUN`` and the credential variables (``DI
 * ``diloco status`` prints one snapshot read from JetStream and KV only (no metrics needed):
   membership, leader lease, version per fragment, stream sizes and the server's health.
 
-An unreachable server or a refused login is one line on stderr and exit status 1, after at most
-``DILOCO_CONNECT_TIMEOUT`` seconds (10) of attempts (``bus.conn.connect``). Logs (JSON lines on
+An unreachable server or a refused login is one line on stderr and exit status 4
+(``bus.entry.EXIT_UNAVAILABLE``), at once for a refused connection or login and after at most
+``DILOCO_CONNECT_TIMEOUT`` seconds (10) for a server that does not answer (``bus.conn.connect``). Logs (JSON lines on
 stderr at ``DILOCO_LOG_LEVEL``) are quiet: the viewers show the connection's state themselves;
 ``--serve`` logs one line per change of it.
 """
@@ -33,6 +34,7 @@ from bus.signals import install_stop
 from bus.codec import CodecError, dumps_json, loads_json
 from bus.config import CommonConfig, ConfigError, from_env, nats_urls, token
 from bus.conn import ConnectFailed, connect, redact_url
+from bus.entry import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from bus.log import setup
 from bus.subjects import Subjects
 from monitor.metrics_view import ROLES, MetricsSnapshot, filter_msg, fold, render_table
@@ -41,7 +43,12 @@ CLEAR = "\x1b[H\x1b[2J"
 
 
 class CliError(RuntimeError):
-    """A failure worth one line on stderr (exit status 1)."""
+    """A failure worth one line on stderr; ``code`` is the exit status (``bus.entry``: 1 by default,
+    4 for a server out of reach)."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
 
 
 # --------------------------------------------------------------------------- shared
@@ -106,7 +113,7 @@ async def open_connection(cfg: CommonConfig, name: str, log_states: bool = False
     try:
         return await connect(cfg, name=name, **calls)
     except ConnectFailed as e:
-        raise CliError(str(e)) from None
+        raise CliError(str(e), EXIT_UNAVAILABLE) from None
 
 
 def _run_cli(prog: str, coro_fn, a: argparse.Namespace) -> int:
@@ -117,14 +124,14 @@ def _run_cli(prog: str, coro_fn, a: argparse.Namespace) -> int:
         return asyncio.run(coro_fn(cfg, a))
     except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except CliError as e:
         print(f"{prog}: {e}", file=sys.stderr)
-        return 1
+        return e.code
     except BrokenPipeError:
-        return 0
+        return EXIT_OK
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -163,6 +170,64 @@ def snapshot_to_dict(snap: MetricsSnapshot) -> dict[str, Any]:
         "skipped": dict(snap.skipped),
         "last_ts": snap.last_ts,
     }
+
+
+#: membership states whose learners are expected to report metrics (suspect ones have gone silent)
+LIVE_STATES = ("joining", "active", "rejoining")
+
+
+def expected_learners(states: dict[str, tuple[str, str]], role: str | None = None, learner: str | None = None,
+                      region: str | None = None) -> set[str]:
+    """The learners ``diloco metrics --once`` waits for: those the members bucket holds as live
+    ({learner: (state, region)}), within the ``--role/--learner/--region`` filters."""
+    if role not in (None, "learner"):
+        return set()
+    return {k for k, (state, reg) in states.items()
+            if state in LIVE_STATES and (learner is None or k == learner) and (region is None or reg == region)}
+
+
+def missing_reports(snap: MetricsSnapshot, learners: set[str], roles: set[str]) -> list[str]:
+    """What a ``--once`` snapshot still lacks: the expected learners and roles (aggregator,
+    monitor) that have not reported yet, sorted; [] when it is complete."""
+    have = {"aggregator": snap.aggregator, "monitor": snap.monitor, "evaluator": snap.evaluator}
+    return sorted(learners - set(snap.learners)) + sorted(r for r in roles if have.get(r) is None)
+
+
+async def _roster(nc, run: str, a: argparse.Namespace) -> tuple[set[str], set[str]]:
+    """(learners, roles) a ``--once`` snapshot waits for: the members bucket's live learners, the
+    monitor if its lease is valid, the aggregator if the run has a manifest. Nothing where the
+    bucket cannot be read (the snapshot then takes the whole ``--wait``)."""
+    from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+    from monitor.lease import LEASE_KEY, parse_lease
+    from monitor.store import load_members
+
+    js = nc.jetstream(timeout=2.0)
+    s = Subjects(run)
+    learners: set[str] = set()
+    roles: set[str] = set()
+    try:
+        members, _, _ = await load_members(await js.key_value(s.bucket("members")), timeout=2.0)
+        learners = expected_learners({k: (m.state.value, m.region) for k, m in members.items()},
+                                     a.role, a.learner, a.region)
+    except (BucketNotFoundError, Exception):  # noqa: BLE001 - no run, no permission: wait the whole --wait
+        return set(), set()
+    if a.role in (None, "monitor") and a.learner is None and a.region is None:
+        try:
+            entry = await (await js.key_value(s.bucket("lease"))).get(LEASE_KEY)
+            if parse_lease(entry.value, entry.revision).until > time.time():
+                roles.add("monitor")
+        except (BucketNotFoundError, KeyNotFoundError, Exception):  # noqa: BLE001
+            pass
+    if a.role in (None, "aggregator") and a.learner is None and a.region is None:
+        try:
+            from bus.protocol import MANIFEST_KEY
+
+            await (await js.key_value(s.bucket("run"))).get(MANIFEST_KEY)
+            roles.add("aggregator")
+        except (BucketNotFoundError, KeyNotFoundError, Exception):  # noqa: BLE001
+            pass
+    return learners, roles
 
 
 def _bump_malformed(snap: MetricsSnapshot, reason: str) -> MetricsSnapshot:
@@ -226,11 +291,17 @@ async def _metrics(cfg: CommonConfig, a: argparse.Namespace) -> int:
                 pass
     try:
         if a.once:
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=a.wait)
-            except asyncio.TimeoutError:
-                pass
+            deadline = time.monotonic() + a.wait
+            learners, roles = await _roster(nc, cfg.run, a)
+            missing = missing_reports(state["snap"], learners, roles)
+            # until every live learner (and the monitor, aggregator) has reported, at most --wait s
+            while not stop.is_set() and (missing or not (learners or roles)) and time.monotonic() < deadline:
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                missing = missing_reports(state["snap"], learners, roles)
             await sub.unsubscribe()
+            if missing:
+                print(f"diloco metrics: not heard from {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                      f"within --wait {a.wait:g}s (live in the members bucket)", file=sys.stderr)
             if a.json:
                 print(dumps_json(snapshot_to_dict(state["snap"])).decode())
             else:
@@ -264,15 +335,18 @@ def cmd_metrics(argv: list[str]) -> int:
     """``diloco metrics``: live table (or JSON lines) of a run's metrics."""
     p = argparse.ArgumentParser(prog="diloco metrics", description="Live table of a run's metrics messages.")
     _add_common_args(p)
-    p.add_argument("--once", action="store_true", help="collect for --wait seconds, print one snapshot, exit")
-    p.add_argument("--wait", type=float, default=3.0, help="seconds --once collects messages (default 3)")
+    p.add_argument("--once", action="store_true",
+                   help="print one snapshot and exit, as soon as every live learner of the members bucket (and "
+                        "the monitor and aggregator) has reported, or after --wait seconds")
+    p.add_argument("--wait", type=float, default=5.0,
+                   help="seconds --once waits at most for the reports (default 5)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws of the live table")
     p.add_argument("--role", choices=ROLES, help="only messages of this role")
     p.add_argument("--learner", help="only messages of this learner")
     p.add_argument("--region", help="only messages of this region")
     p.add_argument("--serve", metavar="HOST:PORT",
                    help="serve the run's metrics for Prometheus at http://HOST:PORT/metrics instead of the table "
-                        "(:9464 listens on every interface)")
+                        "(:9464 listens on 127.0.0.1 only; 0.0.0.0:9464 on every interface)")
     a = p.parse_args(argv)
     if not (a.wait >= 0 and math.isfinite(a.wait)) or not (a.interval > 0 and math.isfinite(a.interval)):
         p.error("--wait must be >= 0 and --interval > 0")

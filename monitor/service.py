@@ -44,6 +44,7 @@ from bus.signals import install_stop
 from bus.codec import dumps_json
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect
+from bus.entry import EXIT_ERROR, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from bus.log import get_logger, setup
 from bus.store_health import StoreWatch
 from bus.streams import Limits, ensure_run
@@ -211,17 +212,24 @@ class MonitorService(Leadership, HeartbeatIntake):
                 await asyncio.sleep(1.0)
 
     async def _setup(self, stop: asyncio.Event) -> None:
-        """Open the buckets (creating the run only if it does not exist yet and our user may), load
-        members, read current versions; retried until stop."""
+        """Open the buckets, load members, read current versions; retried until stop.
+
+        A run that does not exist yet is created only when :func:`may_create_run` (a server without
+        auth); otherwise the monitor waits for the aggregator or ``diloco run create`` to create it
+        (its least-privilege user may not: trying was a permissions violation and a timeout in every
+        ``diloco up``'s log), quietly at first (``waiting_for_run``, info) and with one warning
+        (``run_not_created``) after ``RUN_WAIT_WARN_S`` seconds."""
         delay = 0.2
+        waiting_since: float | None = None
+        warned = False
         while True:
             try:
                 s = self.subjects
                 try:
                     self._members_kv = await self.js.key_value(s.bucket("members"))
                 except BucketNotFoundError:
-                    # no run yet: create it if our user may (a least-privilege monitor user may not,
-                    # and then waits here for the aggregator to create it)
+                    if not may_create_run(self.common):
+                        raise _NoRunYet() from None
                     await ensure_run(self.js, self.common.run, Limits.from_config(self.common))
                     self._members_kv = await self.js.key_value(s.bucket("members"))
                 self._lease_kv = await self.js.key_value(s.bucket("lease"))
@@ -230,18 +238,34 @@ class MonitorService(Leadership, HeartbeatIntake):
                     self.log.warning("member_record_unreadable", learner=key, error=why)
                 self.members, self._revs = members, revs
                 self.current_versions = await current_heads(self.js, self.common.run)
+                if waiting_since is not None:
+                    self.log.info("run_found", waited_s=round(time.monotonic() - waiting_since, 1))
                 return
+            except _NoRunYet:
+                if stop.is_set():
+                    raise
+                now = time.monotonic()
+                if waiting_since is None:
+                    waiting_since = now
+                    self.log.info("waiting_for_run", hint="the aggregator or `diloco run create` creates it")
+                elif not warned and now - waiting_since >= RUN_WAIT_WARN_S:
+                    warned = True
+                    self.log.warning("run_not_created", waited_s=round(now - waiting_since, 1),
+                                     hint=f"run {self.common.run!r} has no members bucket yet: is an aggregator "
+                                          "running for it (it creates the run), or create it with `diloco run "
+                                          "create`; is DILOCO_RUN the same everywhere?")
+                delay = min(delay, 1.0)
             except Exception as e:  # noqa: BLE001
                 if stop.is_set():
                     raise
                 self.log.warning("setup_failed", error=repr(e), retry_in=delay)
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=delay)
-                except asyncio.TimeoutError:
-                    pass
-                if stop.is_set():
-                    raise
-                delay = min(delay * 2, 5.0)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+            if stop.is_set():
+                raise _Stopped()
+            delay = min(delay * 2, 5.0)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set. On a graceful stop the leader flushes and releases its lease
@@ -316,6 +340,25 @@ class MonitorService(Leadership, HeartbeatIntake):
             self._leader = False
 
 
+#: Seconds a monitor waits quietly for its run to be created before one ``run_not_created`` warning.
+RUN_WAIT_WARN_S = 30.0
+
+
+class _NoRunYet(Exception):
+    """The run's members bucket does not exist yet and this monitor does not create runs."""
+
+
+class _Stopped(Exception):
+    """Stopped while setting up."""
+
+
+def may_create_run(common: CommonConfig) -> bool:
+    """Whether a monitor creates a missing run itself: only on a server without auth (no user,
+    credentials or nkey: tests, a throwaway local server). With credentials it is a least-privilege
+    role user, which may not create streams: the aggregator or ``diloco run create`` does."""
+    return not (common.nats_user or common.nats_creds or common.nats_nkey_seed)
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -328,8 +371,8 @@ async def _amain(common: CommonConfig, cfg: MonitorConfig) -> int:
     except Exception as e:  # noqa: BLE001
         get_logger(component="monitor").error("monitor_failed", error=repr(e))
         print(f"diloco monitor: {e if isinstance(e, ConnectFailed) else repr(e)}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_UNAVAILABLE if isinstance(e, ConnectFailed) else EXIT_ERROR
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,6 +387,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = from_env(MonitorConfig)
     except ConfigError as e:
         print(f"diloco monitor: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     setup(common.log_level, run=common.run, role="monitor", island=common.region)
     return asyncio.run(_amain(common, cfg))

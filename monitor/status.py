@@ -18,7 +18,8 @@ from bus.config import CommonConfig
 from bus.subjects import GLOBAL, Subjects
 from monitor.metrics_view import fmt_age
 
-from monitor.cli import _add_common_args, _describe, _fmt_bytes, _run_cli, open_connection, redact_url
+from bus.entry import EXIT_UNAVAILABLE
+from monitor.cli import CliError, _add_common_args, _describe, _fmt_bytes, _run_cli, open_connection, redact_url
 
 
 def _version(nc) -> str:
@@ -27,6 +28,15 @@ def _version(nc) -> str:
         return f"{v.major}.{v.minor}.{v.patch}"
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+def unanswered(e: BaseException) -> bool:
+    """A request that got no answer, or a connection gone: the server is not there any more (not a
+    refusal or an error it answered with)."""
+    from nats.errors import ConnectionClosedError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    return isinstance(e, (asyncio.TimeoutError, TimeoutError, NatsTimeout, ConnectionClosedError, ConnectionError))
 
 
 def heard_from_monitor(msg: Any) -> dict[str, float]:
@@ -126,6 +136,10 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
             "api": {"total": getattr(acct.api, "total", None), "errors": getattr(acct.api, "errors", None)},
         }
     except Exception as e:  # noqa: BLE001 - e.g. JetStream not enabled for this account
+        if unanswered(e) or not nc.is_connected:  # a server going away: every section would wait 5 s for nothing
+            raise CliError(f"the server at {out['server']['url']} does not answer ({_describe(e) or 'timeout'}): "
+                           "is the run still running (a stopped `diloco up` takes its server with it)?",
+                           EXIT_UNAVAILABLE) from None
         out["jetstream"] = {"error": _describe(e)}
 
     try:

@@ -233,14 +233,14 @@ async def test_dir_watches_the_run_of_a_diloco_up_output_folder(nats_server, nc,
     assert "watch.env" in err and "diloco up" in err
 
 
-async def test_unreachable_server_is_one_line_and_exit_1():
+async def test_unreachable_server_is_one_line_and_exit_4():
     url = f"nats://user:hunter2@127.0.0.1:{_dead_port()}"
     env = dict(env_for(url, "r"), DILOCO_CONNECT_TIMEOUT="1")  # the default 10 s: tests/test_failfast.py
     results = await asyncio.gather(
         diloco(env, "status"), diloco(env, "status", "--json"), diloco(env, "metrics", "--once", "--wait", "0.5"),
         diloco(env, "metrics"))
     for (rc, out, err), prog in zip(results, ["status", "status", "metrics", "metrics"]):
-        assert rc == 1 and out == ""
+        assert rc == 4 and out == ""  # bus.entry.EXIT_UNAVAILABLE
         assert len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"diloco {prog}: cannot connect to nats://***@127.0.0.1:")
         assert "within 1s (DILOCO_CONNECT_TIMEOUT): connection refused" in err
@@ -329,3 +329,101 @@ async def test_trust_shows_the_evidence_and_clear_stores_a_clear_the_aggregator_
     assert rc == 0 and (await read_clears(js, run, ["l0"]))["l0"] > first["l0"]
     rc, out, err = await diloco(env, "trust", "clear", "bad.id")  # not a learner id: one line, no traceback
     assert rc != 0 and "Traceback" not in err and "learner" in err, err
+
+
+# -- issue 42: --once waits for every live learner and no longer; an unknown command is suggested --------
+
+
+def test_once_waits_for_the_live_members_within_the_filters():
+    from monitor.cli import expected_learners, missing_reports
+    from monitor.metrics_view import MetricsSnapshot, fold
+
+    states = {"l0": ("active", "eu"), "l1": ("joining", "us"), "l2": ("rejoining", "us"), "l3": ("evicted", "eu"),
+              "l4": ("left", "us"), "l5": ("suspect", "eu")}
+    assert expected_learners(states) == {"l0", "l1", "l2"}  # evicted, left and silent (suspect) ones never report
+    assert expected_learners(states, region="us") == {"l1", "l2"}
+    assert expected_learners(states, learner="l0") == {"l0"} and expected_learners(states, learner="l3") == set()
+    assert expected_learners(states, role="aggregator") == set()
+    snap = MetricsSnapshot(run="r")
+    assert missing_reports(snap, {"l1", "l0"}, {"monitor"}) == ["l0", "l1", "monitor"]
+    snap = fold(snap, {"role": "learner", "run": "r", "learner": "l0", "ts": time.time(), "step": 1})
+    snap = fold(snap, {"role": "monitor", "run": "r", "ts": time.time(), "counts": {}, "leader": True})
+    assert missing_reports(snap, {"l1", "l0"}, {"monitor"}) == ["l1"]
+    snap = fold(snap, {"role": "learner", "run": "r", "learner": "l1", "ts": time.time()})
+    assert missing_reports(snap, {"l0", "l1"}, {"monitor"}) == []
+
+
+async def test_metrics_once_waits_for_a_late_live_learner_and_no_longer(nats_server, nc, js):
+    """Four learners live in the members bucket (one evicted): --once returns as soon as the fourth,
+    which reports 1.5 s late, has (not the whole --wait); one that never reports is named on stderr."""
+    from bus.members import Member, State, member_to_dict
+
+    run = "once"
+    await ensure_run(js, run)
+    kv = await js.key_value(Subjects(run).bucket("members"))
+    now = time.time()
+    for name, state in (("l0", State.ACTIVE), ("l1", State.ACTIVE), ("l2", State.JOINING), ("l3", State.ACTIVE),
+                        ("gone", State.EVICTED)):
+        await kv.put(name, dumps_json(member_to_dict(Member(name, "eu", state, now, now, "test", "inc"))))
+    stop = asyncio.Event()
+
+    async def publish(names: tuple[str, ...], after: float) -> None:
+        await asyncio.sleep(after)
+        while not stop.is_set():
+            for x in names:
+                msg = {"role": "learner", "run": run, "learner": x, "region": "eu", "ts": time.time(), "step": 3}
+                await nc.publish(Subjects(run).metrics("learner", x), dumps_json(msg))
+            await asyncio.sleep(0.3)
+
+    env = env_for(nats_server.url, run)
+    pubs = [asyncio.create_task(publish(("l0", "l1", "l2"), 0.0)), asyncio.create_task(publish(("l3",), 1.5))]
+    try:
+        t0 = time.monotonic()
+        rc, out, err = await diloco(env, "metrics", "--once", "--json", "--wait", "25", timeout=40)
+        took = time.monotonic() - t0
+        for p in pubs[1:]:
+            p.cancel()
+        rc2, out2, err2 = await diloco(env, "metrics", "--once", "--json", "--wait", "1")
+    finally:
+        stop.set()
+        await asyncio.gather(*pubs, return_exceptions=True)
+    assert rc == 0, err
+    assert set(orjson.loads(out)["learners"]) == {"l0", "l1", "l2", "l3"}
+    assert took < 15, took  # the whole --wait was 25 s; this is Python's start plus l3's 1.5 s
+    assert rc2 == 0 and set(orjson.loads(out2)["learners"]) == {"l0", "l1", "l2"}
+    assert err2.strip() == "diloco metrics: not heard from l3 within --wait 1s (live in the members bucket)", err2
+
+
+async def test_status_of_a_server_that_stops_answering_is_one_line_and_exit_4():
+    """A port that takes the connection and answers NATS's handshake but no request (a server going
+    away): one line naming it, exit 4, after one 5 s request, not a page of ERROR lines and exit 0."""
+    async def half_server(reader, writer):
+        writer.write(b'INFO {"server_id":"x","version":"2.10.0","max_payload":1048576,"jetstream":true}\r\n')
+        await writer.drain()
+        while line := await reader.readline():
+            if line.startswith(b"PING"):
+                writer.write(b"PONG\r\n")
+                await writer.drain()
+
+    srv = await asyncio.start_server(half_server, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        rc, out, err = await diloco(env_for(f"nats://127.0.0.1:{port}", "gone"), "status", "--wait", "0")
+        took = time.monotonic() - t0
+    finally:
+        srv.close()
+    assert rc == 4 and out == "" and len(err.strip().splitlines()) == 1, (rc, out, err)
+    assert err.startswith(f"diloco status: the server at nats://127.0.0.1:{port} does not answer"), err
+    assert took < 15, took
+
+
+def test_an_unknown_command_suggests_the_closest_in_one_line(capsys):
+    from diloco.cli import main
+
+    assert main(["lerner"]) == 2
+    err = capsys.readouterr().err
+    assert err == "diloco: unknown command 'lerner': did you mean learner? (diloco --help lists them)\n"
+    assert main(["statsu"]) == 2 and "did you mean status?" in capsys.readouterr().err
+    assert main(["frobnicate"]) == 2
+    assert capsys.readouterr().err == "diloco: unknown command 'frobnicate': (diloco --help lists them)\n"

@@ -530,3 +530,15 @@ async def test_heartbeat_flood_does_not_crash_the_monitor(nats_server, nc, js):
         await good.stop()
         await mon.stop()
     assert mon.task.exception() is None
+
+
+def test_a_monitor_with_credentials_never_creates_the_run():
+    """Issue 42: under auth the monitor's least-privilege user may not create streams; trying left a
+    permissions violation and a setup_failed timeout in every `diloco up` log. It creates a missing
+    run only on a server without auth (tests, a throwaway server), otherwise waits for it."""
+    from monitor.service import may_create_run
+
+    assert may_create_run(CommonConfig(nats_url="nats://h:4222", run="r"))
+    assert not may_create_run(CommonConfig(nats_url="nats://h:4222", run="r", nats_user="monitor", nats_password="p"))
+    assert not may_create_run(CommonConfig(nats_url="nats://h:4222", run="r", nats_creds="/x/monitor.creds"))
+    assert not may_create_run(CommonConfig(nats_url="nats://h:4222", run="r", nats_nkey_seed="/x/seed"))
