@@ -332,3 +332,89 @@ def test_up_sigint_mid_run_stops_everything_and_writes_a_summary(tmp_path):
     assert s["status"] == "interrupted"
     assert s["initial_eval_loss"] is not None and s["total_inner_steps"] > 0
     assert _survivors(out) == []
+
+
+def test_status_and_exit_code_of_a_stop():
+    from diloco.up.launcher import exit_code, final_status
+
+    assert final_status(None, None) == "completed"
+    assert final_status(None, "aggregator exited") == "failed"
+    assert final_status(signal.SIGINT, "aggregator exited") == "interrupted"  # the user stopped it: that first
+    assert exit_code(signal.SIGINT, None) == 130 and exit_code(signal.SIGTERM, "x") == 143
+    assert exit_code(None, None) == 0 and exit_code(None, "x") == 1 and exit_code(None, None, 1) == 1
+
+
+# A real `diloco up` with a terminal's Ctrl-C (SIGINT to the launcher's process group) sent from
+# inside one of its phases: the hook only chooses the instant, the launcher and its children are
+# the real ones. Mid-training is test_up_sigint_mid_run_stops_everything_and_writes_a_summary.
+_CTRL_C_AT = r'''
+import os, signal, sys
+import diloco.topology
+import diloco.up.launcher as L
+from diloco import cli
+
+at, argv = sys.argv[1], sys.argv[2:]
+
+
+def ctrl_c():
+    os.killpg(os.getpgrp(), signal.SIGINT)
+
+
+if at == "server":  # as the server starts
+    make = diloco.topology.make_topology
+
+    def make_topology(*a, **kw):
+        topo = make(*a, **kw)
+        start = topo.start
+
+        def start_(*a, **kw):
+            ctrl_c()
+            return start(*a, **kw)
+
+        topo.start = start_
+        return topo
+
+    diloco.topology.make_topology = make_topology
+elif at == "children":  # between the first central role started and the next
+    start_child = L.Launcher.start_child
+
+    def start_child_(self, spec):
+        child = start_child(self, spec)
+        ctrl_c()
+        return child
+
+    L.Launcher.start_child = start_child_
+elif at == "output":  # while the plot of a completed run is drawn
+    plot = L.plot_eval
+
+    def plot_eval(*a, **kw):
+        ctrl_c()
+        return plot(*a, **kw)
+
+    L.plot_eval = plot_eval
+sys.exit(cli.main(["up", *argv]))
+'''
+
+
+# server, children: about 5 s each; output: a whole run of 1 learner x 5 steps, about 25 s
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("at,during", [("server", "starting the server"),
+                                       ("children", "starting aggregator, monitor, evaluator"),
+                                       ("output", "writing the summary")])
+def test_ctrl_c_at_any_phase_ends_in_a_truthful_summary_and_no_process(tmp_path, at, during):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", _CTRL_C_AT, at, "--quick", "--learners", "1", "--regions", "us",
+                        "--steps", "5", "--out", str(out), "--progress", "line"], env=_env(), capture_output=True,
+                       text=True, timeout=220, start_new_session=True)  # its own group, as in a terminal
+    said = p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 130, said
+    assert "Traceback" not in p.stderr, said
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["status"], s["interrupted_during"], s["signal"]) == ("interrupted", during, "SIGINT"), said
+    assert f"run up: interrupted (SIGINT while {during})" in p.stdout, said  # what it has is printed
+    assert _survivors(out) == []
+    if at == "output":  # a completed run's figures are kept, and its plot is drawn
+        assert s["final_eval_loss"] is not None and s["learners"]["us-0"]["steps"] == 5, s
+        assert (out / "eval_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert s["initial_eval_loss"] is None and not (out / "eval_loss.png").exists()

@@ -21,7 +21,9 @@ everything at the end. Order of a run:
    final global versions; on Ctrl-C/SIGTERM: stop at once;
 5. stop learners, evaluator and monitor, then the aggregator (SIGTERM, SIGKILL after a timeout;
    the aggregator last so it merges what the learners sent), then the servers; write
-   ``OUT/summary.json`` and ``OUT/eval_loss.png``.
+   ``OUT/summary.json`` and ``OUT/eval_loss.png``. A signal at any instant of 1-5, the writing
+   of the outputs too, ends here: status ``interrupted``, the phase in ``interrupted_during``
+   (:mod:`diloco.up.launcher`, "Signals").
 
 Children run in their own process group and get SIGKILL if the launcher dies
 (``PR_SET_PDEATHSIG``), so no process outlives the launcher. Every child's stdout and stderr (JSON

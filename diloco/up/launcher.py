@@ -1,5 +1,14 @@
 """``diloco up``'s run, phase by phase (:class:`Launcher`; the order of a run: :mod:`diloco.up`),
 and its entry point :func:`main`.
+
+**Signals.** SIGINT and SIGTERM get a plain Python handler (:meth:`Launcher.install_signals`)
+from before the first server starts until the outputs are written: it only records the signal,
+the phase it came in and wakes the event loop, so it can land at any instant, in synchronous code
+too (a server starting, a child being spawned, the plot being drawn), without an exception in the
+middle of it. Every phase checks for it (:meth:`Launcher.checkpoint`) and goes straight to the
+end: stop the children, then the servers, write ``summary.json`` (status ``interrupted``, the
+phase in ``interrupted_during``) and the plot. A signal while the outputs are written is recorded
+in ``summary.json`` too (:meth:`Launcher.record_stop`); a second one SIGKILLs the children.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from bus.config import CommonConfig, from_env
 from diloco.up.children import Child, astop_children
@@ -29,6 +39,27 @@ from diloco.up.plan import (
 )
 from diloco.up.progress import RunState, show_progress
 from diloco.up.summary import build_summary, plot_eval, render_summary
+
+#: the phase a signal that comes after the children and servers stopped lands in
+WRITING = "writing the summary"
+
+
+class Interrupted(Exception):
+    """A signal asked the run to stop: skip to its end (stop everything, write the summary)."""
+
+
+def final_status(stop_signal: int | None, failure: str | None) -> str:
+    """``summary.json``'s status (pure): a signal wins over a failure (the user stopped the run,
+    whatever it was doing), a failure over success."""
+    return "interrupted" if stop_signal is not None else "failed" if failure else "completed"
+
+
+def exit_code(stop_signal: int | None, failure: str | None, rc: int = 0) -> int:
+    """The launcher's exit status (pure): 130 after SIGINT, 143 after SIGTERM, else ``rc``, at
+    least 1 after a failure."""
+    if stop_signal is not None:
+        return 130 if stop_signal == signal.SIGINT else 128 + int(stop_signal)
+    return rc or (1 if failure else 0)
 
 
 class Launcher:
@@ -47,7 +78,10 @@ class Launcher:
         self.topology = None
         self.state: RunState | None = None
         self.stop_signal: int | None = None
+        self.stopped_during: str | None = None  # the phase (status) the first signal came in
         self.stop_event: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._old_handlers: dict[int, object] = {}
         self.status = "starting"
         self.t_start = time.time()
         self.t_learners: float | None = None
@@ -93,13 +127,43 @@ class Launcher:
         return None
 
     def on_signal(self, sig: int) -> None:
+        """Record a stop; safe at any instant (a Python signal handler runs between two bytecodes
+        of whatever the main thread does): no exception, only flags and a wake-up of the loop."""
         if self.stop_signal is not None:  # second Ctrl-C: no more patience
-            self.say("diloco up: second signal: killing everything")
             for c in self.children:
                 c.signal(signal.SIGKILL)
+            self.later(self.say, "diloco up: second signal: killed the children")
+            return
         self.stop_signal = sig
+        self.stopped_during = self.status
         if self.stop_event is not None:
-            self.stop_event.set()
+            self.later(self.stop_event.set)
+
+    def later(self, fn: Callable[..., object], *args: object) -> None:
+        """``fn(*args)`` on the event loop soon: what a signal handler may not do itself (print:
+        a reentrant write to stdout raises; an asyncio.Event is not thread- or signal-safe)."""
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed already: nobody waits for it
+                self.loop.call_soon_threadsafe(fn, *args)
+
+    def install_signals(self) -> None:
+        """SIGINT and SIGTERM record a stop (:meth:`on_signal`) until :meth:`restore_signals`."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, lambda s, _frame: self.on_signal(s))
+
+    def restore_signals(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+        self._old_handlers.clear()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_signal is not None
+
+    def checkpoint(self) -> None:
+        """Between two steps of a phase: raise :class:`Interrupted` if a signal came."""
+        if self.stop_signal is not None:
+            raise Interrupted
 
     async def sleep(self, seconds: float) -> bool:
         """Sleep unless stopped; True if a stop was requested."""
@@ -107,7 +171,7 @@ class Launcher:
             await asyncio.wait_for(self.stop_event.wait(), seconds)
         except asyncio.TimeoutError:
             pass
-        return self.stop_event.is_set()
+        return self.stopping
 
     def show(self, force: bool = False) -> None:
         if self.state is not None:
@@ -122,10 +186,13 @@ class Launcher:
         from bus.subjects import Subjects
         from diloco.topology import make_topology
 
-        loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self.stop_event = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.on_signal, sig)
+        if self.stopping:  # a signal before the loop ran
+            self.stop_event.set()
+        own_handlers = not self._old_handlers  # main() installs them before the loop starts
+        if own_handlers:
+            self.install_signals()
         store = os.path.join(self.out, "nats-store")
         if previous := previous_run(self.out):
             self.say(f"diloco up: replacing the previous run's output in {self.out} ({previous}); "
@@ -141,6 +208,8 @@ class Launcher:
         nc = None
         rc = 0
         try:
+            self.checkpoint()
+            self.status = "starting the server" + ("s" if self.a.topology == "leaf" else "")
             os.environ["DILOCO_UP_OUT"] = self.out  # the servers inherit the launcher's environment
             auth_conf, leaf_auth, me = "", None, CommonConfig(run=run)
             if self.auth:
@@ -164,6 +233,7 @@ class Launcher:
             self.topology = make_topology(self.a.topology, self.a.regions, store, os.path.join(self.out, "logs"),
                                           extra_config=auth_conf, leaf_auth=leaf_auth)
             self.topology.start()  # in the main thread: PR_SET_PDEATHSIG follows the spawning thread
+            self.checkpoint()
             self.specs = with_urls(self.specs, self.topology.url_for)
             self.write_processes()
             urls = {n: s.url for n, s in self.topology.servers.items()}
@@ -199,25 +269,36 @@ class Launcher:
             self.status = "starting aggregator, monitor, evaluator"
             for spec in self.specs:
                 if spec.role != "learner":
+                    self.checkpoint()
                     self.start_child(spec)
             rc = await self.wait_initial_eval()
-            if rc == 0 and not self.stop_event.is_set():
-                self.status = "training"
+            self.checkpoint()
+            if rc == 0:
+                self.status = "starting the learners"
                 self.t_learners = time.time()
                 for spec in self.specs:
                     if spec.role == "learner":
+                        self.checkpoint()
                         self.start_child(spec)
+                self.status = "training"
                 rc = await self.watch_training()
-            if rc == 0 and not self.stop_event.is_set():
+            self.checkpoint()
+            if rc == 0:
                 rc = await self.wait_final()
+        except Interrupted:
+            pass
+        except BaseException as e:  # a server that did not start...: the summary says so, then it propagates
+            self.failure = self.failure or f"{type(e).__name__}: {e}"
+            raise
         finally:
-            self.status = "stopping"
             if self.stop_signal is not None:
-                rc = 130 if self.stop_signal == signal.SIGINT else 143
+                self.say(f"diloco up: {signal.Signals(self.stop_signal).name} while {self.stopped_during}: "
+                         "stopping everything (a second one kills the children at once)")
+            self.status = "stopping"
             # the aggregator last: it merges what the learners sent until they stopped
             await astop_children([self.by_role("learner") + self.by_role("eval") + self.by_role("monitor"),
                                   self.by_role("aggregator")], self.a.stop_timeout, self.say)
-            self.write_processes() if self.topology else None
+            self.write_processes()
             traffic = {}
             if self.topology is not None:
                 with contextlib.suppress(Exception):
@@ -229,14 +310,11 @@ class Launcher:
                     await nc.close()
             if self.topology is not None:
                 self.topology.stop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-            status = ("interrupted" if self.stop_signal is not None else
-                      "failed" if self.failure else "completed")
-            self.finish(traffic, status)
-        if self.failure and rc == 0:
-            rc = 1
-        return rc
+            self.status = WRITING
+            self.finish(traffic)
+            if own_handlers:
+                self.restore_signals()
+        return exit_code(self.stop_signal, self.failure, rc)
 
     async def wait_initial_eval(self) -> int:
         deadline = time.monotonic() + self.a.initial_eval_timeout
@@ -311,7 +389,9 @@ class Launcher:
                  "reporting the newest one")
         return 0
 
-    def finish(self, traffic: dict, status: str) -> None:
+    def finish(self, traffic: dict) -> None:
+        """Write ``summary.json`` and ``eval_loss.png``, print the summary. A signal that comes
+        meanwhile is recorded: the summary is written again with status ``interrupted``."""
         from learner.config import ModelConfig
         from learner.spec import count_params
 
@@ -331,20 +411,44 @@ class Launcher:
             train = (self.t_learners_done or time.time()) - self.t_learners
         summary = build_summary(state=self.state, specs=self.specs, exit_codes=exit_codes, traffic=traffic,
                                 params=params, wall_time_s=time.time() - self.t_start, train_time_s=train,
-                                status=status, settings=settings,
+                                status=final_status(self.stop_signal, self.failure), settings=settings,
                                 learner_ended={c.spec.learner_id: c.ended for c in self.by_role("learner")})
-        if self.failure:
-            summary["failure"] = self.failure
-        with open(os.path.join(self.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        plotted = plot_eval(summary, self.state, os.path.join(self.out, "eval_loss.png"))
+        self.record_stop(summary)
+        path = os.path.join(self.out, "summary.json")
+        write_json(path, summary)
+        plotted = None
+        if summary["eval_history"] or any(self.state.loss_history.values()):  # nothing to draw otherwise
+            plotted = plot_eval(summary, self.state, os.path.join(self.out, "eval_loss.png"))
+        if self.record_stop(summary):  # a signal while the plot was drawn
+            write_json(path, summary)
         self.say("")
         self.say(render_summary(summary))
-        self.say(f"wrote {os.path.join(self.out, 'summary.json')}"
-                 + (f" and {os.path.join(self.out, 'eval_loss.png')}" if plotted else ""))
+        self.say(f"wrote {path}" + (f" and {os.path.join(self.out, 'eval_loss.png')}" if plotted else ""))
+        if self.record_stop(summary):  # a signal while the summary was printed: the file still tells
+            write_json(path, summary)
+
+    def record_stop(self, summary: dict) -> bool:
+        """Bring ``summary``'s status, failure and phase of the stop up to date; True if it changed."""
+        want = {"status": final_status(self.stop_signal, self.failure)}
+        if self.failure:
+            want["failure"] = self.failure
+        if self.stop_signal is not None:
+            want["interrupted_during"] = self.stopped_during or WRITING
+            want["signal"] = signal.Signals(self.stop_signal).name
+        changed = any(summary.get(k) != v for k, v in want.items())
+        summary.update(want)
+        return changed
 
 
 WATCH_ENV = "watch.env"
+
+
+def write_json(path: str, data: dict) -> None:
+    """``path`` replaced at once (a reader, or a kill -9, never sees half a file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
 
 
 def previous_run(out: str) -> str | None:
@@ -376,9 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     launcher = Launcher(a, dict(os.environ))
     validate_envs(launcher.specs)  # ConfigError -> one line, exit 2 (diloco.cli)
     os.makedirs(launcher.out, exist_ok=True)
+    launcher.install_signals()  # before anything starts: a Ctrl-C at any instant ends in a summary
     try:
         return asyncio.run(launcher.run())
     except ServerError as e:
         print(f"diloco up: {e}", file=sys.stderr)
-        return 1
+        return exit_code(launcher.stop_signal, str(e))
+    finally:
+        launcher.restore_signals()
 

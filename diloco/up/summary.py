@@ -108,7 +108,8 @@ def render_summary(s: dict) -> str:
     def mib(n: float | None) -> str:
         return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
-    lines = [f"run {s['run']}: {s['status']} in {s['wall_time_s']:.0f}s "
+    status = s["status"] + (f" ({s['signal']} while {s['interrupted_during']})" if s.get("interrupted_during") else "")
+    lines = [f"run {s['run']}: {status} in {s['wall_time_s']:.0f}s "
              f"({s['num_learners']} learners, {s['params']:,} params, {s['total_inner_steps']} inner steps)"]
     if s["initial_eval_loss"] is not None:
         lines.append(f"held-out loss  {s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}"
