@@ -122,9 +122,10 @@ def test_an_island_raises_a_connection_error_within_the_connect_timeout(stopped_
         Island({"w": jnp.ones((4, 3))}, run="ff", nats_url=stopped_server, learner_id="i0",
                env={"DILOCO_CONNECT_TIMEOUT": "2"})
     took = time.monotonic() - t0
-    assert isinstance(ei.value, ConnectFailed) and 1.9 < took < 6.0, took
+    assert isinstance(ei.value, ConnectFailed) and 1.4 < took < 6.0, took  # refused: 1.5 s, not the 2 s window
     msg = str(ei.value)
-    assert "\n" not in msg and msg.startswith(f"cannot connect to {stopped_server} within 2s (DILOCO_CONNECT_TIMEOUT)")
+    assert "\n" not in msg and re.match(rf"cannot connect to {re.escape(stopped_server)} \(\d+ attempts in 1\.\ds, "
+                                         r"each refused at once\)", msg), msg
     assert "is a nats-server running there" in msg
 
 
