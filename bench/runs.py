@@ -5,13 +5,15 @@
 metrics tap, a sampler of the server's own ``/connz`` byte counters per connection, and
 ``eval_once`` (``python -m learner.evaluator --once``: the held-out loss of the global model).
 
-Every process is killed at the end, whatever happens. Logs go to a temporary directory that is
+Every process is killed at the end, whatever happens, and dies with the benchmark if that is killed
+(even with SIGKILL: :mod:`bus.procs`). Logs go to a temporary directory that is
 printed on stderr when a process fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,6 +26,7 @@ import orjson
 from bench.common import progress
 from bus.config import CommonConfig
 from bus.conn import connect
+from bus.procs import acreate_subprocess_exec, popen
 from bus.server import EmbeddedServer
 from bus.signals import terminate_all
 from bus.subjects import Subjects
@@ -129,8 +132,7 @@ class Cluster:
         argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
         if module == "aggregator":  # a bench run starts its own monitor
             extra = {"DILOCO_EMBEDDED_MONITOR": "false", **extra}
-        p = subprocess.Popen([PY, "-m", *argv], env=self.env(**extra), stdout=log, stderr=log,
-                             start_new_session=True)
+        p = popen([PY, "-m", *argv], env=self.env(**extra), stdout=log, stderr=log)
         log.close()
         self.procs[name] = p
         return p
@@ -265,9 +267,14 @@ class Cluster:
 
     async def eval_once(self, timeout: float = 180.0, **extra: str) -> dict:
         """Held-out loss of the current global model (``python -m learner.evaluator --once``)."""
-        p = await asyncio.create_subprocess_exec(PY, "-m", "learner.evaluator", "--once", env=self.env(**extra),
-                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(p.communicate(), timeout)
+        p = await acreate_subprocess_exec(PY, "-m", "learner.evaluator", "--once", env=self.env(**extra),
+                                          stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(p.communicate(), timeout)
+        except BaseException:  # timed out or cancelled: the evaluator would run on, unread
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            raise
         if p.returncode != 0:
             raise RuntimeError(f"evaluator exited {p.returncode}: {err.decode()[-2000:]}")
         return orjson.loads(out.decode().strip().splitlines()[-1])

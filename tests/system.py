@@ -10,6 +10,7 @@ import time
 
 import orjson
 
+from bus.procs import popen
 from bus.signals import terminate_all
 from bus.subjects import Subjects
 from tests.agg_helpers import PY, env
@@ -24,7 +25,8 @@ SYNTH_LEARNER = {"DILOCO_COMPUTE": "synthetic", "DILOCO_STEP_TIME": "0.05", "DIL
 
 
 class Procs:
-    """Role processes of one run; every one is killed at the end, whatever happens."""
+    """Role processes of one run; every one is killed at the end, whatever happens (and dies with
+    the test process if that is killed: :func:`bus.procs.popen`)."""
 
     def __init__(self, url: str, run: str, logdir):
         self.url, self.run, self.logdir = url, run, logdir
@@ -35,8 +37,7 @@ class Procs:
         argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]  # `diloco aggregator`
         if module == "aggregator":  # these runs start their own monitor (or test without one)
             extra = {"DILOCO_EMBEDDED_MONITOR": "false", **extra}
-        p = subprocess.Popen([PY, "-m", *argv], env=env(url or self.url, self.run, **extra),
-                             stdout=log, stderr=log, start_new_session=True)
+        p = popen([PY, "-m", *argv], env=env(url or self.url, self.run, **extra), stdout=log, stderr=log)
         log.close()
         self.procs[name] = p
         return p

@@ -36,6 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from bus.chunks import Assembled, Assembler, Dropped, parse_chunk
 from bus.config import CommonConfig
 from bus.conn import connect
+from bus.procs import popen
 from bus.server import EmbeddedServer
 from bus.signals import terminate_all
 from bus.subjects import GLOBAL, Subjects
@@ -116,7 +117,7 @@ class ChaosRun:
         args = {"learner.evaluator": [PY, "-m", "diloco.cli", "eval"],
                 "aggregator": [PY, "-m", "diloco.cli", "aggregator"]}.get(module, [PY, "-m", module])
         log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
-        p = subprocess.Popen(args, env=env, stdout=log, stderr=log, start_new_session=True)
+        p = popen(args, env=env, stdout=log, stderr=log)  # dies with us, even if we are SIGKILLed
         log.close()
         self.procs[name] = p
         self.all_pids.add(p.pid)
