@@ -34,7 +34,6 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -50,6 +49,7 @@ from bench.common import finish, parser, peak_rss_mib, progress
 from bus import codec
 from bus.chunks import checksum
 from bus.downlink import Keyframe, encode_version
+from bus.procs import popen, run
 
 MS = (1, 2, 4, 8)
 
@@ -202,7 +202,7 @@ def blas_under_load(n: int = 15_000, reps: int = 200) -> dict:
 
     threads = max([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"], default=1)
     v = np.random.default_rng(2).standard_normal(n)  # float64: the trust check's norms before issue 37
-    burners = [subprocess.Popen([sys.executable, "-c", BURNER], env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    burners = [popen([sys.executable, "-c", BURNER], env={**os.environ, "JAX_PLATFORMS": "cpu"})
                for _ in range(BURNERS)]
     try:
         time.sleep(8.0)  # their imports and compilation
@@ -237,11 +237,11 @@ def child(m: int, n: int) -> None:
 
 
 def rss(m: int, n: int) -> dict:
-    def run(mm, nn):
-        out = subprocess.run([sys.executable, "-m", "bench.aggregator", "--child", str(mm), str(nn)],
-                             capture_output=True, text=True, check=True)
+    def peak_of(mm, nn):
+        out = run([sys.executable, "-m", "bench.aggregator", "--child", str(mm), str(nn)],
+                  capture_output=True, text=True, check=True)
         return orjson.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
-    peak, interp = run(m, n), run(1, 1)
+    peak, interp = peak_of(m, n), peak_of(1, 1)
     return {"M": m, "peak_rss_mib": round(peak, 1), "interpreter_mib": round(interp, 1),
             "bytes_per_owned_value": round((peak - interp) * 2**20 / n, 2)}
 

@@ -32,14 +32,13 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 import asyncio
 import os
 import statistics
-import subprocess
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from simulation.byzantine_attacks import KINDS
 from bench.common import finish, parser, progress
+from bus.procs import popen, process_pool
 
 SMALL_PARAMS = 119_104
 
@@ -91,9 +90,7 @@ def reference_tier(M: int, seeds: list[int], kinds: list[str], quick: bool, unde
         items = [it for it in items if any(it[0].startswith(x) for x in only.split(","))]
     rows: list[dict] = []
     if jobs > 1:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        with process_pool(jobs) as ex:  # spawn workers that die with us
             for row in ex.map(_one, items):
                 rows.append(row)
                 progress(f"{row['label']}: held-out {row['eval_loss']:.4f} ({row['wall_s']} s)")
@@ -158,8 +155,7 @@ async def system_run(tmp: str, kind: str, steps: int, learners: int = 4, agg_env
             env = self._env(self.proxies[name].url, **self.learner_env, **data, DILOCO_LEARNER_ID=name,
                             DILOCO_NUM_LEARNERS=str(self.n), BYZ_KIND=kind)
             log = open(os.path.join(self.workdir, f"{name}.log"), "ab")
-            p = subprocess.Popen([PY, "-m", "bench.byzantine_learner"], env=env, stdout=log, stderr=log,
-                                 start_new_session=True)
+            p = popen([PY, "-m", "bench.byzantine_learner"], env=env, stdout=log, stderr=log)
             log.close()
             self.procs[name] = p
             self.all_pids.add(p.pid)

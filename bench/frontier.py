@@ -36,14 +36,13 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
     from pathlib import Path as _Path
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
-import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 
 import orjson
 
 from bench.common import finish, parser, progress
+from bus.procs import process_pool
 from simulation.reference_config import TINY_MODEL, RefConfig
 
 PARITY = 0.01
@@ -192,7 +191,7 @@ def main() -> None:
                 done[row["label"]] = row
     todo = [(label, {k: v for k, v in asdict(c).items()}) for label, c in jobs if label not in done]
     progress(f"{len(jobs)} runs, {len(todo)} to run, {a.jobs} at a time")
-    with ProcessPoolExecutor(max_workers=max(1, a.jobs), mp_context=mp.get_context("spawn")) as ex:
+    with process_pool(max(1, a.jobs)) as ex:  # spawn workers that die with us
         for row in ex.map(_one, todo):
             done[row["label"]] = row
             progress(f"{row['label']}: held-out {row['eval_loss']:.4f} bytes {row['bytes_per_learner']} "

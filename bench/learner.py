@@ -30,6 +30,7 @@ from learner.spec import make_plan
 from bench.common import finish, parser, progress
 from bus.config import CommonConfig, from_env
 from bus.conn import connect
+from bus.procs import popen
 from bus.server import EmbeddedServer
 from bus.subjects import Subjects
 from learner.config import ModelConfig
@@ -53,9 +54,9 @@ async def run(steps: int) -> dict:
                 latest.update(d)
 
         await nc.subscribe(Subjects("bench").metrics_all, cb=on_metrics)
-        agg = subprocess.Popen([sys.executable, "-m", "diloco.cli", "aggregator"], env=env, stderr=subprocess.DEVNULL)
+        agg = popen([sys.executable, "-m", "diloco.cli", "aggregator"], env=env, stderr=subprocess.DEVNULL)
         t0 = time.monotonic()
-        lrn = subprocess.Popen([sys.executable, "-m", "learner"], stderr=subprocess.DEVNULL, env={
+        lrn = popen([sys.executable, "-m", "learner"], stderr=subprocess.DEVNULL, env={
             **env, "DILOCO_LEARNER_ID": "bench-0", "DILOCO_MAX_STEPS": str(steps),
             "DILOCO_TOTAL_STEPS": str(max(steps, 100)), "DILOCO_WARMUP_STEPS": "10"})
         while lrn.poll() is None:

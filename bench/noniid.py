@@ -37,10 +37,10 @@ import os
 import statistics
 import sysconfig
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from bench.common import finish, parser, progress
+from bus.procs import process_pool
 
 SMALL_PARAMS = 119_104
 LIAR = "learner-0"
@@ -167,9 +167,7 @@ def _one(args: tuple) -> dict:
 def run_all(items: list, jobs: int, trace_dir: str) -> list[dict]:
     rows: list[dict] = []
     if jobs > 1:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        with process_pool(jobs) as ex:  # spawn workers that die with us
             for row in ex.map(_one, [(it, trace_dir) for it in items]):
                 rows.append(row)
                 progress(_line(row))

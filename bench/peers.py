@@ -57,6 +57,7 @@ from pathlib import Path
 from bench import netns
 from bench import peers_model as pm
 from bench.common import finish, parser, progress
+from bus.procs import popen
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "peer_torchft.py"
@@ -185,10 +186,10 @@ class TorchftGroup:
         hb, join = setting
         try:
             with open(os.path.join(self.dir, "lighthouse.log"), "ab") as log:
-                self.lighthouse = subprocess.Popen(
+                self.lighthouse = popen(
                     [*self.ns.prefix(), str(self.venv / "bin" / "torchft_lighthouse"), "--min_replicas", "1",
                      "--quorum_tick_ms", "100", "--join_timeout_ms", str(join), "--heartbeat_timeout_ms", str(hb),
-                     "--bind", f"127.0.0.1:{self.port}"], stdout=log, stderr=log, start_new_session=True)
+                     "--bind", f"127.0.0.1:{self.port}"], stdout=log, stderr=log)
         except OSError:
             self.ns.close()
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -199,10 +200,10 @@ class TorchftGroup:
         log = open(os.path.join(self.dir, f"replica-{i}.log"), "ab")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DILOCO_", "TORCHFT_"))}
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        self.procs[i] = subprocess.Popen(
+        self.procs[i] = popen(
             [*self.ns.prefix(), str(peer_python(self.venv)), str(WORKER), "--replica", str(i),
              "--lighthouse", f"http://127.0.0.1:{self.port}", "--events", self.events, *args],
-            stdout=log, stderr=log, env=env, start_new_session=True)
+            stdout=log, stderr=log, env=env)
         log.close()
         self.pids[i] = self.procs[i].pid
 

@@ -48,7 +48,6 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 import asyncio
 import math
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -58,6 +57,7 @@ from bench.common import finish, parser, progress
 from bench.runs import PY, Cluster, model_config
 from bench.scale import mem_available_mib
 from bus.config import CommonConfig
+from bus.procs import popen
 from learner.builtin import create_builtin_run
 from learner.spec import count_params, make_plan
 
@@ -136,10 +136,10 @@ class Run:
         new = [f"learner-{i}" for i in range(len(self.learners), m)]
         name = f"replay-{k}"
         log = open(os.path.join(c.dir, f"{name}.log"), "ab")
-        c.procs[name] = subprocess.Popen(
+        c.procs[name] = popen(
             [PY, "-c", "import sys; from bench.replay_learner import main; sys.exit(main())", "--ids", ",".join(new),
              "--name", name, "--step-time", str(STEP), "--sync-every", str(H), "--seed", str(k)],
-            env=c.env(PYTHONPATH=ROOT, DILOCO_REGION="us"), stdout=log, stderr=log, start_new_session=True)
+            env=c.env(PYTHONPATH=ROOT, DILOCO_REGION="us"), stdout=log, stderr=log)
         log.close()
         self.learners += new
         self.replays.append(name)

@@ -27,7 +27,8 @@ from bench.netns import WanNet, in_netns
 from bench.relay import Relay
 from bench.runs import PY, Cluster
 from bus.config import CommonConfig
-from bus.server import DEFAULT_MAX_PAYLOAD, _die_with_parent, find_binary, render_config
+from bus.procs import popen
+from bus.server import DEFAULT_MAX_PAYLOAD, find_binary, render_config
 from bus.signals import terminate_all
 from diloco.topology import hub_extra_config, leaf_extra_config
 
@@ -85,8 +86,7 @@ class WanCluster(Cluster):
                                   store_dir=os.path.join(self.dir, name, "jetstream"),
                                   max_payload=DEFAULT_MAX_PAYLOAD, server_name=f"diloco-{name}", extra=extra))
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
-        self.servers[name] = subprocess.Popen(self.net.cmd(region, [find_binary(), "-c", conf]), stdout=log,
-                                              stderr=log, preexec_fn=_die_with_parent)
+        self.servers[name] = popen(self.net.cmd(region, [find_binary(), "-c", conf]), stdout=log, stderr=log)
         log.close()
 
     def http(self, region: str | None, path: str) -> dict:
@@ -175,8 +175,7 @@ class WanCluster(Cluster):
         argv = ["diloco.cli", "aggregator"] if module == "aggregator" else [module]
         user = f"learner-{extra['DILOCO_LEARNER_ID']}" if module == "learner" else module
         env = self.env(**{**self.creds.get(user, {}), **extra, "DILOCO_NATS_URL": LOCAL_URL})
-        p = subprocess.Popen(self.net.cmd(region, [PY, "-m", *argv]), env=env, stdout=log,
-                             stderr=log, start_new_session=True)
+        p = popen(self.net.cmd(region, [PY, "-m", *argv]), env=env, stdout=log, stderr=log)
         log.close()
         self.procs[name] = p
         self.region_of[name] = region

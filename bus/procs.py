@@ -1,19 +1,21 @@
 """Child processes that die with their parent, even when the parent is killed with SIGKILL.
 
-A SIGKILLed parent runs no code, so no ``finally`` or ``atexit`` of a test harness or benchmark can
-stop its children; only the kernel can. On Linux every child started here asks it to
-(``prctl(PR_SET_PDEATHSIG, SIGKILL)``, set between fork and exec, then a check that the parent did
-not die before the request), and gets its own session, so the parent also stops it group-wise.
+A SIGKILLed parent runs no code, so no ``finally``, ``atexit`` or group kill of a test harness or
+benchmark can stop its children, and a watchdog process would itself be one more child to outlive
+it; only the kernel can. On Linux every child started here asks it to
+(``prctl(PR_SET_PDEATHSIG, SIGKILL)``, between fork and exec, then a check that the parent did not
+die before the request), and gets its own session, which the parent can stop group-wise.
 
 The kernel sends that signal when the *thread* that forked the child ends, not the process. So
 :func:`popen` forks on the main thread when called from it, and otherwise on one daemon thread of
 its own that never returns (a thread pool's or ``asyncio.to_thread``'s worker may end long before
-the child should): a child started here lives as long as the process that started it, from any
-thread. (A caller's per-thread state, e.g. a network namespace entered with ``setns``, does not
-carry to that thread: run the child through ``ip netns exec``.) :func:`acreate_subprocess_exec` forks
-on the event loop's thread (asyncio does), so its child lives no longer than that loop's thread.
-:func:`process_pool` is a :class:`~concurrent.futures.ProcessPoolExecutor` whose workers ask the same
-in an initializer and are forked the same way as :func:`popen`'s children.
+the child should): its child lives as long as the process that started it, from any thread. That
+thread starts with this module, on the main thread if imported from there, so a caller's per-thread
+state (a network namespace entered with ``setns``) does not carry to the child: run it through
+``ip netns exec``. :func:`process_pool` is a :class:`~concurrent.futures.ProcessPoolExecutor` whose
+workers are forked the same way and make the request in an initializer. :func:`run` forks on the
+calling thread, which waits for the child; :func:`acreate_subprocess_exec` forks on the event loop's
+thread (asyncio does), so its child lives no longer than that loop's thread.
 
 Elsewhere than Linux there is no such request: the children get their own session only.
 """
@@ -90,19 +92,27 @@ def _serve() -> None:
             fut.set_exception(e)
 
 
-def on_lasting_thread(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on a thread that ends only with the process: the main thread if we are on it, else
-    this module's spawner thread (started on first use; a forked child starts its own)."""
+def _ensure_spawner() -> None:
     global _spawner
-    if threading.current_thread() in (threading.main_thread(), _spawner):
-        return fn()
     with _spawner_lock:
-        if _spawner is None or not _spawner.is_alive():
+        if _spawner is None or not _spawner.is_alive():  # not yet, or we are a forked child
             _spawner = threading.Thread(target=_serve, name="diloco-spawner", daemon=True)
             _spawner.start()
+
+
+def on_lasting_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread that ends only with the process: the main thread if we are on it, else
+    this module's spawner thread."""
+    if threading.current_thread() in (threading.main_thread(), _spawner):
+        return fn()
+    _ensure_spawner()
     fut: Future = Future()
     _jobs.put((fn, fut))
     return fut.result()
+
+
+if threading.current_thread() is threading.main_thread():
+    _ensure_spawner()  # now, so that it has the main thread's namespaces, not a caller's (e.g. setns'd)
 
 
 # -- the helpers -----------------------------------------------------------------------------------
@@ -115,6 +125,12 @@ def popen(args, *, start_new_session: bool = True, preexec_fn: Callable[[], Any]
     parent = os.getpid()
     return on_lasting_thread(lambda: subprocess.Popen(args, start_new_session=start_new_session,
                                                       preexec_fn=_preexec(parent, preexec_fn), **kw))
+
+
+def run(args, *, start_new_session: bool = True, **kw: Any) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run` of a child that dies with this process, in its own session. It forks on
+    the calling thread, which waits for the child, so lives at least as long."""
+    return subprocess.run(args, start_new_session=start_new_session, preexec_fn=_preexec(os.getpid(), None), **kw)
 
 
 async def acreate_subprocess_exec(program, *args, start_new_session: bool = True,
