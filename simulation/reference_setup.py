@@ -79,14 +79,20 @@ class Setup:
         return self.evaluate(to_jax(params_from_fragments(self.plan, vectors)))
 
     def backend(self, batches):
+        import jax
+
         from learner.builtin import builtin_tree
         from learner.backends import TrainBackend
         from learner.loop import params_from_fragments
         from learner.model import to_jax
 
+        # parameters and optimizer state committed to the device from the start, as the step's outputs
+        # and set_fragment's leaves are: a step called on a mix of committed and uncommitted leaves
+        # compiles again for each new mix (3 compiles instead of 1 for 2 learners of the tiny model)
+        device = jax.devices()[0]
         return TrainBackend(self.train_step, batches, builtin_tree(self.spec), self.plan,
-                            build=lambda vectors: to_jax(params_from_fragments(self.plan, vectors)),
-                            init_opt=self.optimizer.init)
+                            build=lambda vectors: jax.device_put(to_jax(params_from_fragments(self.plan, vectors)), device),
+                            init_opt=lambda params: jax.device_put(self.optimizer.init(params), device))
 
     def v0_fragments(self) -> list[np.ndarray]:
         out = []
