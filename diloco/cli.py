@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("learner.export:main", "write a run's newest global parameters to an .npz (while it runs)"),
     "up": ("diloco.up:main", "start a whole local run: server, aggregator, monitor, evaluator, learners"),
     "auth": ("diloco.auth:main", "generate NATS accounts, per-role users with least privilege, and TLS material"),
+    "simulate": ("diloco.simulate:main", "before deploying: a configuration's quality vs data-parallel and goodput under failures"),
 }
 
 #: The configs each role's command reads besides CommonConfig (what ``diloco config ROLE`` shows):
