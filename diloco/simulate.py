@@ -121,7 +121,8 @@ def quality(c: dict, size: dict, progress) -> dict:
     run = run_reference(cfg, setup)
     gap = (run["eval_loss"] - dp["eval_loss"]) / dp["eval_loss"]
     return {"what": (f"in-process reference (simulation.reference) of the built-in {c['model_preset']} model, "
-                     f"{run['params']:,} parameters, {c['steps']} inner steps per learner: the algorithm's gap to "
+                     f"{run['params']:,} parameters, {c['steps']} inner steps per learner, the roles' default settings "
+                     "(untuned): the algorithm's gap to "
                      "data-parallel for this small model and budget, not a prediction for a larger model or run"),
             "params": run["params"], "tokens": run["tokens"], "P": setup.plan.num_fragments,
             "dp_loss": round(dp["eval_loss"], 5), "loss": round(run["eval_loss"], 5),
@@ -164,10 +165,11 @@ def table(r: dict) -> str:
         lines += ["",
                   f"quality: in-process reference of the built-in {c['model_preset']} model ({q['params']:,} parameters, "
                   f"{c['steps']} steps per learner, P={q['P']}; {q['wall_s']} s)",
-                  "  not a prediction for a larger model or run" + (" (--quick: the gap is noise)" if c["quick"] else ""),
+                  "  the roles' default settings, untuned; not a prediction for a larger model or run"
+                  + (" (--quick: the gap is noise)" if c["quick"] else ""),
                   f"  {'data-parallel':<20} held-out loss {q['dp_loss']:.4f}",
                   f"  {c['mode'] + ' DiLoCo':<20} held-out loss {q['loss']:.4f}   {100 * q['gap']:+.2f}% vs data-parallel"
-                  f" ({q['merges']} merges)"]
+                  f" ({q['merges']} merge{'' if q['merges'] == 1 else 's'})"]
     g = r["goodput"]
     names = {"dp": "data-parallel", "sync": "sync DiLoCo", "decoupled": "decoupled DiLoCo"}
     lines += ["",
