@@ -1,4 +1,5 @@
-"""Regenerate the README's configuration table from bus.config (``python docs/update_readme.py``)."""
+"""Regenerate the table of every variable in docs/configuration.md from bus.config
+(``python docs/update_readme.py``; the name is historical: the table used to live in the README)."""
 
 import pathlib
 
@@ -6,14 +7,14 @@ from diloco.cli import load_role_configs
 from bus.config import markdown_table
 
 START, END = "<!-- config-table:start -->", "<!-- config-table:end -->"
+PAGE = pathlib.Path(__file__).resolve().parent / "configuration.md"
 
 
 def main() -> None:
     load_role_configs()
-    p = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-    s = p.read_text()
+    s = PAGE.read_text()
     a, b = s.index(START) + len(START), s.index(END)
-    p.write_text(s[:a] + "\n" + markdown_table() + "\n" + s[b:])
+    PAGE.write_text(s[:a] + "\n" + markdown_table() + "\n" + s[b:])
 
 
 if __name__ == "__main__":
