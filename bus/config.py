@@ -4,7 +4,7 @@ Every setting of every role is a field of a frozen dataclass (the common ones be
 in ``<role>/config.py``, declared with :func:`register`); the field's metadata names its parser and
 help text, and the environment variable is ``DILOCO_<FIELD NAME IN UPPER CASE>``. This module names
 no role: the operations layer imports every role's config (``diloco.config_registry``) to list them
-all (the README table, generated from :func:`markdown_table`; ``diloco config``), and
+all (docs/configuration.md's table, generated from :func:`markdown_table`; ``diloco config``), and
 :data:`bus.variables.VARIABLES`, generated from that registry and checked against it by a test,
 lets any process tell a typo from another role's variable without importing that role.
 

@@ -345,7 +345,7 @@ def cmd_config(argv: list[str]) -> int:
     roles = load_role_configs()
     p = argparse.ArgumentParser(prog="diloco config", description=COMMANDS["config"][1])
     p.add_argument("role", nargs="?", choices=sorted(roles), default="common")
-    p.add_argument("--markdown", action="store_true", help="print the table of every variable (for the README)")
+    p.add_argument("--markdown", action="store_true", help="print the table of every variable (docs/configuration.md)")
     a = p.parse_args(argv)
     if a.markdown:
         print(markdown_table())

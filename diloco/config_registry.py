@@ -3,7 +3,7 @@ layer: ``bus.config`` names no role).
 
 Importing this module imports each role's config module (declarations only: dataclasses of settings,
 no role code), whose ``@register`` adds its classes to :data:`bus.config.ROLE_CONFIGS`. ``diloco
-config``, ``diloco up`` and the README table read them all from here.
+config``, ``diloco up`` and docs/configuration.md's table read them all from here.
 
 A role process does not import the other roles, yet must know their variables (a learner's env file
 may well hold DILOCO_QUORUM) to warn about typos only: :data:`bus.variables.VARIABLES` lists every
