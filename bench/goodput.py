@@ -56,7 +56,7 @@ import time
 import orjson
 
 from bench.common import finish, parser, progress
-from bench.goodput_timings import mode_timings
+from bench.goodput_timings import mode_timings, round_overhead_samples
 from bench.runs import FAST_MONITOR, Cluster
 
 M = 8
@@ -94,8 +94,15 @@ def failure_trace(seed: int, T: float, mtbf: float, repair: float) -> list[tuple
     return sorted(ev)
 
 
-async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> dict:
+async def run_mode(mode: str, trace, T: float, events: dict | None = None, warm_rounds: int = 0) -> dict:
+    """One mode's run: the learners start, then (lock-step modes, ``warm_rounds``) the run trains
+    until it has that many failure-free round-overhead samples (at most 120 s), then the trace's
+    kills and starts at its times from there (t0), for ``T`` seconds. The warm rounds make the
+    sample count independent of the machine's speed: in a fixed first second a loaded machine had
+    3-4 rounds where an idle one had 5 or more."""
     lenv, aenv, menv = MODES[mode]
+    round_s = int(lenv["DILOCO_SYNC_EVERY"]) * STEP_TIME
+    lockstep = lenv["DILOCO_MODE"] == "sync"
     run = f"gp{mode.replace('_', '')}"
     shared = {**MODEL, **FAST_MONITOR, **LEARNER, **lenv}
     names = [f"learner-{i}" for i in range(M)]
@@ -167,6 +174,8 @@ async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> di
         ok = await c.wait_for(lambda: all((c.metrics("learner", n).get("step") or 0) > 0 for n in names), 120)
         if not ok:
             raise RuntimeError(f"{mode}: learners did not start: " + c.log_tail(names[0]))
+        if lockstep and warm_rounds > 0:
+            await c.wait_for(lambda: len(round_overhead_samples(merge_log, M, round_s)) >= warm_rounds, 120)
         t0 = time.monotonic()
         at_t0 = dict(inc_steps)
         kills = restarts = 0
@@ -219,8 +228,7 @@ async def run_mode(mode: str, trace, T: float, events: dict | None = None) -> di
            "learner_link_bytes": sum(i + o for n, (i, o) in conn.items() if n.startswith("learner-")),
            "aggregator_link_bytes": sum(i + o for n, (i, o) in conn.items() if n.startswith("aggregator")),
            "applied_all": sum(len(a) for _, _, a in merge_log),
-           "timings": mode_timings(M=M, round_s=int(lenv["DILOCO_SYNC_EVERY"]) * STEP_TIME,
-                                   lockstep=lenv["DILOCO_MODE"] == "sync", starts=start_log, kills=kill_log,
+           "timings": mode_timings(M=M, round_s=round_s, lockstep=lockstep, starts=start_log, kills=kill_log,
                                    first_hb=first_hb, transitions=transitions, merges=merge_log, arrivals=arrived,
                                    first_step=first_step, step_s=STEP_TIME,
                                    heartbeat_s=float(FAST_MONITOR["DILOCO_HEARTBEAT_INTERVAL"]))}
