@@ -20,11 +20,8 @@ reconnect by themselves.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +32,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bus.procs import popen
 
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 #: JetStream file storage of the server (``jetstream { max_file_store }``): every stream's
@@ -140,13 +139,6 @@ def render_config(
     )
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    os.setsid()
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class EmbeddedServer:
     """A JetStream ``nats-server`` child process on loopback.
@@ -208,12 +200,8 @@ class EmbeddedServer:
         with open(self.config_path(), "w") as f:
             f.write(conf)
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [find_binary(), "-c", self.config_path()],
-            stdout=log,
-            stderr=log,
-            preexec_fn=_die_with_parent,
-        )
+        # dies with this process, SIGKILL included, whichever thread starts it (bus.procs)
+        self.proc = popen([find_binary(), "-c", self.config_path()], stdout=log, stderr=log)
         if log is not subprocess.DEVNULL:
             log.close()
         try:

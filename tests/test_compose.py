@@ -302,7 +302,8 @@ def test_compose_services_train_as_local_processes(compose, auth_dir, tmp_path):
     from bus.codec import loads_json
     from bus.config import CommonConfig
     from bus.conn import connect
-    from diloco.up import RunState, _child_preexec
+    from bus.procs import popen
+    from diloco.up import RunState
 
     nats = compose["services"]["nats"]
     port, http = free_port(), free_port()
@@ -325,8 +326,7 @@ def test_compose_services_train_as_local_processes(compose, auth_dir, tmp_path):
 
     def spawn(name: str, argv: list[str], env: dict[str, str] | None) -> None:
         with open(logs / f"{name}.log", "wb") as log:
-            procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, preexec_fn=_child_preexec)
+            procs[name] = popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def log_tail(name: str) -> str:
         return (logs / f"{name}.log").read_text(errors="replace")[-3000:]

@@ -34,7 +34,8 @@ from nats.js.api import StorageType, StreamConfig
 
 from bus.config import CommonConfig
 from bus.conn import connect
-from bus.server import EmbeddedServer, _die_with_parent, free_port
+from bus.procs import popen
+from bus.server import EmbeddedServer, free_port
 from bus.store_health import FULL, StoreWatch
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import ChunkPublisher, TransportError, VersionedStore
@@ -74,8 +75,7 @@ class DiskServer:
                f"--store-dir {self.store} --port {self.port} --http-port {self.http} "
                f"--log-file {os.path.join(workdir, 'nats.log')} --heal-min-free-mib 16")
         self.out = open(os.path.join(workdir, "diloco-nats.log"), "ab")
-        self.proc = subprocess.Popen(["unshare", "-Urm", "sh", "-c", cmd], stdout=self.out, stderr=self.out,
-                                     preexec_fn=_die_with_parent)
+        self.proc = popen(["unshare", "-Urm", "sh", "-c", cmd], stdout=self.out, stderr=self.out)
         # the filesystem as the server sees it (its mount namespace), from here
         self.root = f"/proc/{self.proc.pid}/root{self.store}"
 

@@ -40,7 +40,7 @@ environment), :mod:`diloco.up.children` (child processes and their stopping),
 :mod:`diloco.up.launcher` (the phases of a run, ``main``).
 """
 
-from diloco.up.children import Child, _child_preexec, astop_children, stop_children  # noqa: F401
+from diloco.up.children import Child, astop_children, stop_children  # noqa: F401
 from diloco.up.launcher import WATCH_ENV, Launcher, main, previous_run, write_watch_env  # noqa: F401
 from diloco.up.plan import (  # noqa: F401
     CENTRAL_REGION,

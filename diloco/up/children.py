@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
 import time
 from dataclasses import dataclass
 
+from bus.procs import popen
 from diloco.up.plan import ProcSpec
 
 # -- child processes ----------------------------------------------------------------------------------
-
-
-def _child_preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
-    os.setsid()  # own process group: a terminal's Ctrl-C reaches the launcher only, which stops us in order
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -35,8 +29,10 @@ class Child:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=self.cwd, preexec_fn=_child_preexec)
+            # its own session (a terminal's Ctrl-C reaches the launcher only, which stops the children in
+            # order), and it dies with the launcher, SIGKILL included (bus.procs)
+            self.proc = popen(self.spec.argv(), env=self.spec.env, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, cwd=self.cwd)
         self.started = time.time()
 
     def poll(self) -> int | None:
