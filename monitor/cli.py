@@ -291,13 +291,24 @@ async def _metrics(cfg: CommonConfig, a: argparse.Namespace) -> int:
                 pass
     try:
         if a.once:
-            deadline = time.monotonic() + a.wait
+            t_start = time.monotonic()
+            deadline = t_start + a.wait
             learners, roles = await _roster(nc, cfg.run, a)
-            missing = missing_reports(state["snap"], learners, roles)
-            # until every live learner (and the monitor, aggregator) has reported, at most --wait s
-            while not stop.is_set() and (missing or not (learners or roles)) and time.monotonic() < deadline:
+            # the evaluator is in no roster: it has reported, or a whole metrics interval passed
+            # without it (every role publishes at least once per DILOCO_METRICS_INTERVAL); a snapshot
+            # that stopped at the roster alone showed no evaluator row in compose's run)
+            eval_window = (1.25 * cfg.metrics_interval
+                           if a.role in (None, "evaluator") and a.learner is None and a.region is None else 0.0)
+
+            def incomplete() -> bool:
+                if missing_reports(state["snap"], learners, roles) or not (learners or roles):
+                    return True
+                return state["snap"].evaluator is None and time.monotonic() - t_start < eval_window
+
+            # until every live learner (and the monitor, aggregator, evaluator) has reported, at most --wait s
+            while not stop.is_set() and incomplete() and time.monotonic() < deadline:
                 await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-                missing = missing_reports(state["snap"], learners, roles)
+            missing = missing_reports(state["snap"], learners, roles)
             await sub.unsubscribe()
             if missing:
                 print(f"diloco metrics: not heard from {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
@@ -337,7 +348,8 @@ def cmd_metrics(argv: list[str]) -> int:
     _add_common_args(p)
     p.add_argument("--once", action="store_true",
                    help="print one snapshot and exit, as soon as every live learner of the members bucket (and "
-                        "the monitor and aggregator) has reported, or after --wait seconds")
+                        "the monitor, aggregator and evaluator: one metrics interval for an evaluator) has "
+                        "reported, or after --wait seconds")
     p.add_argument("--wait", type=float, default=5.0,
                    help="seconds --once waits at most for the reports (default 5)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws of the live table")
