@@ -4,9 +4,13 @@ At start, :func:`connect` tries for ``DILOCO_CONNECT_TIMEOUT`` seconds (10 by de
 servers of ``DILOCO_NATS_URL`` in turn, an attempt every 0.5 s, so a slow server or network has
 time to answer), then raises :class:`ConnectFailed`, whose message is one line naming the URL
 (credentials redacted), what went wrong and what to check. A refused login or a failed TLS
-handshake ends the wait at once: retrying cannot fix them. A refused connection (nothing listens
-on the port: every attempt refused at once) ends it after ``REFUSED_GRACE`` seconds (1.5), enough
-for a server that is just starting up, not the whole window. Nothing is logged while it tries.
+handshake ends the wait at once: retrying cannot fix them. For a command a person runs (``diloco
+status``, ``metrics``, ``trust``, ``run``, ``export``: ``refused_grace=REFUSED_GRACE``) a refused
+connection (nothing listens on the port: every attempt refused at once) ends it after 1.5 s, enough
+for a server that is just starting up; a role (learner, aggregator, monitor, evaluator) waits the
+whole window, refused or not: a server restarting, or started after its roles, is part of a run's
+life (a monitor restarted while the chaos test's server was down exited after 1.5 s and the run's
+membership stopped). Nothing is logged while it tries.
 
 Once connected, nats-py's defaults would notice a dead peer only after minutes (ping every 120 s)
 and give up after 60 reconnect attempts; a training process must instead reconnect forever and
@@ -191,12 +195,13 @@ class ConnectionLog:
 
 
 async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, timeout: float | None = None,
-                  refused_grace: float | None = REFUSED_GRACE, **extra: Any) -> Client:
+                  refused_grace: float | None = None, **extra: Any) -> Client:
     """A connected client named ``name`` (shown in the server's /connz) for ``cfg``.
 
     ``timeout``: seconds to try at start (default DILOCO_CONNECT_TIMEOUT), then ConnectFailed.
     ``refused_grace``: seconds after which a start whose every attempt was refused at once
-    (:func:`refused_at_once`) gives up without waiting out ``timeout``; None: the whole window.
+    (:func:`refused_at_once`) gives up without waiting out ``timeout`` (commands a person runs:
+    ``REFUSED_GRACE``); None (roles): the whole window.
     ``extra``: nats-py options; an ``error_cb``, ``disconnected_cb`` or ``reconnected_cb`` given
     there replaces our logging once connected (errors while connecting are never passed to it:
     they make the ConnectFailed)."""

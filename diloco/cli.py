@@ -145,7 +145,7 @@ def cmd_nats(argv: list[str]) -> int:
 def cmd_run(argv: list[str]) -> int:
     import orjson
 
-    from bus.conn import connect
+    from bus.conn import REFUSED_GRACE, connect
     from bus.streams import delete_run, inspect_run, reserved_total
 
     p = argparse.ArgumentParser(prog="diloco run", description=COMMANDS["run"][1],
@@ -179,7 +179,7 @@ def cmd_run(argv: list[str]) -> int:
             return 2
 
     async def go() -> object:
-        nc = await connect(cfg, name=f"cli-run-{a.action}")
+        nc = await connect(cfg, name=f"cli-run-{a.action}", refused_grace=REFUSED_GRACE)
         try:
             js = nc.jetstream(timeout=10)
             if a.action == "create":

@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 from bus.config import CommonConfig, ConfigError, from_env
-from bus.conn import ConnectFailed, connect, redact_url
+from bus.conn import REFUSED_GRACE, ConnectFailed, connect, redact_url
 from bus.entry import EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_USAGE
 from bus.entry import EXIT_NOT_MERGED as _EXIT_NOT_MERGED
 from learner import loop as lp
@@ -53,7 +53,7 @@ async def fetch_run_params(common: CommonConfig, timeout: float = 10.0) -> tuple
     from learner.spec import ModelSpec
 
     deadline = time.monotonic() + timeout
-    nc = await connect(common, "diloco-export", timeout=min(common.connect_timeout, timeout))
+    nc = await connect(common, "diloco-export", timeout=min(common.connect_timeout, timeout), refused_grace=REFUSED_GRACE)
     try:
         js = nc.jetstream(timeout=max(0.5, min(10.0, deadline - time.monotonic())))
         try:

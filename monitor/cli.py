@@ -33,7 +33,7 @@ from typing import Any
 from bus.signals import install_stop
 from bus.codec import CodecError, dumps_json, loads_json
 from bus.config import CommonConfig, ConfigError, from_env, nats_urls, token
-from bus.conn import ConnectFailed, connect, redact_url
+from bus.conn import REFUSED_GRACE, ConnectFailed, connect, redact_url
 from bus.entry import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from bus.log import setup
 from bus.subjects import Subjects
@@ -111,7 +111,8 @@ async def open_connection(cfg: CommonConfig, name: str, log_states: bool = False
 
     calls: dict = {} if log_states else dict(error_cb=quiet, disconnected_cb=quiet, reconnected_cb=quiet)
     try:
-        return await connect(cfg, name=name, **calls)
+        # a one-off command fails at once when nothing listens; the exporter (--serve) waits like a role
+        return await connect(cfg, name=name, refused_grace=None if log_states else REFUSED_GRACE, **calls)
     except ConnectFailed as e:
         raise CliError(str(e), EXIT_UNAVAILABLE) from None
 
