@@ -174,8 +174,12 @@ class IslandCore:
                          f"fragment {p} a whole sync period ({self.book.period} steps) after sending: its syncs are "
                          "deferred until it has (no work is lost: each outer gradient then holds more inner steps, "
                          "and the run syncs less often), and after a whole period deferred this learner's steps wait "
-                         "for the merge (DILOCO_SYNC_HOLD). The aggregator is too slow for this run: see its "
-                         "aggregator_saturated line and docs/aggregator.md, 'When the aggregator falls behind'")
+                         "for the merge (DILOCO_SYNC_HOLD). A merge's round trip is longer than this learner's "
+                         f"sync period ({self.book.period} steps): if the aggregator logged aggregator_saturated "
+                         "it is too slow for the run; if not, the steps are short for the round trip (a small "
+                         "model: raise DILOCO_SYNC_EVERY to about the round trip in steps; the run syncs that seldom "
+                         "anyway, without the holds). "
+                         "docs/aggregator.md, 'When the aggregator falls behind'")
 
     async def _final_sync(self) -> None:
         """The step budget is reached: send the steps every fragment holds since its last sync.
