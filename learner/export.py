@@ -29,18 +29,13 @@ import orjson
 
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import REFUSED_GRACE, ConnectFailed, connect, redact_url
-from bus.entry import EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_USAGE
-from bus.entry import EXIT_NOT_MERGED as _EXIT_NOT_MERGED
+from bus.entry import EXIT_ERROR, EXIT_NOT_MERGED, EXIT_UNAVAILABLE, EXIT_USAGE
 from learner import loop as lp
 from learner.config import ModelConfig
 
 
 class ExportError(RuntimeError):
     """A one-line reason the export cannot be made (no run, no version yet...)."""
-
-
-#: exit code of ``--require-merged`` when every fragment is still at version 0 (``bus.entry``'s table)
-EXIT_NOT_MERGED = _EXIT_NOT_MERGED
 
 
 async def fetch_run_params(common: CommonConfig, timeout: float = 10.0) -> tuple[dict[str, np.ndarray], dict]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from bus import codec
+from bus.members import State
 from learner import loop as lp
 from learner.fate import reject_hint
 from learner.startup import HEAD_POLL_INTERVAL, peak_rss_mib
@@ -24,7 +25,7 @@ from learner.startup import HEAD_POLL_INTERVAL, peak_rss_mib
 UNMERGED_ROUNDS, UNMERGED_SECONDS = 4, 60.0
 #: membership states the leaving heartbeat moves to ``left``; a finishing learner waits at most
 #: LEAVE_BEATS heartbeat intervals for its monitor to record it left (resending the leaving heartbeat)
-STAYING = ("joining", "active", "suspect", "rejoining")
+STAYING = tuple(s.value for s in (State.JOINING, State.ACTIVE, State.SUSPECT, State.REJOINING))
 LEAVE_BEATS = 5
 
 
