@@ -78,28 +78,6 @@ def _close_all(*islands) -> list:
     return codes
 
 
-def _train_all(*runs, steps: int) -> None:
-    """``(island, step, params, opt_state)`` each trained ``steps`` steps in a thread of its own."""
-    import threading
-
-    errors: list = []
-
-    def train(isl, step, p, s) -> None:
-        try:
-            for _ in range(steps):
-                p, s, loss = step(p, s)
-                p = isl.step(p, loss=loss)
-        except Exception as e:  # noqa: BLE001 - reported below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=train, args=r) for r in runs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    assert not errors and not any(t.is_alive() for t in threads), errors
-
-
 def _island(url: str, run: str, name: str, params, **env):
     from learner.island import Island
 
@@ -127,13 +105,13 @@ def test_an_aggregator_and_islands_alone_train_and_a_run_ending_before_admission
         params, s0, step = _model()
         a = _island(nats_server.url, run, "a", params)
         b = _island(nats_server.url, run, "b", params)
+        pa, pb, sa, sb = a.params, b.params, s0, s0
         t0 = time.monotonic()
-        # each island in its own thread, as separate processes would be: driven from one thread, an
-        # island whose step holds for its round's merge (DILOCO_SYNC_HOLD) also holds the other
-        # island's steps, whose round that lock-step merge may wait for. With the aggregator made 30x
-        # slower: one thread 9.1 s and 46 holds per island, a thread each 1.1 s and none; in a suite
-        # beside two CPU hogs the one-thread test took 127 s (about the hold's DILOCO_SYNC_TIMEOUT)
-        _train_all((a, step, a.params, s0), (b, step, b.params, s0), steps=600)
+        for _ in range(600):
+            pa, sa, la = step(pa, sa)
+            pa = a.step(pa, loss=la)
+            pb, sb, lb = step(pb, sb)
+            pb = b.step(pb, loss=lb)
         took = time.monotonic() - t0
         assert _close_all(a, b) == [0, 0]
         for isl in (a, b):
