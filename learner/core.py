@@ -118,7 +118,7 @@ class IslandCore:
             await self._final_sync()
         c = self.book.counters()
         self.log.info("training_done", step=self.book.step, halted=self._halt.is_set(), deferred_syncs=c["deferred"], window_valve=c["valve"],
-                      holds=c["holds"], held_s=round(self.held_s, 3),
+                      holds=c["holds"], holds_expired=c["holds_expired"], held_s=round(self.held_s, 3),
                       steps_per_sync=round(self.book.steps_sent / max(1, self.book.contributions), 2))
 
     async def _hold(self, hook: bool) -> None:
@@ -150,6 +150,8 @@ class IslandCore:
                 for p in held:
                     self.book.give_up_hold(p)
                 self.log.warning("hold_expired", fragments=held, waited=round(time.monotonic() - t0, 3),
+                                 state={p: self.book.hold_state(p) for p in held},
+                                 candidate={p: self._candidate[p].version for p in held if p in self._candidate},
                                  message="the aggregator merged none of this learner's held rounds within "
                                          "DILOCO_SYNC_TIMEOUT s: training on without it (is the aggregator up?)")
                 break

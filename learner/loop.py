@@ -154,6 +154,7 @@ class Bookkeeper:
         # round is merged (``holding``; 0: never hold)
         self.hold = int(hold)
         self.holds = 0  # holds begun (counted by the core's ``_hold``)
+        self.holds_expired = 0  # holds that waited DILOCO_SYNC_TIMEOUT in vain (``give_up_hold``)
         self.deferrals = 0  # syncs deferred so far, all fragments  # deferrals ended by the valve (no merge seen for VALVE_PERIODS periods)
         self.frags = [FragmentBook() for _ in range(num_fragments)]
         self.step = self.start_step  # inner steps of this learner id (this process's and those resumed)
@@ -236,9 +237,20 @@ class Bookkeeper:
                 if f.deferred_at >= 0 and not f.hold_off and self.step - f.deferred_at >= self.hold * self.period
                 and not self._merged_in(p)]
 
+    def hold_state(self, p: int) -> dict[str, int]:
+        """What a hold of p waits on (logged when it expires): the rounds sent and resolved, and
+        the versions seen, downloaded and based on."""
+        f = self.frags[p]
+        return {"step": self.step, "deferred_at": f.deferred_at, "next_round": f.next_round,
+                "merged_round": f.merged_round, "merged_version": f.merged_version,
+                "rejected_round": f.rejected_round, "base_version": f.base_version,
+                "pending_version": f.pending_version, "known_version": f.known_version, "armed": int(f.armed)}
+
     def give_up_hold(self, p: int) -> None:
         """A hold for p timed out (the aggregator is down, say): train on until its deferred sync
         goes out (the valve, or the merge), holding no more for it meanwhile."""
+        if not self.frags[p].hold_off:
+            self.holds_expired += 1
         self.frags[p].hold_off = True
 
     def deferred(self) -> list[int]:
@@ -404,6 +416,7 @@ class Bookkeeper:
             "deferred": sum(f.deferred for f in self.frags),
             "valve": self.valve_opened,
             "holds": self.holds,
+            "holds_expired": self.holds_expired,
             "failed": sum(f.failed for f in self.frags),
         }
 

@@ -100,7 +100,7 @@ def test_busy_fragment_is_skipped_and_failed_publish_returns_counters():
     assert b.frags[0].steps == 2 and b.frags[0].tokens == 10 and b.frags[0].failed == 1
     c3 = b.begin_sync(0)
     assert (c3.round, c3.steps, c3.base_version) == (1, 2, 3)  # round numbers are never reused
-    assert b.counters() == {"sent": 0, "skipped": 1, "deferred": 0, "valve": 0, "holds": 0, "failed": 1}
+    assert b.counters() == {"sent": 0, "skipped": 1, "deferred": 0, "valve": 0, "holds": 0, "holds_expired": 0, "failed": 1}
 
 
 def test_versions_wants_merge_staleness():

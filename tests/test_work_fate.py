@@ -60,28 +60,43 @@ def _model():
     return params, opt.init(params), step
 
 
-def _close_all(*islands) -> list:
-    """Close islands at once, as separate processes would: one closing waits for its last rounds'
-    merges, which (every active learner in every merge) wait for the others' rounds."""
+def _train_and_close(*runs, steps: int) -> list:
+    """Each ``(island, step, params, opt_state)`` trained ``steps`` steps and closed in a thread of
+    its own, as separate processes would be; returns the close codes.
+
+    Not one thread for all: an island whose step holds for its round's merge (DILOCO_SYNC_HOLD) then
+    holds the other islands' steps too, and that merge (every active learner in every merge) waits
+    for a round another island sends at its next step: a deadlock until DILOCO_SYNC_TIMEOUT (120 s in
+    the suite). Nor all trained before any closes: an island done training sends its last deferred
+    round only at close(), which waited for the slower island's training, itself held for that round
+    (120 s again, seen with threads that closed together)."""
     import threading
 
-    codes: list = [None] * len(islands)
+    codes: list = [None] * len(runs)
+    errors: list = []
 
-    def close(i: int) -> None:
-        codes[i] = islands[i].close()
+    def run(i: int, isl, step, p, s) -> None:
+        try:
+            for _ in range(steps):
+                p, s, loss = step(p, s)
+                p = isl.step(p, loss=loss)
+            codes[i] = isl.close()
+        except Exception as e:  # noqa: BLE001 - reported below, in the test's thread
+            errors.append(e)
 
-    threads = [threading.Thread(target=close, args=(i,)) for i in range(len(islands))]
+    threads = [threading.Thread(target=run, args=(i, *r)) for i, r in enumerate(runs)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(150)
+    assert not errors and not any(t.is_alive() for t in threads), errors
     return codes
 
 
-def _island(url: str, run: str, name: str, params, **env):
+def _island(url: str, run: str, name: str, params, sync_every: int = 12, **env):
     from learner.island import Island
 
-    return Island(params, run=run, learner_id=name, nats_url=url, num_fragments=2, sync_every=12,
+    return Island(params, run=run, learner_id=name, nats_url=url, num_fragments=2, sync_every=sync_every,
                   max_inner_lr=0.05, join_timeout=60,
                   env={"DILOCO_HEARTBEAT_INTERVAL": "0.2", "DILOCO_LOG_LEVEL": "warning", **env})
 
@@ -96,30 +111,30 @@ def _stop(p: subprocess.Popen) -> None:
 
 @pytest.mark.timeout(180)
 def test_an_aggregator_and_islands_alone_train_and_a_run_ending_before_admission_is_merged(nats_server, tmp_path):
-    """The embedded monitor admits the islands; 600 quick steps (about 2 s, before admission can
-    finish) are all merged because close() waits for their fate."""
+    """The embedded monitor admits the islands; 600 quick steps (about 2 s alone, so the first
+    rounds are sent before admission can finish) are all merged because close() waits for their
+    fate. Once admitted, each round waits for its merge (the sync window's hold: a merge's round trip
+    is many of these steps), so 12 rounds per fragment, not 50: 10-35 s at load with 50."""
     run = "fate-ok"
     with open(tmp_path / "agg.log", "wb") as log:
         agg = _aggregator(nats_server.url, run, log)
     try:
         params, s0, step = _model()
-        a = _island(nats_server.url, run, "a", params)
-        b = _island(nats_server.url, run, "b", params)
-        pa, pb, sa, sb = a.params, b.params, s0, s0
+        a = _island(nats_server.url, run, "a", params, sync_every=48)
+        b = _island(nats_server.url, run, "b", params, sync_every=48)
         t0 = time.monotonic()
-        for _ in range(600):
-            pa, sa, la = step(pa, sa)
-            pa = a.step(pa, loss=la)
-            pb, sb, lb = step(pb, sb)
-            pb = b.step(pb, loss=lb)
+        assert _train_and_close((a, step, a.params, s0), (b, step, b.params, s0), steps=600) == [0, 0]
         took = time.monotonic() - t0
-        assert _close_all(a, b) == [0, 0]
+        print(f"fate: {took:.1f}s; " + "; ".join(f"{isl.learner.id}: {isl.learner.book.counters()}, held "
+                                                  f"{isl.learner.held_s:.1f}s" for isl in (a, b)))
         for isl in (a, b):
             st = isl.stats
             assert st["steps"] == 600 and st["sent"] >= 2, st  # (a sync due while one is in flight is skipped)
             assert st["merged"] == st["sent"] and st["rejected_total"] == 0 and st["unresolved"] == 0, (took, st)
             assert st["member_state"] == "left" and st["warned"] == [], st
             assert set(st["last_merged_version"]) == {"0", "1"}
+            # no step held in vain for a merge (DILOCO_SYNC_TIMEOUT, 120 s: see _train_and_close)
+            assert isl.learner.book.counters()["holds_expired"] == 0, (took, isl.learner.book.counters())
     finally:
         _stop(agg)
     logs = (tmp_path / "agg.log").read_text()
