@@ -142,13 +142,17 @@ def test_release_counts_only_kills_the_survivors_were_waiting_on():
     from bench.goodput_timings import release_samples
 
     arrivals = {("a", "1", 0, 0): 9.0, ("b", "1", 0, 0): 9.0, ("c", "1", 0, 0): 10.5, ("a", "1", 0, 1): 12.0,
-                ("b", "1", 0, 1): 13.9, ("a", "1", 0, 2): 20.0}
+                ("b", "1", 0, 1): 13.9, ("a", "1", 0, 2): 20.0, ("a", "1", 0, 3): 30.1, ("b", "1", 0, 3): 30.2}
     merges = [(9.5, 0, [["a", "1", 0, 0], ["b", "1", 0, 0], ["c", "1", 0, 0]]),  # before the kill
-              (12.0, 0, [["a", "1", 0, 0], ["b", "1", 0, 0]]),  # without c, everyone idle since 9.0
-              (14.0, 0, [["a", "1", 0, 1], ["b", "1", 0, 1]]),  # b arrived 0.1 s before: not waiting
-              (21.0, 0, [["c", "1", 0, 2], ["a", "1", 0, 2]])]  # holds the killed incarnation
-    kills = [(10.0, "c", "1"), (13.0, "c", "2"), (15.0, "c", "1"), (16.0, "c", None)]
-    assert release_samples(kills, merges, arrivals, idle_s=0.3) == pytest.approx([2.0])
+              (12.0, 0, [["a", "1", 0, 0], ["b", "1", 0, 0]]),  # without c, both there before c left
+              (14.0, 0, [["a", "1", 0, 1], ["b", "1", 0, 1]]),  # b arrived after c left: not waiting
+              (21.0, 0, [["c", "1", 0, 2], ["a", "1", 0, 2]]),  # holds the killed incarnation
+              (30.25, 0, [["a", "1", 0, 3], ["b", "1", 0, 3]])]  # 0.05 s idle, but before c left at 30.24
+    trans = [(10.6, "c", "active", "suspect"), (13.5, "c", "active", "suspect"), (13.6, "c", "suspect", "evicted"),
+             (15.5, "c", "active", "suspect"), (30.24, "c", "active", "suspect")]
+    kills = [(10.0, "c", "1"), (13.0, "c", "2"), (15.0, "c", "1"), (16.0, "c", None), (30.0, "c", "3"), (40.0, "c", "4")]
+    # (the last kill: no transition out of active after it, so no release is known)
+    assert release_samples(kills, merges, arrivals, trans) == pytest.approx([2.0, 0.25])
 
 
 def test_round_overhead_uses_consecutive_full_merges_of_a_fragment():
