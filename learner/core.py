@@ -153,7 +153,9 @@ class IslandCore:
                                  state={p: self.book.hold_state(p) for p in held},
                                  candidate={p: self._candidate[p].version for p in held if p in self._candidate},
                                  message="the aggregator merged none of this learner's held rounds within "
-                                         "DILOCO_SYNC_TIMEOUT s: training on without it (is the aggregator up?)")
+                                         "DILOCO_SYNC_TIMEOUT s: training on without it (is the aggregator up? does its merge "
+                                         "wait for a learner that does not step: another island driven from this "
+                                         "thread, or one done training and not closed? docs/learner.md)")
                 break
             self._news.clear()
             try:
