@@ -56,6 +56,7 @@ from diloco.auth import (
 )
 from diloco.auth_leaf import leaf_auth_from_init, mapped_subject
 from bus.codec import dumps_json
+from monitor.store import initial_entries
 from bus.config import CommonConfig, from_env
 from bus.conn import connect
 from bus.server import EmbeddedServer, render_config, validate_config_file
@@ -412,8 +413,8 @@ async def test_learner_can_do_its_job(secured):
         kv = await js.key_value(S.bucket("members"))
         watcher = await kv.watch("us-0")
         try:
-            entry = await watcher.updates(timeout=5)
-            assert entry is not None and orjson.loads(entry.value)["state"] == "active"
+            entries = await initial_entries(kv, watcher, timeout=5)
+            assert entries and orjson.loads(entries[-1].value)["state"] == "active", entries
         finally:
             await watcher.stop()
         assert orjson.loads((await kv.get("us-0")).value)["learner"] == "us-0"
