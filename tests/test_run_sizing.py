@@ -156,23 +156,34 @@ def test_run_create_streams_only_sizes_the_streams_and_writes_no_version(nats_se
     assert max_bytes == Limits.for_run(CommonConfig(), sizes).bytes_of("global") >= footprint(sizes, 2)["global"]
 
 
-async def test_a_manifest_above_the_servers_max_payload_is_refused_before_anything_is_written(nats_server, js):
+async def test_a_manifest_above_the_servers_max_payload_is_refused_before_anything_is_written(tmp_path):
     """A tree of very many leaves: its description cannot be stored as one message; one line says
-    so and what to do, and the run is left uncreated (no claim, no version 0)."""
+    so and what to do, and the run is left uncreated (no claim, no version 0). (A server of 256 KiB
+    messages: at the default 8 MiB the tree took 280,000 leaves and 17 CPU seconds.)"""
+    from bus.conn import connect
     from bus.runs import RunMismatch, create_tree_run, plan_for, read_manifest
+    from bus.server import EmbeddedServer
     from bus.tree import Leaf, TreeSpec
 
-    limit = js._nc.max_payload
-    n = limit // 30 + 1  # each leaf costs more than 30 bytes of JSON (["layer_0000001/w",[1],"float32"],)
-    spec = TreeSpec(tuple(Leaf(f"layer_{i:07d}/w", (1,), "float32") for i in range(n)))
-    plan = plan_for(spec, 2, 1.1)
-    common = CommonConfig(nats_url=nats_server.url, run="wide")
-    init = {leaf.path: np.zeros(1, np.float32) for leaf in spec.leaves}
-    with pytest.raises(RunMismatch, match=rf"manifest is \d+ bytes \(a tree of {n} leaves\), above the server's "
-                                          rf"max_payload of {limit}"):
-        await create_tree_run(js, common, spec, plan, init, 1.1)
-    assert await read_manifest(js, "wide") is None
-    assert not [s async for s in _stream_names(js) if "wide" in s]
+    srv = EmbeddedServer(store_dir=str(tmp_path / "store"), max_payload=256 * 1024).start()
+    common = CommonConfig(nats_url=srv.url, run="wide")
+    nc = await connect(common, name="test")
+    try:
+        js = nc.jetstream(timeout=10)
+        limit = nc.max_payload
+        assert limit == 256 * 1024
+        n = limit // 30 + 1  # each leaf costs more than 30 bytes of JSON (["layer_0000001/w",[1],"float32"],)
+        spec = TreeSpec(tuple(Leaf(f"layer_{i:07d}/w", (1,), "float32") for i in range(n)))
+        plan = plan_for(spec, 2, 1.1)
+        init = {leaf.path: np.zeros(1, np.float32) for leaf in spec.leaves}
+        with pytest.raises(RunMismatch, match=rf"manifest is \d+ bytes \(a tree of {n} leaves\), above the server's "
+                                              rf"max_payload of {limit}"):
+            await create_tree_run(js, common, spec, plan, init, 1.1)
+        assert await read_manifest(js, "wide") is None
+        assert not [s async for s in _stream_names(js) if "wide" in s]
+    finally:
+        await nc.close()
+        srv.close()
 
 
 async def _stream_names(js):
