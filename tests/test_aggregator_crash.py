@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import orjson
+import pytest
 from nats.js.api import DeliverPolicy
 
 from aggregator.config import AggregatorConfig
@@ -56,6 +57,9 @@ async def _rejections(js, keys) -> str:
     return f"their reject events: {found}" if found else "no reject event names them"
 
 
+# 20 kills, each a new aggregator process that starts and replays: 55 s at idle, past the suite's
+# 120 s default beside two CPU hogs
+@pytest.mark.timeout(360)
 async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_server, nc, js):
     heads_seen: list[tuple[int, int]] = []
 

@@ -305,8 +305,10 @@ def test_up_quick_trains_and_leaves_nothing_behind(tmp_path):
 @pytest.mark.timeout(300)
 def test_up_sigint_mid_run_stops_everything_and_writes_a_summary(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "up", "--quick", "--steps", "100000", "--out",
-                             str(out), "--progress", "line", "--progress-interval", "0.5"],
+    # two learners, one per region (stopping several of each role is the point; --quick's four
+    # cost the suite 10 CPU seconds more)
+    proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "up", "--quick", "--learners", "2", "--steps",
+                             "100000", "--out", str(out), "--progress", "line", "--progress-interval", "0.5"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:

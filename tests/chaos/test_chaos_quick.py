@@ -7,7 +7,10 @@ from tests.chaos.harness import FAULTS, ChaosRun, table
 
 @pytest.mark.timeout(400)
 async def test_one_of_each_fault_keeps_every_invariant(tmp_path):
-    run = ChaosRun(str(tmp_path), learners=3, seed=1)
+    # each learner step followed by a sleep as long (DILOCO_SLOWDOWN=2): the faults and their
+    # recoveries take the same seconds, the learners half the CPU (the run trains until drained,
+    # so its CPU is its seconds times its learners: 46 of the test's 73 CPU seconds)
+    run = ChaosRun(str(tmp_path), learners=3, seed=1, learner_env={"DILOCO_SLOWDOWN": "2"})
     try:
         await run.setup()
         await run.warm_up()
