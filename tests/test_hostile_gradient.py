@@ -11,8 +11,8 @@ exactly the protocol a learner speaks) sends, to every fragment:
   (far above the median, so the merge clips it).
 
 Then the learners finish their step budget. The attacked run's final held-out loss must be within
-the noise of a clean run of the same settings, started the same way in the same test; the
-rejections are counted by reason and the clipped ones by the aggregator's ``clipped`` metric.
+the noise of clean runs of the same settings (measured: MAX_FINAL below); the rejections are counted by
+reason and the clipped ones by the aggregator's ``clipped`` metric.
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ SPEC = MODEL_CFG.spec()
 PLAN = plan_fragments(param_shapes(SPEC), MODEL_CFG.num_fragments, max_imbalance=MODEL_CFG.max_imbalance)
 H = int(LEARNER["DILOCO_SYNC_EVERY"])
 LR = float(MODEL["DILOCO_MAX_INNER_LR"])
-# Noise: over 28 clean runs of these settings the final held-out loss had mean 1.54 and standard
-# deviation 0.244 (1.20-1.99; the runs are asynchronous and timed by the machine), over 28 attacked
-# runs mean 1.49 and standard deviation 0.205: the difference of one clean and one attacked run has
-# a standard deviation of 0.32. The attacked run must end within 3 of those of the clean one
-# (docs/RELIABILITY.md, "Ten runs in a row"). Unprotected, one such vector ended a run at a loss
-# of 1.9 million (issue 12).
-NOISE = 3 * 0.32
+# Noise: over 28 clean runs of these settings (2026-11) the final held-out loss had mean 1.54 and
+# standard deviation 0.244 (1.20-1.99; the runs are asynchronous and timed by the machine), over 28
+# attacked runs mean 1.49 and standard deviation 0.205 (docs/RELIABILITY.md, "Ten runs in a row");
+# 5 clean runs of today's learner (2026-12-03, `_run(tmp, attack=False)`): 1.19-1.46. The attacked
+# run must end within 3 standard deviations of a clean run above the clean mean: 2.27. (Until
+# 2026-12-03 the test ran a clean run beside the attacked one and allowed 3 standard deviations of
+# a difference of two runs, 0.96, above it: a bound of 2.16-2.95 at the cost of half the suite's
+# largest test.) Unprotected, one such vector ended a run at a loss of 1.9 million (issue 12).
+CLEAN_MEAN, CLEAN_SD = 1.54, 0.244
+MAX_FINAL = CLEAN_MEAN + 3 * CLEAN_SD
 
 
 class Attacker:
@@ -142,14 +145,15 @@ async def _aggregator_metrics(run: ChaosRun) -> dict:
 
 @pytest.mark.timeout(400)
 async def test_hostile_gradient_early_and_late_leaves_loss_within_noise(tmp_path):
-    clean = await _run(tmp_path / "clean", attack=False)
     hostile = await _run(tmp_path / "hostile", attack=True)
     rej, clipped = hostile["stats"]["rejected"], hostile["stats"]["clipped"]
-    print({"clean": clean["final"], "hostile": hostile["final"], "first": clean["first"], "rejected": rej,
-           "clipped": clipped, "early_versions": hostile["early_versions"]})
+    print({"hostile": hostile["final"], "first": hostile["first"], "rejected": rej, "clipped": clipped,
+           "early_versions": hostile["early_versions"]})
     P = PLAN.num_fragments
     assert rej.get("norm_bound", 0) == 2 * P, rej
     assert rej.get("bad_counters", 0) == P and rej.get("wrong_shape", 0) == P, rej
     assert clipped >= P, "the late near-bound vectors were not clipped"
-    assert clean["final"] < 0.8 * clean["first"] and hostile["final"] < 0.8 * hostile["first"]
-    assert hostile["final"] <= clean["final"] + NOISE, (hostile["final"], clean["final"])
+    assert hostile["final"] < 0.8 * hostile["first"], hostile["evals"]
+    assert hostile["final"] <= MAX_FINAL, (f"attacked run ended at {hostile['final']:.3f}, above clean runs' "
+                                           f"{CLEAN_MEAN} + 3 x {CLEAN_SD} (if clean runs moved, measure them again: "
+                                           "_run(tmp, attack=False))", hostile["evals"])
