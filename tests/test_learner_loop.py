@@ -413,8 +413,11 @@ def test_a_sync_deferred_for_hold_periods_holds_the_learner_until_its_round_is_m
     assert b.holding() == []
     b.on_step(), b.on_step()  # step 12: fragment 0 waited a period (since 8)
     assert b.holding() == [0]
+    st = b.hold_state(0)  # what hold_expired logs: round 0 sent at step 4, deferred at 8, nothing merged
+    assert (st["step"], st["deferred_at"], st["next_round"], st["merged_round"], st["base_version"]) == (12, 8, 1, -1, 0)
     b.give_up_hold(0)  # timed out: no more holds for it
-    assert b.holding() == []
+    b.give_up_hold(0)  # (said again for the same hold: counted once)
+    assert b.holding() == [] and b.counters()["holds_expired"] == 1
     for _ in range(8):
         b.on_step()
     assert b.holding() == []
