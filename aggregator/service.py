@@ -416,6 +416,25 @@ class AggregatorService(Intake, VersionMaker, Durability):
             dt *= self.cfg.agg_slowdown
         self.load.add(time.monotonic(), dt)
 
+    async def _start_consumer(self, stop: asyncio.Event) -> None:
+        """Create (or find) the durable GRAD consumer, again while the server is away or its
+        JetStream not ready: a server restarted while the aggregator started timed the create
+        request out and the aggregator exited (test_aggregator_service, once in a loaded suite)."""
+        from nats.errors import ConnectionClosedError, NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.errors import ServiceUnavailableError
+
+        delay = 0.5
+        while not stop.is_set():
+            try:
+                await self.consumer.start()
+                return
+            except (NatsTimeout, NoRespondersError, ConnectionClosedError, ServiceUnavailableError,
+                    asyncio.TimeoutError) as e:
+                self.log.warning("consumer_start_retry", error=repr(e), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, 2 * delay)
+
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}",
                                 reconnected_cb=self._on_reconnected)
@@ -462,7 +481,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 await asyncio.wait_for(self.members_loaded.wait(), 10)
             except asyncio.TimeoutError:
                 self.log.warning("membership_not_loaded", waited_s=10)
-        await self.consumer.start()
+        await self._start_consumer(stop)
         tasks.append(asyncio.create_task(self._metrics(stop)))
         if self.settings.trust.mode != "off":
             tasks.append(asyncio.create_task(self._follow_clears(js, stop)))
