@@ -100,11 +100,26 @@ class Leadership:
     async def _release_lease(self) -> None:
         if not self._leader or self._lease_rev is None:
             return
-        try:
-            await self._lease_kv.delete(LEASE_KEY, last=self._lease_rev)
-            self.log.info("lease_released")
-        except Exception as e:
-            self.log.warning("lease_release_failed", error=repr(e))
+        rev = self._lease_rev
+        for attempt in range(3):
+            try:
+                await self._lease_kv.delete(LEASE_KEY, last=rev)
+                self.log.info("lease_released")
+                break
+            except Exception as e:  # noqa: BLE001
+                # the revision moved (a renew of ours whose reply never came, e.g. cancelled): delete
+                # at the current one while the lease is still ours, never someone else's
+                try:
+                    entry = await self._lease_kv.get(LEASE_KEY)
+                    current = parse_lease(entry.value, entry.revision)
+                except KeyNotFoundError:
+                    break
+                except Exception:  # noqa: BLE001
+                    current = None
+                if current is None or current.holder != self.id or current.revision == rev or attempt == 2:
+                    self.log.warning("lease_release_failed", error=repr(e))
+                    break
+                rev = current.revision
         self._leader = False
     # -- writing ----------------------------------------------------------------------------------
 

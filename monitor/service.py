@@ -318,6 +318,9 @@ class MonitorService(Leadership, HeartbeatIntake):
             if sub is not None:
                 await sub.unsubscribe()
                 sub = None
+            # the lease loop ends once its step in flight has (a renew racing the release below moved
+            # the lease's revision, the delete then failed and a successor waited out the lease's ttl)
+            await asyncio.wait(tasks[:1], timeout=5.0)
             if self.is_leader:
                 try:
                     await asyncio.wait_for(self.flush(force=True), timeout=5.0)

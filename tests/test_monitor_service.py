@@ -15,6 +15,7 @@ import uuid
 import orjson
 import pytest
 from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyNotFoundError
 
 from bus.codec import dumps_json
 from bus.config import CommonConfig, ConfigError, from_env
@@ -423,6 +424,40 @@ async def test_restarted_monitor_evicts_nobody_alive(nats_server, nc, js):
     finally:
         for f in alive:
             await f.stop()
+
+
+async def test_a_stop_releases_the_lease_after_a_renew_it_never_heard_back_from(nats_server, nc, js):
+    """A renew of ours applied by the server but whose reply never came (the stop cancelled it, a
+    reconnect lost it) leaves the monitor holding a stale revision; its release then fails the
+    compare-and-set. Found beside two CPU hogs: a successor waited out the ttl instead of leading at
+    once. The release re-reads the lease and deletes it while it is still ours, never another's."""
+    run = "relrev"
+    ttl = 30.0  # no renew of its own during the test
+    lease_kv = None
+    a = await start_monitor(nats_server.url, run, "mon-a", lease_ttl=ttl)
+    try:
+        assert a.svc.is_leader
+        lease_kv = await js.key_value(Subjects(run).bucket("lease"))
+        entry = await lease_kv.get("leader")
+        assert entry.revision == a.svc._lease_rev
+        # the renew the monitor never heard back from: same holder, a newer revision
+        await lease_kv.update("leader", lease_value("mon-a", time.time(), ttl), last=entry.revision)
+    finally:
+        await a.stop()
+    with pytest.raises(KeyNotFoundError):  # released: deleted at its current revision
+        await lease_kv.get("leader")
+    b = await start_monitor(nats_server.url, run, "mon-b", lease_ttl=ttl)
+    try:
+        assert b.svc.is_leader, "the released lease is taken at once"
+        # another's lease is never released by a stale holder: mon-a's leftover state must not delete it
+        b_entry = await lease_kv.get("leader")
+        assert orjson.loads(b_entry.value)["id"] == "mon-b"
+        a.svc._leader, a.svc._lease_rev = True, b_entry.revision - 1
+        a.svc._lease_kv = lease_kv
+        await a.svc._release_lease()
+        assert orjson.loads((await lease_kv.get("leader")).value)["id"] == "mon-b"
+    finally:
+        await b.stop()
 
 
 async def test_two_monitors_one_leader_and_takeover(nats_server, nc, js):
