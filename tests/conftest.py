@@ -25,6 +25,21 @@ else:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))
 
+# One bytecode cache for the suite and every process it starts, under the temp folder. Where
+# PYTHONDONTWRITEBYTECODE is set (as on the machines CI runs on) no process of a run would write one,
+# and each of the ~300 Python processes the suite starts (roles, CLIs, benchmarks), and each xdist
+# worker's test modules, would be compiled from source again: about a fifth of the suite's CPU
+# (beside two CPU hogs: 10:50-11:28 without, 8:48 with; docs/BENCHMARKS.md, issue 42). The cache
+# lives in the temp folder (PYTHONPYCACHEPREFIX), like the JAX compilation cache above, not in the
+# source tree the variable keeps free of __pycache__ folders.
+if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+    import sys
+
+    _prefix = os.environ.setdefault("PYTHONPYCACHEPREFIX",
+                                    os.path.join(tempfile.gettempdir(), f"diloco-tests-pycache-{os.getuid()}"))
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    sys.pycache_prefix, sys.dont_write_bytecode = _prefix, False
+
 from bus.server import EmbeddedServer
 
 
