@@ -26,7 +26,7 @@ else:
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))
 
 # One bytecode cache for the suite and every process it starts, under the temp folder. Where
-# PYTHONDONTWRITEBYTECODE is set (as on the machines CI runs on) no process of a run would write one,
+# PYTHONDONTWRITEBYTECODE is set (as on this project's development machines) no process of a run would write one,
 # and each of the ~300 Python processes the suite starts (roles, CLIs, benchmarks), and each xdist
 # worker's test modules, would be compiled from source again: about a fifth of the suite's CPU
 # (beside two CPU hogs: 10:50-11:28 without, 8:48 with; docs/BENCHMARKS.md, issue 42). The cache
