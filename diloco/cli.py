@@ -280,6 +280,11 @@ def cmd_aggregator(argv: list[str]) -> int:
     return aggregator_main(argv, companions=companions)
 
 
+#: Seconds `diloco aggregator` (and `diloco run create`) retry creating a run while JetStream does
+#: not answer, before one line and exit 1.
+RUN_CREATE_WAIT_S = 60.0
+
+
 def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = True, who: str = "diloco") -> int:
     """Create the built-in run of ``model`` unless it exists; 0, or an exit code after one line."""
     from bus.conn import connect
@@ -294,10 +299,33 @@ def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = 
         print(f"{who}: {e}", file=sys.stderr)
         return 2
 
+    async def create(js) -> bool:
+        """Again while the server's JetStream does not answer in time (a just-started server on a loaded
+        machine timed a stream's creation out and `diloco aggregator` exited: test_compose, once
+        in an idle suite), for at most RUN_CREATE_WAIT_S; every step is safe to repeat."""
+        import asyncio
+        import time
+
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.errors import ServiceUnavailableError
+
+        from bus.log import get_logger
+
+        t_end, delay = time.monotonic() + RUN_CREATE_WAIT_S, 0.5
+        while True:
+            try:
+                return await create_builtin_run(js, common, model, provision=provision)
+            except (NatsTimeout, ServiceUnavailableError, asyncio.TimeoutError) as e:  # not "no responders":
+                if time.monotonic() + delay > t_end:  # a server without JetStream fails at once
+                    raise
+                get_logger(component="cli").warning("run_create_retry", error=repr(e), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, 2 * delay)
+
     async def go() -> None:
         nc = await connect(common, name="create-run")
         try:
-            if await create_builtin_run(nc.jetstream(timeout=10), common, model, provision=provision):
+            if await create(nc.jetstream(timeout=10)):
                 from bus.log import get_logger
 
                 get_logger(component="cli").info(
