@@ -438,7 +438,13 @@ async def test_a_stop_releases_the_lease_after_a_renew_it_never_heard_back_from(
     try:
         assert a.svc.is_leader
         lease_kv = await js.key_value(Subjects(run).bucket("lease"))
-        entry = await lease_kv.get("leader")
+        # the lease loop renews once right after the start: wait until the monitor knows the stored
+        # revision (the next renew is ttl/3 = 10 s away)
+        for _ in range(100):
+            entry = await lease_kv.get("leader")
+            if entry.revision == a.svc._lease_rev:
+                break
+            await asyncio.sleep(0.05)
         assert entry.revision == a.svc._lease_rev
         # the renew the monitor never heard back from: same holder, a newer revision
         await lease_kv.update("leader", lease_value("mon-a", time.time(), ttl), last=entry.revision)
