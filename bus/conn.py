@@ -317,6 +317,38 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
     return nc
 
 
+async def probe(nc: Client, stream: str, timeout: float = 3.0) -> dict[str, Any]:
+    """What of the server still answers ``nc``, to log beside a request that timed out:
+    ``ping_ms`` (round trip of a PING, or None) and ``jetstream``: "answered" (its info of
+    ``stream``, "not found" included, in ``jetstream_ms``), "unavailable" (no JetStream to answer)
+    or "silent" (no answer in ``timeout``); "not asked" after an unanswered ping. A ping unanswered
+    is the connection (or the whole server) stalled; a ping answered and JetStream silent is
+    JetStream's API stalled. ``stream``: one the user may ask about (a role's user cannot ask for
+    the account's info)."""
+    from nats.js.errors import APIError, ServiceUnavailableError
+
+    out: dict[str, Any] = {"ping_ms": None, "jetstream": "not asked", "jetstream_ms": None}
+    t0 = time.monotonic()
+    try:
+        await nc.flush(timeout=max(1, round(timeout)))
+        out["ping_ms"] = round(1e3 * (time.monotonic() - t0), 1)
+    except Exception:  # noqa: BLE001 - the answer is the None
+        return out
+    t0 = time.monotonic()
+    try:
+        await nc.jetstream(timeout=timeout).stream_info(stream)
+    except ServiceUnavailableError:
+        out["jetstream"] = "unavailable"
+        return out
+    except APIError:
+        pass  # an answer all the same
+    except Exception:  # noqa: BLE001 - unanswered
+        out["jetstream"] = "silent"
+        return out
+    out["jetstream"], out["jetstream_ms"] = "answered", round(1e3 * (time.monotonic() - t0), 1)
+    return out
+
+
 async def _abandon(nc: Client, attempt: asyncio.Future) -> None:
     attempt.cancel()
     await asyncio.gather(attempt, return_exceptions=True)

@@ -299,33 +299,38 @@ def create_builtin_if_missing(common: CommonConfig, model, *, provision: bool = 
         print(f"{who}: {e}", file=sys.stderr)
         return 2
 
-    async def create(js) -> bool:
+    async def create(nc) -> bool:
         """Again while the server's JetStream does not answer in time (a just-started server on a loaded
         machine timed a stream's creation out and `diloco aggregator` exited: test_compose, once
-        in an idle suite), for at most RUN_CREATE_WAIT_S; every step is safe to repeat."""
+        in an idle suite), for at most RUN_CREATE_WAIT_S; every step is safe to repeat. Each retry
+        says what still answers (:func:`bus.conn.probe`: the server's ping, JetStream's info of the
+        run's GLOBAL stream): seen once in CI, 60 s of JetStream silence, cause unknown."""
         import asyncio
         import time
 
         from nats.errors import TimeoutError as NatsTimeout
         from nats.js.errors import ServiceUnavailableError
 
+        from bus.conn import probe
         from bus.log import get_logger
+        from bus.subjects import GLOBAL, Subjects
 
         t_end, delay = time.monotonic() + RUN_CREATE_WAIT_S, 0.5
         while True:
             try:
-                return await create_builtin_run(js, common, model, provision=provision)
+                return await create_builtin_run(nc.jetstream(timeout=10), common, model, provision=provision)
             except (NatsTimeout, ServiceUnavailableError, asyncio.TimeoutError) as e:  # not "no responders":
                 if time.monotonic() + delay > t_end:  # a server without JetStream fails at once
                     raise
-                get_logger(component="cli").warning("run_create_retry", error=repr(e), retry_in_s=delay)
+                seen = await probe(nc, Subjects(common.run).stream(GLOBAL))
+                get_logger(component="cli").warning("run_create_retry", error=repr(e), retry_in_s=delay, **seen)
                 await asyncio.sleep(delay)
                 delay = min(5.0, 2 * delay)
 
     async def go() -> None:
         nc = await connect(common, name="create-run")
         try:
-            if await create(nc.jetstream(timeout=10)):
+            if await create(nc):
                 from bus.log import get_logger
 
                 get_logger(component="cli").info(

@@ -400,7 +400,10 @@ def test_compose_services_train_as_local_processes(compose, auth_dir, tmp_path):
                 assert procs["nats"].poll() is None, log_tail("nats")
                 assert time.monotonic() < deadline, "nats not healthy"
                 time.sleep(0.1)
-        state = asyncio.run(go())
+        try:
+            state = asyncio.run(go())
+        except AssertionError as e:  # what the server saw, beside what the role said
+            raise AssertionError(f"{e}\n--- nats log ---\n{log_tail('nats')}") from None
         assert procs["metrics"].wait(30) == 0, log_tail("metrics")
     finally:
         for name, p in reversed(list(procs.items())):

@@ -357,3 +357,53 @@ async def test_a_late_api_reply_while_waiting_for_the_manifest_is_not_the_end(na
             await wait_manifest(js, "never", timeout=1.0)
     finally:
         await nc.close()
+
+
+# -- what still answers, beside a request that timed out -------------------------------------------------
+
+
+async def test_probe_tells_a_stalled_server_from_a_silent_jetstream(tmp_path):
+    """``bus.conn.probe``: a live server answers both (a stream "not found" is an answer); a stopped
+    one (SIGSTOP) not even the ping; a server without JetStream the ping, and JetStream is
+    "unavailable"."""
+    import signal
+
+    import nats
+
+    from bus.conn import probe
+    from bus.server import find_binary, free_port
+
+    with EmbeddedServer(store_dir=str(tmp_path / "js")) as srv:
+        nc = await nats.connect(srv.url, max_reconnect_attempts=0)
+        try:
+            live = await probe(nc, "NO_SUCH_STREAM")
+            assert live["ping_ms"] is not None and live["jetstream"] == "answered" and live["jetstream_ms"], live
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                stalled = await probe(nc, "NO_SUCH_STREAM", timeout=1.0)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert stalled == {"ping_ms": None, "jetstream": "not asked", "jetstream_ms": None}, stalled
+        finally:
+            await nc.close()
+    port = free_port()
+    plain = subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                nc = await nats.connect(f"nats://127.0.0.1:{port}", max_reconnect_attempts=0, connect_timeout=1)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the server without JetStream did not start")
+        try:
+            no_js = await probe(nc, "NO_SUCH_STREAM", timeout=1.0)
+        finally:
+            await nc.close()
+        assert no_js["ping_ms"] is not None and no_js["jetstream"] == "unavailable", no_js
+    finally:
+        plain.terminate()
+        plain.wait(10)
