@@ -47,7 +47,7 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     shards = [corpus.shard(i, M, spec.seq_len, seed * 1_000_003 + i) for i in range(M)]
     lr = lc.lr_for(spec.d_model)
     opt = make_optimizer(lr, lc.warmup, lc.total_steps, weight_decay=lc.weight_decay,
-                         clip_norm=lc.clip_norm or None)
+                         clip_norm=lc.clip_norm or None, kind=lc.inner_optimizer)
     step = make_train_step(spec, opt, donate=True)
     params = to_jax(init_params(spec, model.seed))
     state = opt.init(params)
@@ -63,7 +63,7 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     loss = float(loss)
     train_s = time.monotonic() - t0
     ev = float(np.mean([float(evalf(params, hb)) for hb in heldout]))
-    return {"eval_loss": ev, "train_loss": loss, "steps": steps, "M": M, "batch": M * b, "lr": lr,
+    return {"eval_loss": ev, "train_loss": loss, "steps": steps, "M": M, "batch": M * b, "lr": lr, "inner": lc.inner_optimizer,
             "tokens": steps * M * b * spec.seq_len, "params": count_params(spec), "train_seconds": round(train_s, 2),
             "step_seconds": round(train_s / max(steps, 1), 4)}
 

@@ -11,8 +11,9 @@ the other, by default ``defaults`` (K = M: every learner) and ``k1`` (K = 1 and 
 Data-parallel: one process, the same model, the same version-0 parameters (same seed), the same
 AdamW settings and schedule, batches of M x b (b from each of the M shards) for the same number
 of steps, so both saw the same number of tokens (``bench/dp.py``); the same held-out batches.
-``--dp-lrs 0.004,0.008,0.016`` trains data-parallel at each peak learning rate too: the best of
-them is the *tuned* data-parallel baseline (the learners keep their own learning rate).
+``--dp-lrs 0.004,0.008,0.016`` trains data-parallel at each peak learning rate too, ``--dp-inner muon``
+with each inner optimizer named (``DILOCO_INNER_OPTIMIZER``) too: the best of them is the *tuned*
+data-parallel baseline (the learners keep their own settings; ``--learner-env`` sets theirs).
 
 ``loss_gap`` = (decoupled - best data-parallel) / best data-parallel held-out loss, of the first
 variant. Targets: <= 1% at M=2, <= 3% at M=4 (about 20 tokens per parameter).
@@ -70,7 +71,7 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
                      variants: tuple[str, ...] = ("defaults", "k1"), corpus: str | None = None,
                      dp_lrs: tuple[float, ...] = (), slowdown: float = 1.0, agg_slowdown: float = 1.0,
                      agg_env: dict | None = None, learner_env: dict | None = None,
-                     keep_logs: str | None = None) -> dict:
+                     keep_logs: str | None = None, dp_inner: tuple[str, ...] = ()) -> dict:
     env = settings(quick, steps, corpus)
     runs = {}
     slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
@@ -105,8 +106,13 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
         r = await asyncio.to_thread(train_dp, {**env, "DILOCO_INNER_LR": str(lr)}, M, steps, progress)
         progress(f"data-parallel lr={lr} eval {r['eval_loss']:.4f} ({r['train_seconds']} s)")
         sweep[str(lr)] = r["eval_loss"]
-    best_lr = min(sweep, key=lambda k: sweep[k])
-    b = sweep[best_lr]
+    for kind in dp_inner:  # data-parallel with another inner optimizer (at its default rate): "kind@lr"
+        r = await asyncio.to_thread(train_dp, {**env, "DILOCO_INNER_OPTIMIZER": kind}, M, steps, progress)
+        progress(f"data-parallel {kind} eval {r['eval_loss']:.4f} ({r['train_seconds']} s)")
+        sweep[f"{kind}@{r['lr']}"] = r["eval_loss"]
+    best = min(sweep, key=lambda k: sweep[k])
+    best_lr, best_inner = best.split("@")[-1], best.split("@")[0] if "@" in best else dp.get("inner", "adamw")
+    b = sweep[best]
     for r in runs.values():
         r["loss_gap"] = (r["loss"] - b) / b
         r["loss_gap_same_lr"] = (r["loss"] - dp["eval_loss"]) / dp["eval_loss"]
@@ -116,6 +122,7 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
             "params": dp["params"],
             "tokens": dp["tokens"], "tokens_per_param": round(dp["tokens"] / dp["params"], 2),
             "variant": variants[0], "decoupled_loss": d, "dp_loss": b, "dp_best_lr": float(best_lr),
+            "dp_best_inner": best_inner,
             "dp_sweep": sweep, "loss_gap": (d - b) / b, "decoupled": runs, "dp": dp}
 
 
@@ -139,6 +146,8 @@ def main() -> None:
                         "trip is a smaller share of a step (as with a real model's steps)")
     p.add_argument("--dp-lrs", default="", help="comma-separated peak learning rates for data-parallel too; the best "
                                                 "is the baseline of loss_gap")
+    p.add_argument("--dp-inner", default="", help="comma-separated inner optimizers (adamw, muon) to train "
+                                                   "data-parallel with too; the best is the baseline of loss_gap")
     p.add_argument("--agg-slowdown", type=float, default=1.0,
                    help="DILOCO_AGG_SLOWDOWN of the aggregator: an aggregator this many times slower (a lagging one)")
     p.add_argument("--agg-env", default="", help="extra aggregator settings, K=V,K=V (e.g. DILOCO_TRUST=off)")
@@ -154,7 +163,8 @@ def main() -> None:
     lrs = tuple(float(x) for x in a.dp_lrs.split(",") if x.strip())
     variants = a.variants or ("defaults" if a.quick and a.steps is None else "defaults,k1")
     r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(variants.split(",")), a.corpus, lrs,
-                               a.slowdown, a.agg_slowdown, kv(a.agg_env), kv(a.learner_env), a.keep_logs))
+                               a.slowdown, a.agg_slowdown, kv(a.agg_env), kv(a.learner_env), a.keep_logs,
+                               tuple(x for x in a.dp_inner.split(",") if x.strip())))
     finish({"bench": "quality", "quick": a.quick, **r}, a.out)
 
 

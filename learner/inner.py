@@ -1,4 +1,5 @@
-"""Inner optimisation: optax AdamW with warm-up + cosine decay and global-norm clipping.
+"""Inner optimisation: optax AdamW (or Muon, ``kind="muon"``) with warm-up + cosine decay and
+global-norm clipping.
 
 One inner step is
 
@@ -10,6 +11,12 @@ One inner step is
 
 (t counts optimizer updates from 0; after ``total_steps`` the rate stays at ``end``).
 Published DiLoCo inner settings: lr 4e-4, 1,000 warm-up steps, weight decay 0.1.
+
+``kind="muon"`` (DILOCO_INNER_OPTIMIZER=muon): the hidden matrices (every 2-D leaf but the
+embeddings) take ``optax.contrib.muon``'s orthogonalised momentum, scaled to AdamW's update RMS
+(``consistent_rms=0.2``, Liu et al. 2025), so the same rate, schedule and weight decay apply; the
+embeddings and norm scales keep AdamW. MuLoCo (DESIGN.md section 9) found a Muon inner optimizer
+roughly halves DiLoCo's gap at small sizes; what it buys here is measured in docs/BENCHMARKS.md.
 
 The jitted step holds a CPU for its whole duration: call it from a worker thread
 (``asyncio.to_thread``) so heartbeats and NATS I/O stay live. Inner optimizer state is never
@@ -78,6 +85,22 @@ def _decay_mask(params: dict) -> dict:
     return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
 
 
+INNER_OPTIMIZERS = ("adamw", "muon")
+#: Muon's update scaled to this RMS per matrix: AdamW's typical update RMS (Liu et al. 2025)
+MUON_RMS = 0.2
+#: leaves whose path holds one of these stay with AdamW under Muon (lookup tables, not linear maps)
+EMBEDDING_NAMES = ("embed",)
+
+
+def _muon_labels(params) -> dict:
+    """"muon" for the hidden matrices (2-D, not an embedding), "adam" for the rest."""
+    def label(path, p) -> str:
+        name = jax.tree_util.keystr(path).lower()
+        return "muon" if p.ndim == 2 and not any(e in name for e in EMBEDDING_NAMES) else "adam"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def make_optimizer(
     lr: float,
     warmup_steps: int,
@@ -89,9 +112,11 @@ def make_optimizer(
     end_lr_fraction: float = 0.1,
     start_step: int = 0,
     rewarm_steps: int = 0,
+    kind: str = "adamw",
 ) -> optax.GradientTransformation:
     """clip_by_global_norm(clip_norm) then AdamW on ``make_schedule(...)`` (``start_step`` and
-    ``rewarm_steps``: a resumed learner's schedule, see there).
+    ``rewarm_steps``: a resumed learner's schedule, see there); ``kind="muon"``: Muon on the
+    hidden matrices, AdamW on the rest (module docstring), the same schedule and decay.
 
     ``clip_norm=None`` (or 0) disables clipping. Weight decay is decoupled (AdamW) and masked
     to tensors with ndim >= 2. If the loss spikes after a global merge, lower ``clip_norm``
@@ -101,11 +126,19 @@ def make_optimizer(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     if clip_norm is not None and clip_norm < 0:
         raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm}")
+    if kind not in INNER_OPTIMIZERS:
+        raise ValueError(f"inner optimizer must be one of {INNER_OPTIMIZERS}, got {kind!r}")
     schedule = make_schedule(lr, warmup_steps, total_steps, end_lr_fraction, start_step, rewarm_steps)
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=_decay_mask)
+    opt = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=_decay_mask)
+    if kind == "muon":
+        from optax.contrib import muon
+
+        # every leaf Muon gets is a hidden matrix; AdamW keeps the embeddings and norm scales
+        opt = optax.partition({"muon": muon(schedule, weight_decay=weight_decay, consistent_rms=MUON_RMS),
+                               "adam": opt}, _muon_labels)
     if not clip_norm:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+        return opt
+    return optax.chain(optax.clip_by_global_norm(clip_norm), opt)
 
 
 def make_train_step(

@@ -66,6 +66,7 @@ class RefConfig:
     total_steps: int | None = None  # cosine schedule length (None: steps)
     weight_decay: float = _L("weight_decay")
     clip_norm: float = _L("clip_norm")
+    inner_optimizer: str = _L("inner_optimizer")  # adamw or muon (learner.inner)
     # outer schedule: the learner's and the model's defaults
     H: int = _L("sync_every")
     P: int = _MODEL("num_fragments")

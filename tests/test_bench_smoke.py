@@ -79,3 +79,14 @@ def test_the_lean_preset_is_the_same_run_in_the_reference():
     assert (ac.downlink_quantiser, ac.downlink_chain, ac.downlink_topk_k, ac.outer_lr, ac.outer_momentum) == (
         LEAN_REFERENCE["downlink"], LEAN_REFERENCE["downlink_chain"], LEAN_REFERENCE["down_k"],
         LEAN_REFERENCE["outer_lr"], LEAN_REFERENCE["outer_momentum"])
+
+
+def test_inner_opt_summary_compares_with_data_parallel_adamw_and_with_sync():
+    from bench.inner_opt import summary
+
+    rows = [{"M": 4, "kind": k, "mode": m, "eval_loss": v} for k, m, v in [
+        ("adamw", "dp", 2.0), ("adamw", "sync", 2.1), ("adamw", "decoupled", 2.2),
+        ("muon", "dp", 1.8), ("muon", "sync", 2.0), ("muon", "decoupled", 2.02)]]
+    s = summary(rows)
+    assert s["gap_adamw_m4"] == 0.1 and s["gap_muon_m4"] == 0.01 and s["gap_same_muon_m4"] == 0.1222
+    assert s["async_cost_adamw_m4"] == 0.0476 and s["async_cost_muon_m4"] == 0.01

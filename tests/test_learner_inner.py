@@ -112,3 +112,60 @@ def test_training_loss_falls_and_eval_matches_loss_fn():
     assert float(eval_fn(params, jnp.asarray(held[0]))) == pytest.approx(
         float(loss_fn(params, jnp.asarray(held[0]), TINY)), rel=1e-5
     )
+
+
+# -- Muon (DILOCO_INNER_OPTIMIZER=muon) ----------------------------------------------------------------
+
+
+def test_muon_orthogonalises_the_hidden_matrices_only_at_adamws_update_rms():
+    """Muon takes the hidden matrices (an update whose singular values are all alike, scaled to
+    an RMS of lr x MUON_RMS); the embeddings and norm scales keep AdamW (first update lr x sign)."""
+    from learner.inner import MUON_RMS, _muon_labels
+
+    rng = np.random.default_rng(0)
+    params = {"embed": jnp.zeros((16, 8)), "blocks/0/mlp_in": jnp.zeros((8, 24)), "blocks/0/norm": jnp.ones((8,))}
+    assert _muon_labels(params) == {"embed": "adam", "blocks/0/mlp_in": "muon", "blocks/0/norm": "adam"}
+    grads = {k: jnp.asarray(rng.normal(size=v.shape), jnp.float32) for k, v in params.items()}
+    lr = 1e-2
+    opt = make_optimizer(lr, 0, 10, weight_decay=0.0, clip_norm=None, kind="muon")
+    updates, _ = opt.update(grads, opt.init(params), params)
+    hidden = np.asarray(updates["blocks/0/mlp_in"])
+    s = np.linalg.svd(hidden, compute_uv=False)
+    assert s.min() > 0.5 * s.max()  # orthogonalised (Newton-Schulz: singular values near one another)
+    assert float(np.sqrt(np.mean(hidden ** 2))) == pytest.approx(lr * MUON_RMS, rel=0.35)
+    for k in ("embed", "blocks/0/norm"):  # Adam's first bias-corrected step: lr x sign(g)
+        np.testing.assert_allclose(np.asarray(updates[k]), -lr * np.sign(np.asarray(grads[k])), rtol=1e-3)
+    with pytest.raises(ValueError, match="inner optimizer"):
+        make_optimizer(lr, 0, 10, kind="sgd")
+
+
+def test_muon_trains_the_builtin_model():
+    corpus = _tiny_corpus()
+    shard = corpus.shard(0, 1, TINY.seq_len, seed=0)
+    params = to_jax(init_params(TINY, 0))
+    opt = make_optimizer(3e-3, warmup_steps=5, total_steps=40, weight_decay=0.1, clip_norm=1.0, kind="muon")
+    opt_state = opt.init(params)
+    step = make_train_step(TINY, opt)
+    losses = [float(step(params, opt_state, jnp.asarray(shard.batch(8)))[2])]
+    for _ in range(30):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(shard.batch(8)))
+        losses.append(float(loss))
+    assert all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < losses[0] - 1.5
+
+
+def test_the_learner_takes_its_inner_optimizer_from_diloco_inner_optimizer():
+    from bus.config import ConfigError, from_env
+    from learner.builtin import builtin_backend
+    from learner.config import LearnerConfig
+    from learner.spec import make_plan
+
+    corpus = _tiny_corpus()
+    plan = make_plan(TINY, 2, 1.5)
+    for kind in ("adamw", "muon"):
+        cfg = from_env(LearnerConfig, {"DILOCO_INNER_OPTIMIZER": kind, "DILOCO_TOTAL_STEPS": "20"})
+        backend = builtin_backend(TINY, plan, cfg, corpus.shard(0, 1, TINY.seq_len, seed=0))
+        state = backend._init_opt(to_jax(init_params(TINY, 0)))
+        assert ("'muon'" in repr(state)) == (kind == "muon")
+    with pytest.raises(ConfigError, match="DILOCO_INNER_OPTIMIZER"):
+        from_env(LearnerConfig, {"DILOCO_INNER_OPTIMIZER": "sgd"})
