@@ -3,8 +3,9 @@
 M data-parallel workers with batch b each, exactly synchronised every step, are one optimizer on
 the concatenation of their M batches (an all-reduced mean gradient is the gradient of the mean
 loss). So this trains the run's model from the run's version 0 (``init_params(spec, seed)``, as
-the aggregator does) with one AdamW (``learner.inner``, the learners' settings) on batches of M x b
-sequences: b from each of the M learner data shards, the shards a run of M learners would use.
+the aggregator does) with the learners' inner optimizer (``learner.inner``: Muon by default, their
+settings) on batches of M x b sequences: b from each of the M learner data shards, the shards a run
+of M learners would use.
 The held-out loss is computed exactly as the evaluator does (``Corpus.heldout_batches`` with the
 evaluator's batch count and size, ``make_eval_fn``).
 

@@ -70,7 +70,8 @@ def step_cost(preset: str, repeats: int = 5, steps: int = 20) -> dict:
     import numpy as np
 
     from bus.presets import MODEL_PRESETS
-    from learner.config import ModelConfig, from_env
+    from bus.config import from_env
+    from learner.config import ModelConfig
     from learner.inner import make_optimizer, make_train_step
     from learner.model import to_jax
     from learner.spec import init_params

@@ -9,8 +9,9 @@ and round, a final sync at the step budget); then ``diloco eval --once`` on the 
 the other, by default ``defaults`` (K = M: every learner) and ``k1`` (K = 1 and the grace window;
 ``--quick`` without ``--steps``: ``defaults`` only, to stay under a minute).
 Data-parallel: one process, the same model, the same version-0 parameters (same seed), the same
-AdamW settings and schedule, batches of M x b (b from each of the M shards) for the same number
-of steps, so both saw the same number of tokens (``bench/dp.py``); the same held-out batches.
+inner optimizer (DILOCO_INNER_OPTIMIZER: Muon by default), settings and schedule, batches of M x b
+(b from each of the M shards) for the same number of steps, so both saw the same number of tokens
+(``bench/dp.py``); the same held-out batches.
 ``--dp-lrs 0.004,0.008,0.016`` trains data-parallel at each peak learning rate too, ``--dp-inner muon``
 with each inner optimizer named (``DILOCO_INNER_OPTIMIZER``) too: the best of them is the *tuned*
 data-parallel baseline (the learners keep their own settings; ``--learner-env`` sets theirs).

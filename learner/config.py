@@ -124,9 +124,9 @@ class LearnerConfig:
                                  "is -1 (DiLoCo needs a longer one than data-parallel: docs/learner.md)")
     total_steps: int = var(1000, integer(1), "steps of the cosine schedule (and the run, unless DILOCO_MAX_STEPS)")
     max_steps: int = var(0, integer(0), "stop after this many inner steps (0: DILOCO_TOTAL_STEPS)")
-    inner_optimizer: str = var("adamw", choice("adamw", "muon"), "the built-in model's inner optimizer: adamw, or "
-                               "muon (Muon on the hidden matrices at AdamW's update RMS, AdamW on the rest: "
-                               "learner.inner; an island's optimizer is its own)")
+    inner_optimizer: str = var("muon", choice("adamw", "muon"), "the built-in model's inner optimizer: muon (Muon on "
+                               "the hidden matrices at AdamW's update RMS, AdamW on the rest: learner.inner; "
+                               "docs/learner.md, Defaults) or adamw; an island's optimizer is its own")
     weight_decay: float = var(0.1, number(0.0, 10.0), "AdamW weight decay")
     clip_norm: float = var(1.0, number(0.0), "global gradient-norm clip (0: off)")
     data: str = var("", text(), "corpus: empty = Python stdlib sources; a text file/folder; or a uint16 .bin")

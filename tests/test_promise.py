@@ -42,6 +42,9 @@ STEPS = 480
 #: data-parallel (2.2646): +7.3%, +5.2%, +4.8%, +7.8%, +6.8% (5 runs: mean +6.4%, range 3.0 points);
 #: with the window off and numpy's threaded BLAS (main before issue 37): +27.8%, +21.9%. The bound is
 #: the worst measured run plus more than the measured range: a return of the failure is far above it.
+#: With Muon the default inner optimizer (2026-12-03, both sides Muon): data-parallel 1.9263 (AdamW's
+#: 2.2646), decoupled 2.0810, 2.0847, 2.0945: +8.0%, +8.2%, +8.7% (3 runs); the window off: +28.9%,
+#: staleness 13 (the failure still far above the bound).
 MAX_GAP = 0.12
 #: the staleness the aggregator saw, in versions: at most 1 in those 5 runs (a contribution is computed
 #: from the version that merged its learner's previous round); without the window 11 and 14

@@ -149,6 +149,9 @@ def test_an_aggregator_outage_backlog_does_not_blow_up_the_model():
     assert peak <= pre and final < 0.97 * pre, (pre, peak, final)
     pre9, peak9, _ = run(outer_momentum=0.9)
     assert peak9 < 1.1 * pre9, (pre9, peak9)
-    # the case the rule exists for: the same backlog feeding the momentum
+    # the case the rule exists for: the same backlog feeding the momentum. The reference is
+    # deterministic: with AdamW inner steps it peaked at 3.7x the loss before the outage (11 against
+    # 2.97), with Muon (the default since issue 40) at 1.93x (6.77 against 3.50); the rule keeps it
+    # under 1.1x (above)
     _, unguarded, _ = run(outer_momentum=0.9, momentum_open_rounds=10**6)
-    assert unguarded > 2 * pre9, (pre9, unguarded)
+    assert unguarded > 1.5 * pre9, (pre9, unguarded)
