@@ -57,6 +57,7 @@ class HeartbeatIntake:
         def __getattr__(self, name: str) -> Any: ...
         members: dict[str, Member]
         _since_yield: int
+        _drained_at: float | None
 
     # -- heartbeats and ticks (synchronous state changes) ---------------------------------------
 
@@ -116,10 +117,18 @@ class HeartbeatIntake:
             self._since_yield = 0
             await asyncio.sleep(0)
 
-    def tick(self, now: float) -> list[Transition]:
-        """Apply the passage of time (exposed for tests); returns the transitions."""
+    def tick(self, now: float, backlog: int = 0) -> list[Transition]:
+        """Apply the passage of time (exposed for tests); returns the transitions. ``backlog``:
+        heartbeats received and not read yet (a flood, or a busy loop). Silence is then counted
+        up to when the intake was last empty, for at most ``evict_after`` more: a learner whose
+        heartbeat waits in our own queue is not evicted for it, and a flood that never ends
+        delays evictions by no more than that (tests/test_monitor_service.py, the flood: the
+        real learner was evicted once in the suite, "no heartbeat for 1.1s", behind 5,000)."""
         assert self.started_at is not None
-        new, transitions = on_tick(self.members, now, self.started_at, self.mcfg)
+        if not backlog:
+            self._drained_at = now
+        heard = max(self._drained_at or now, now - self.mcfg.evict_after)
+        new, transitions = on_tick(self.members, now, self.started_at, self.mcfg, heard_until=heard)
         if transitions:
             self.members = new
             self._changed([t.learner for t in transitions], transitions)

@@ -298,11 +298,14 @@ def on_tick(
     now: float,
     monitor_started_at: float,
     cfg: MembershipConfig,
+    heard_until: float | None = None,
 ) -> tuple[dict[str, Member], list[Transition]]:
     """Apply the passage of time at `now`; return (new members, transitions sorted by learner).
 
-    Silence is `now - max(last_seen, monitor_started_at)`: members inherited from a previous
-    monitor are not blamed for the time nobody was listening. Active members silent for
+    Silence is `heard_until - max(last_seen, monitor_started_at)`: members inherited from a previous
+    monitor are not blamed for the time nobody was listening, nor any member for heartbeats the
+    monitor received and has not read yet (`heard_until`: when its intake was last empty; None:
+    `now`). Active members silent for
     `suspect_after` become suspect; any non-evicted member silent for `evict_after` is evicted,
     but never before `monitor_started_at + cfg.effective_startup_grace`. Joining and rejoining
     members are not counted in quorum, so they skip `suspect` and go straight to `evicted`.
@@ -314,7 +317,7 @@ def on_tick(
         member = members[name]
         if member.state in (State.EVICTED, State.LEFT):
             continue  # a learner that left is silent on purpose
-        silence = now - max(member.last_seen, monitor_started_at)
+        silence = (now if heard_until is None else min(now, heard_until)) - max(member.last_seen, monitor_started_at)
         if may_evict and silence >= cfg.evict_after:
             reason = (
                 f"no heartbeat for {now - member.last_seen:.1f}s (evict_after={cfg.evict_after:g}s)"

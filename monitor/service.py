@@ -141,6 +141,8 @@ class MonitorService(Leadership, HeartbeatIntake):
             "forgotten": 0,
         }
         self.started_at: float | None = None
+        self._drained_at: float | None = None  # when the heartbeat intake was last empty (tick)
+        self._hb_sub: Any = None  # the heartbeat subscription (its pending count: the intake's backlog)
         self.ready = asyncio.Event()
         self.nc = None
         self.js = None
@@ -186,7 +188,8 @@ class MonitorService(Leadership, HeartbeatIntake):
                 kick.clear()
 
     async def _tick_body(self) -> None:
-        self.tick(time.time())
+        sub = self._hb_sub
+        self.tick(time.time(), backlog=sub.pending_msgs if sub is not None else 0)
 
     async def _flush_body(self) -> None:
         if self.is_leader:
@@ -295,8 +298,9 @@ class MonitorService(Leadership, HeartbeatIntake):
                     return
                 raise
             self.log.info("monitor_starting", members=len(self.members), versions=len(self.current_versions))
-            sub = await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat_msg,
-                                          pending_msgs_limit=1_000_000, pending_bytes_limit=256 * 1024 * 1024)
+            sub = self._hb_sub = await self.nc.subscribe(self.subjects.heartbeat_all, cb=self._on_heartbeat_msg,
+                                                         pending_msgs_limit=1_000_000,
+                                                         pending_bytes_limit=256 * 1024 * 1024)
             self.started_at = time.time()
             try:
                 await self._lease_step()

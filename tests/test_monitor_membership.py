@@ -171,6 +171,18 @@ def test_inputs_are_not_mutated():
 # --------------------------------------------------------------------------- tick paths
 
 
+def test_silence_counts_only_up_to_what_the_monitor_has_read():
+    """``heard_until`` (when the intake was last empty): a heartbeat waiting in the monitor's own
+    queue is not silence. Counted up to T0 + 2.0 nothing moves at T0 + 9; up to ``now``, evicted."""
+    started = T0 - 100
+    members, ts = on_tick(active_member(), T0 + 9.0, started, CFG, heard_until=T0 + 2.0)
+    assert ts == [] and members["l0"].state is State.ACTIVE
+    members, ts = on_tick(active_member(), T0 + 9.0, started, CFG, heard_until=T0 + 3.5)
+    assert edges(ts) == [(State.ACTIVE, State.SUSPECT)] and ts[0].at == T0 + 9.0
+    members, ts = on_tick(active_member(), T0 + 9.0, started, CFG, heard_until=T0 + 20)  # never past now
+    assert edges(ts) == [(State.ACTIVE, State.EVICTED)]
+
+
 def test_active_becomes_suspect_then_evicted_then_rejoins():
     started = T0 - 100  # monitor long past its startup grace
     members = active_member()

@@ -583,3 +583,16 @@ def test_a_monitor_with_credentials_never_creates_the_run():
     assert not may_create_run(CommonConfig(nats_url="nats://h:4222", run="r", nats_user="monitor", nats_password="p"))
     assert not may_create_run(CommonConfig(nats_url="nats://h:4222", run="r", nats_creds="/x/monitor.creds"))
     assert not may_create_run(CommonConfig(nats_url="nats://h:4222", run="r", nats_nkey_seed="/x/seed"))
+
+
+def test_a_backlog_of_heartbeats_holds_evictions_for_at_most_evict_after():
+    """The service's tick with heartbeats queued and unread: silence counts up to when the intake
+    was last empty, and no further back than ``evict_after`` (a flood that never drains)."""
+    common, cfg = configs("nats://127.0.0.1:1", "backlog", "mon-a")
+    svc = MonitorService(common, cfg)
+    t0 = time.time()
+    svc.started_at = t0 - 100
+    svc.members = {"good": Member("good", "eu", State.ACTIVE, t0, t0, "", "inc", (), 1, 1.0)}
+    assert svc.tick(t0 + 0.1) == []  # drained at t0 + 0.1
+    assert svc.tick(t0 + EVICT + 0.5, backlog=4000) == []  # its next heartbeat may be in the queue
+    assert [t.new for t in svc.tick(t0 + 2 * EVICT + 0.2, backlog=4000)] == [State.EVICTED]  # not forever
