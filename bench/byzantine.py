@@ -37,8 +37,8 @@ import time
 from dataclasses import replace
 
 from simulation.byzantine_attacks import KINDS
-from bench.common import finish, parser, progress
-from bus.procs import popen, process_pool
+from bench.common import finish, parser, progress, run_jobs
+from bus.procs import popen
 
 SMALL_PARAMS = 119_104
 
@@ -88,16 +88,7 @@ def reference_tier(M: int, seeds: list[int], kinds: list[str], quick: bool, unde
     items = _configs(M, seeds, kinds, quick, undefended, oracle)
     if only:  # a subset of the rows by label prefix (e.g. "oracle"), to add to an earlier run
         items = [it for it in items if any(it[0].startswith(x) for x in only.split(","))]
-    rows: list[dict] = []
-    if jobs > 1:
-        with process_pool(jobs) as ex:  # spawn workers that die with us
-            for row in ex.map(_one, items):
-                rows.append(row)
-                progress(f"{row['label']}: held-out {row['eval_loss']:.4f} ({row['wall_s']} s)")
-    else:
-        for it in items:
-            rows.append(_one(it))
-            progress(f"{rows[-1]['label']}: held-out {rows[-1]['eval_loss']:.4f} ({rows[-1]['wall_s']} s)")
+    rows = run_jobs(_one, items, jobs, lambda r: f"{r['label']}: held-out {r['eval_loss']:.4f} ({r['wall_s']} s)")
     return {"M": M, "seeds": seeds, "rows": rows, **costs(rows)}
 
 

@@ -7,6 +7,8 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 
@@ -38,6 +40,24 @@ def rss_mib() -> float:
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_jobs(fn: Callable[[Any], dict], items: list, jobs: int, line: Callable[[dict], str]) -> list[dict]:
+    """``fn`` of every item, in order: ``jobs`` > 1 in that many spawned worker processes (which die
+    with us; ``fn`` and the items must pickle), else here; each result's ``line`` said as progress."""
+    rows: list[dict] = []
+    if jobs > 1:
+        from bus.procs import process_pool
+
+        with process_pool(jobs) as ex:
+            for row in ex.map(fn, items):
+                rows.append(row)
+                progress(line(row))
+    else:
+        for it in items:
+            rows.append(fn(it))
+            progress(line(rows[-1]))
+    return rows
 
 
 def finish(results: dict, out: str | None) -> None:

@@ -27,8 +27,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import time
 
-from bench.common import finish, parser, progress
-from bus.procs import process_pool
+from bench.common import finish, parser, progress, run_jobs
 
 KINDS = ("adamw", "muon")
 MODES = ("dp", "sync", "decoupled")
@@ -135,17 +134,8 @@ def main() -> None:
     Ms = a.M or ([2] if a.quick else [4, 8])
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
     items = configs(Ms, a.kinds, a.quick, tpp, a.batch, a.seed)
-    rows: list[dict] = []
-    if a.jobs > 1:
-        with process_pool(a.jobs) as ex:  # spawn workers that die with us
-            for row in ex.map(one, items):
-                rows.append(row)
-                progress(f"M={row['M']} {row['kind']} {row['mode']}: {row['eval_loss']:.4f} ({row['seconds']} s)")
-    else:
-        for cfg in items:
-            rows.append(one(cfg))
-            r = rows[-1]
-            progress(f"M={r['M']} {r['kind']} {r['mode']}: {r['eval_loss']:.4f} ({r['seconds']} s)")
+    rows = run_jobs(one, items, a.jobs,
+                    lambda r: f"M={r['M']} {r['kind']} {r['mode']}: {r['eval_loss']:.4f} ({r['seconds']} s)")
     speed: dict = {}
     if not a.no_speed:
         for preset in (["tiny"] if a.quick else ["small", "default"]):

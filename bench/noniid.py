@@ -39,8 +39,7 @@ import sysconfig
 import time
 from dataclasses import replace
 
-from bench.common import finish, parser, progress
-from bus.procs import process_pool
+from bench.common import finish, parser, progress, run_jobs
 
 SMALL_PARAMS = 119_104
 LIAR = "learner-0"
@@ -165,17 +164,7 @@ def _one(args: tuple) -> dict:
 
 
 def run_all(items: list, jobs: int, trace_dir: str) -> list[dict]:
-    rows: list[dict] = []
-    if jobs > 1:
-        with process_pool(jobs) as ex:  # spawn workers that die with us
-            for row in ex.map(_one, [(it, trace_dir) for it in items]):
-                rows.append(row)
-                progress(_line(row))
-    else:
-        for it in items:
-            rows.append(one(it, trace_dir))
-            progress(_line(rows[-1]))
-    return rows
+    return run_jobs(_one, [(it, trace_dir) for it in items], jobs, _line)
 
 
 def _line(r: dict) -> str:
