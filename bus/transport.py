@@ -197,8 +197,17 @@ class ConsumerStats:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
 
-#: The most :func:`prompt_fetch` waits for the messages the first said were already there.
-DRAIN_S = 0.05
+#: The most :func:`prompt_fetch` waits for the server's answer to its request for the messages the
+#: first said were already there. The server answers such a request (``no_wait``) at once, with the
+#: messages or a status (404 none left, 408/409 none deliverable now), and that answer ends the wait;
+#: this bounds only a server that does not answer at all. It was a fixed 50 ms round trip once: on a
+#: loaded CI machine the answer came later and a poll returned 1 message of 32 (the rest waited for
+#: the next poll).
+DRAIN_WAIT_S = 2.0
+#: How long the server holds that request when none of the pending messages is deliverable now
+#: (``max_ack_pending`` reached): it then answers 408. A timer on the server, so a loaded client or
+#: link does not shorten what it returns.
+DRAIN_EXPIRES_S = 0.1
 
 
 async def prompt_fetch(sub, batch: int, timeout: float) -> list:
@@ -209,20 +218,62 @@ async def prompt_fetch(sub, batch: int, timeout: float) -> list:
     flight, nats-py 2.16 waits for the batch to fill until the request expires, so what arrived is
     held for up to ``timeout`` (in a loop of fetch(32, 0.2) about 1% of messages were held
     70-190 ms: a lock-step round whose last chunk is held waits that long).
-    ``fetch(1)`` returns at its first message; the second fetch asks for exactly what is pending,
-    so it returns as they come (``DRAIN_S`` only bounds a race, e.g. another puller on the same
-    consumer). ``python -m bench.transport`` measures both (``poll_delay_ms``)."""
+    ``fetch(1)`` returns at its first message; then :func:`take_pending` asks for exactly what is
+    pending and returns at the server's answer. ``python -m bench.transport`` measures both
+    (``poll_delay_ms``)."""
     msgs = await sub.fetch(1, timeout=timeout)
     try:
         pending = int(msgs[-1].metadata.num_pending)
     except Exception:  # noqa: BLE001 - no metadata (not a JetStream message): take the first only
         pending = 0
-    if batch > 1 and pending > 0:
+    if batch > len(msgs) and pending > 0:
         try:
-            msgs += await sub.fetch(min(batch - 1, pending), timeout=DRAIN_S)
-        except Exception:  # noqa: BLE001 - taken by another puller, or trouble the next poll meets
+            msgs += await take_pending(sub, min(batch - len(msgs), pending), DRAIN_WAIT_S)
+        except Exception:  # noqa: BLE001 - connection trouble the next poll meets
             pass
     return msgs
+
+
+async def take_pending(sub, n: int, wait: float) -> list:
+    """Up to ``n`` messages the server holds for ``sub`` now: one pull request with ``no_wait``,
+    read until ``n`` came or the server's status says there are no more (404: none left, e.g.
+    another puller took them; 408 after ``DRAIN_EXPIRES_S`` on the server's clock when none is
+    deliverable, e.g. ``max_ack_pending`` reached); ``wait`` seconds at most if it never answers. nats-py's ``fetch`` cannot end there: after a 404 it sends
+    a lingering request and waits out its timeout. What comes after we stop reading stays in the
+    subscription's queue, where the next fetch takes it first: nothing is lost."""
+    inner, nms, deliver = (getattr(sub, a, None) for a in ("_sub", "_nms", "_deliver"))
+    if inner is None or nms is None or deliver is None:  # another nats-py: its own fetch, briefly
+        return await sub.fetch(n, timeout=min(wait, 0.05))
+    out: list = []
+    queue = inner._pending_queue
+    while len(out) < n and not queue.empty():  # a previous request's late answer
+        m = queue.get_nowait()
+        inner._pending_size -= len(m.data)
+        if not _status(m):
+            out.append(m)
+    if len(out) >= n:
+        return out
+    req = {"batch": n - len(out), "no_wait": True, "expires": int(DRAIN_EXPIRES_S * 1e9)}
+    await sub._nc.publish(nms, orjson.dumps(req), deliver)
+    t_end = time.monotonic() + wait
+    while len(out) < n:
+        left = t_end - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            m = await inner.next_msg(timeout=left)
+        except (asyncio.TimeoutError, TimeoutError):
+            break
+        if _status(m):
+            break
+        out.append(m)
+    return out
+
+
+def _status(m) -> str | None:
+    """A JetStream status message's code (an empty message with a Status header), or None."""
+    h = m.headers
+    return h.get("Status") if h and not m.data else None
 
 
 class ChunkConsumer:

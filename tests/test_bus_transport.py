@@ -325,3 +325,32 @@ async def test_prompt_fetch_takes_what_is_pending_and_no_more_than_the_batch(js)
     assert got == list(range(40))
     await js.publish("pf.x", b"40")
     assert [int(m.data) for m in await prompt_fetch(sub, 32, 2.0)] == [40]  # one pending: no drain
+
+
+async def test_take_pending_waits_for_the_servers_answer_not_a_fixed_time(nats_server, js):
+    """bus.transport.take_pending ends at the server's answer: a server that answers late (stopped for
+    0.4 s: a loaded machine) still gives every pending message (a fixed 50 ms wait once gave 1 of 32
+    in CI); messages pending but not deliverable (max_ack_pending reached) end it at once with the
+    server's status, not after ``wait``."""
+    from nats.js.api import ConsumerConfig
+
+    from bus.transport import take_pending
+    from tests.stopped import stopped
+
+    await js.add_stream(name="TP", subjects=["tp.>"])
+    sub = await js.pull_subscribe("tp.>", durable="tp", stream="TP")
+    for i in range(10):
+        await js.publish("tp.x", str(i).encode())
+    with stopped(nats_server.proc.pid):
+        task = asyncio.create_task(take_pending(sub, 10, 10.0))
+        await asyncio.sleep(0.4)
+        assert not task.done()
+    msgs = await asyncio.wait_for(task, 10)
+    assert [int(m.data) for m in msgs] == list(range(10))
+
+    await js.add_consumer("TP", ConsumerConfig(durable_name="held", max_ack_pending=2, ack_wait=60))
+    held = await js.pull_subscribe_bind("held", "TP")
+    assert len(await take_pending(held, 2, 10.0)) == 2  # held unacked: nothing more is deliverable
+    t0 = time.monotonic()
+    assert await take_pending(held, 5, 10.0) == []
+    assert time.monotonic() - t0 < 3.0
