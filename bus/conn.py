@@ -317,15 +317,21 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
     return nc
 
 
-async def probe(nc: Client, stream: str, timeout: float = 3.0) -> dict[str, Any]:
+async def probe(nc: Client, stream: str, timeout: float = 3.0, direct_subject: str | None = None) -> dict[str, Any]:
     """What of the server still answers ``nc``, to log beside a request that timed out:
     ``ping_ms`` (round trip of a PING, or None) and ``jetstream``: "answered" (its info of
     ``stream``, "not found" included, in ``jetstream_ms``), "unavailable" (no JetStream to answer)
     or "silent" (no answer in ``timeout``); "not asked" after an unanswered ping. A ping unanswered
     is the connection (or the whole server) stalled; a ping answered and JetStream silent is
     JetStream's API stalled. ``stream``: one the user may ask about (a role's user cannot ask for
-    the account's info)."""
-    from nats.js.errors import APIError, ServiceUnavailableError
+    the account's info). ``direct_subject``: also a direct get of that subject's last message in
+    ``stream`` (``direct_get``: "answered", "not found" counted as answered, "no responder", or
+    "silent", in ``direct_ms``): direct gets are answered by the stream itself, stream info by the
+    server's JetStream API workers, so an API silent beside a direct get answered is the API's queue
+    (as many workers as the server has cores), both silent with a ping answered this connection's
+    replies."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
     out: dict[str, Any] = {"ping_ms": None, "jetstream": "not asked", "jetstream_ms": None}
     t0 = time.monotonic()
@@ -334,18 +340,25 @@ async def probe(nc: Client, stream: str, timeout: float = 3.0) -> dict[str, Any]
         out["ping_ms"] = round(1e3 * (time.monotonic() - t0), 1)
     except Exception:  # noqa: BLE001 - the answer is the None
         return out
-    t0 = time.monotonic()
-    try:
-        await nc.jetstream(timeout=timeout).stream_info(stream)
-    except ServiceUnavailableError:
-        out["jetstream"] = "unavailable"
-        return out
-    except APIError:
-        pass  # an answer all the same
-    except Exception:  # noqa: BLE001 - unanswered
-        out["jetstream"] = "silent"
-        return out
-    out["jetstream"], out["jetstream_ms"] = "answered", round(1e3 * (time.monotonic() - t0), 1)
+    js = nc.jetstream(timeout=timeout)
+
+    async def ask(call) -> tuple[str, float | None]:
+        t0 = time.monotonic()
+        try:
+            await call()
+        except ServiceUnavailableError:
+            return "unavailable", None
+        except NoRespondersError:
+            return "no responder", None
+        except (APIError, NotFoundError):
+            pass  # an answer all the same
+        except Exception:  # noqa: BLE001 - unanswered
+            return "silent", None
+        return "answered", round(1e3 * (time.monotonic() - t0), 1)
+
+    if direct_subject is not None:
+        out["direct_get"], out["direct_ms"] = await ask(lambda: js.get_last_msg(stream, direct_subject, direct=True))
+    out["jetstream"], out["jetstream_ms"] = await ask(lambda: js.stream_info(stream))
     return out
 
 

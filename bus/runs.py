@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import orjson
 from nats.js import JetStreamContext
+from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from bus import codec
@@ -43,9 +44,29 @@ class RunMismatch(RuntimeError):
 
 
 async def read_manifest(js: JetStreamContext, run: str) -> Manifest | None:
-    """The run's manifest, or None while the run (or its manifest) does not exist yet."""
+    """The run's manifest, or None while the run (or its manifest) does not exist yet.
+
+    One direct get of the manifest's key (buckets are created with direct get, ``bus.streams``):
+    answered by the bucket's stream itself, not by the server's JetStream API workers (as many as
+    it has cores, stream info queued behind every other request), which on a loaded 2-core CI
+    machine left a learner's and an aggregator's manifest reads unanswered for a minute. A bucket
+    without direct get (a run created before) or no bucket at all has no responder: then the key-value
+    read (stream info, then a message get through the API)."""
+    bucket = Subjects(run).bucket("run")
     try:
-        kv = await js.key_value(Subjects(run).bucket("run"))
+        msg = await js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{MANIFEST_KEY}", direct=True)
+    except NotFoundError:  # the bucket answered: no manifest yet
+        return None
+    except NoRespondersError:
+        return await _read_manifest_kv(js, bucket)
+    if not msg.data or (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+        return None
+    return Manifest.from_dict(orjson.loads(msg.data))
+
+
+async def _read_manifest_kv(js: JetStreamContext, bucket: str) -> Manifest | None:
+    try:
+        kv = await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         return None
     try:
@@ -57,17 +78,26 @@ async def read_manifest(js: JetStreamContext, run: str) -> Manifest | None:
     return Manifest.from_dict(orjson.loads(e.value))
 
 
-async def wait_manifest(js: JetStreamContext, run: str, timeout: float, poll: float = 0.2) -> Manifest:
-    """The run's manifest, waiting up to ``timeout`` seconds for an aggregator to create it."""
+async def wait_manifest(js: JetStreamContext, run: str, timeout: float, poll: float = 0.2, log=None) -> Manifest:
+    """The run's manifest, waiting up to ``timeout`` seconds for an aggregator to create it. A read
+    with no answer is asked again until the deadline; the first is logged (``manifest_read_slow``)
+    with what of the server still answers (``bus.conn.probe``)."""
     t_end = time.monotonic() + timeout
     why = ""
+    told = False
     while True:
         try:
             m = await read_manifest(js, run)
         except (asyncio.TimeoutError, TimeoutError) as e:
-            # one JetStream API reply late (a loaded server: compose's test saw it on 2 cores) is not
-            # the manifest's absence: ask again until our own deadline
+            # one reply late (a loaded server) is not the manifest's absence: ask again until our deadline
             m, why = None, f" (the last read: {e!r})"
+            if log is not None and not told:
+                told = True
+                from bus.conn import probe
+
+                bucket = Subjects(run).bucket("run")
+                log.warning("manifest_read_slow", error=repr(e), hint="asking again until DILOCO_MANIFEST_TIMEOUT",
+                            **await probe(js._nc, f"KV_{bucket}", direct_subject=f"$KV.{bucket}.{MANIFEST_KEY}"))
         if m is not None:
             return m
         if time.monotonic() > t_end:

@@ -335,7 +335,7 @@ async def ensure_run(js: JetStreamContext, run: str, lim: Limits = Limits(), upd
             try:
                 await js.create_key_value(
                     KeyValueConfig(bucket=bucket, history=1 if kind != "members" else 5, storage=StorageType.FILE,
-                                   max_bytes=size)
+                                   max_bytes=size, direct=True)
                 )
             except APIError as e:
                 await _raise_storage(js, e, f"KV_{bucket}", size, run)

@@ -135,7 +135,7 @@ class Evaluator:
             self.nc = await connect_until(self.common, f"eval-{self.ecfg.eval_id}", deadline, self.log)
             js = self.nc.jetstream(timeout=10)
             self.store = global_reader(js, self.common.run, self.plan, self.model_hash)
-            manifest = await join_run(js, self.common, self.spec, self.plan, deadline)
+            manifest = await join_run(js, self.common, self.spec, self.plan, deadline, log=self.log)
             self.store.local = initial_blobs(self.spec, self.plan, manifest.seed)
             self.vectors, self.versions = await fetch_newest(self.store, self.plan, deadline, self.log)
             self.store.local = None

@@ -491,7 +491,7 @@ def _tree_evaluator_class():
             js = self.nc.jetstream(timeout=10)
             try:
                 # the run's own plan (its creator chose the number of fragments), for our tree
-                m = await join_run_model(js, self.common, _AnyPlan(self.model), deadline)
+                m = await join_run_model(js, self.common, _AnyPlan(self.model), deadline, log=self.log)
                 self.plan = tree_of_manifest(m)[1]
                 self._tree = TreeParams(self.like, self.model.tree, self.plan)
             except StartupError as e:

@@ -234,7 +234,7 @@ class Learner(IslandCore, Presence):
                                         watch=self.store_watch)
         self.store = global_reader(self.js, self.common.run, self.plan, self.model_hash)
         await self.run_model.create_run_if_missing(self.js, self.common, self.log)
-        manifest = await join_run_model(self.js, self.common, self.run_model, deadline)
+        manifest = await join_run_model(self.js, self.common, self.run_model, deadline, log=self.log)
         if hasattr(self.run_model, "adopt"):  # an island in a run whose hash is not its tree's
             self.run_model.adopt(manifest)
             if self.run_model.model_hash != self.model_hash:

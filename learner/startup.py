@@ -74,7 +74,7 @@ async def connect_until(common: CommonConfig, name: str, deadline: float, log):
         raise StartupError(EXIT_TIMEOUT, str(e)) from None
 
 
-async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan, deadline: float):
+async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan, deadline: float, log=None):
     """Wait for the manifest and check it: StartupError(3) on mismatch, (4) on timeout.
 
     Learners and the evaluator never create streams (their least-privilege users may not): the
@@ -83,7 +83,7 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
     from learner.spec import check_manifest
 
     try:
-        m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()))
+        m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()), log=log)
     except TimeoutError as e:
         raise StartupError(EXIT_TIMEOUT, str(e)) from None
     try:
@@ -93,13 +93,13 @@ async def join_run(js, common: CommonConfig, spec: ModelSpec, plan: FragmentPlan
     return m
 
 
-async def join_run_model(js, common: CommonConfig, run_model, deadline: float):
+async def join_run_model(js, common: CommonConfig, run_model, deadline: float, log=None):
     """Wait for the manifest and check ``run_model`` against it: StartupError(3) naming the
     difference, (4) on timeout."""
     from bus.runs import wait_manifest
 
     try:
-        m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()))
+        m = await wait_manifest(js, common.run, timeout=max(0.0, deadline - time.monotonic()), log=log)
     except TimeoutError as e:
         raise StartupError(EXIT_TIMEOUT, str(e)) from None
     why = run_model.check(m)
