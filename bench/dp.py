@@ -48,7 +48,7 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     shards = [corpus.shard(i, M, spec.seq_len, seed * 1_000_003 + i) for i in range(M)]
     lr = lc.lr_for(spec.d_model)
     opt = make_optimizer(lr, lc.warmup, lc.total_steps, weight_decay=lc.weight_decay,
-                         clip_norm=lc.clip_norm or None, kind=lc.inner_optimizer)
+                         clip_norm=lc.clip_norm or None, kind=lc.inner_optimizer, muon_rms=lc.muon_rms)
     step = make_train_step(spec, opt, donate=True)
     params = to_jax(init_params(spec, model.seed))
     state = opt.init(params)

@@ -33,7 +33,8 @@ KINDS = ("adamw", "muon")
 MODES = ("dp", "sync", "decoupled")
 
 
-def configs(Ms: list[int], kinds: list[str], quick: bool, tokens_per_param: float, batch: int, seed: int) -> list:
+def configs(Ms: list[int], kinds: list[str], quick: bool, tokens_per_param: float, batch: int, seed: int,
+            modes: tuple[str, ...] = MODES, muon_rms: float | None = None) -> list:
     from bench.algorithm import budget_steps
     from simulation.reference import TINY_MODEL, RefConfig, Setup
 
@@ -45,9 +46,10 @@ def configs(Ms: list[int], kinds: list[str], quick: bool, tokens_per_param: floa
     for M in Ms:
         steps = budget_steps(params, tokens_per_param, M, batch, seq_len)
         for kind in kinds:
-            for mode in MODES:
+            for mode in modes:
+                extra = {} if muon_rms is None else {"muon_rms": muon_rms}
                 out.append(RefConfig(mode=mode, M=M, steps=steps, batch=batch, model=model, inner_optimizer=kind,
-                                     data_seed=seed, eval_points=3 if quick else 8))
+                                     data_seed=seed, eval_points=3 if quick else 8, **extra))
     return out
 
 
@@ -56,7 +58,7 @@ def one(cfg) -> dict:
 
     t0 = time.monotonic()
     r = run_reference(cfg)
-    return {"M": cfg.M, "mode": cfg.mode, "kind": cfg.inner_optimizer, "steps": cfg.steps,
+    return {"M": cfg.M, "mode": cfg.mode, "kind": cfg.inner_optimizer, "muon_rms": cfg.muon_rms, "steps": cfg.steps,
             "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -129,11 +131,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per learner step")
     p.add_argument("--seed", type=int, default=0, help="the data seed (the batches each learner samples)")
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--muon-rms", type=float, default=None, help="Muon's update RMS (default: DILOCO_MUON_RMS's)")
     p.add_argument("--no-speed", action="store_true", help="skip what a Muon step costs")
     a = p.parse_args()
     Ms = a.M or ([2] if a.quick else [4, 8])
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
-    items = configs(Ms, a.kinds, a.quick, tpp, a.batch, a.seed)
+    items = configs(Ms, a.kinds, a.quick, tpp, a.batch, a.seed, tuple(a.modes), a.muon_rms)
     rows = run_jobs(one, items, a.jobs,
                     lambda r: f"M={r['M']} {r['kind']} {r['mode']}: {r['eval_loss']:.4f} ({r['seconds']} s)")
     speed: dict = {}
@@ -141,7 +145,8 @@ def main() -> None:
         for preset in (["tiny"] if a.quick else ["small", "default"]):
             speed.update(step_cost(preset, repeats=3 if a.quick else 5))
             progress(f"a Muon step on {preset}: {speed[f'muon_step_cost_{preset}']}x AdamW's")
-    finish({"tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "rows": rows, **summary(rows), **speed},
+    finish({"tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "muon_rms": items[0].muon_rms if items else None,
+            "rows": rows, **summary(rows), **speed},
            a.out)
 
 

@@ -63,7 +63,7 @@ def builtin_backend(spec: ModelSpec, plan: FragmentPlan, cfg, shard, start_step:
     optimizer = make_optimizer(cfg.lr_for(spec.d_model), cfg.warmup, cfg.total_steps,
                                weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None,
                                start_step=start_step, rewarm_steps=cfg.resume_warmup if start_step else 0,
-                               kind=cfg.inner_optimizer)
+                               kind=cfg.inner_optimizer, muon_rms=cfg.muon_rms)
 
     def batches():
         step = start_step

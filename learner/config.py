@@ -127,6 +127,8 @@ class LearnerConfig:
     inner_optimizer: str = var("muon", choice("adamw", "muon"), "the built-in model's inner optimizer: muon (Muon on "
                                "the hidden matrices at AdamW's update RMS, AdamW on the rest: learner.inner; "
                                "docs/learner.md, Defaults) or adamw; an island's optimizer is its own")
+    muon_rms: float = var(0.2, number(0.01, 1.0), "Muon's update RMS per hidden matrix, as a share of the inner "
+                          "learning rate (0.2: AdamW's typical update RMS, so the same rate; DILOCO_INNER_OPTIMIZER=muon)")
     weight_decay: float = var(0.1, number(0.0, 10.0), "AdamW weight decay")
     clip_norm: float = var(1.0, number(0.0), "global gradient-norm clip (0: off)")
     data: str = var("", text(), "corpus: empty = Python stdlib sources; a text file/folder; or a uint16 .bin")

@@ -113,10 +113,12 @@ def make_optimizer(
     start_step: int = 0,
     rewarm_steps: int = 0,
     kind: str = "adamw",
+    muon_rms: float = MUON_RMS,
 ) -> optax.GradientTransformation:
     """clip_by_global_norm(clip_norm) then AdamW on ``make_schedule(...)`` (``start_step`` and
     ``rewarm_steps``: a resumed learner's schedule, see there); ``kind="muon"``: Muon on the
-    hidden matrices, AdamW on the rest (module docstring), the same schedule and decay.
+    hidden matrices, AdamW on the rest (module docstring), the same schedule and decay; its update's
+    RMS per matrix is ``muon_rms`` x the rate (AdamW's typical 0.2 by default).
 
     ``clip_norm=None`` (or 0) disables clipping. Weight decay is decoupled (AdamW) and masked
     to tensors with ndim >= 2. If the loss spikes after a global merge, lower ``clip_norm``
@@ -134,7 +136,7 @@ def make_optimizer(
         from optax.contrib import muon
 
         # every leaf Muon gets is a hidden matrix; AdamW keeps the embeddings and norm scales
-        opt = optax.partition({"muon": muon(schedule, weight_decay=weight_decay, consistent_rms=MUON_RMS),
+        opt = optax.partition({"muon": muon(schedule, weight_decay=weight_decay, consistent_rms=muon_rms),
                                "adam": opt}, _muon_labels)
     if not clip_norm:
         return opt

@@ -67,6 +67,7 @@ class RefConfig:
     weight_decay: float = _L("weight_decay")
     clip_norm: float = _L("clip_norm")
     inner_optimizer: str = _L("inner_optimizer")  # adamw or muon (learner.inner)
+    muon_rms: float = _L("muon_rms")  # Muon's update RMS as a share of the rate
     # outer schedule: the learner's and the model's defaults
     H: int = _L("sync_every")
     P: int = _MODEL("num_fragments")

@@ -41,7 +41,7 @@ class Setup:
         total = cfg.total_steps or cfg.steps
         self.optimizer = make_optimizer(self.lr, min(resolved_warmup(cfg), total - 1), total,
                                         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None,
-                                        kind=cfg.inner_optimizer)
+                                        kind=cfg.inner_optimizer, muon_rms=cfg.muon_rms)
         self.train_step = make_train_step(self.spec, self.optimizer, donate=True)
         # the held-out loss weighs every group's corpus alike (the same number of batches of each)
         self.heldout = np.concatenate([c.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)

@@ -133,6 +133,11 @@ def test_muon_orthogonalises_the_hidden_matrices_only_at_adamws_update_rms():
     s = np.linalg.svd(hidden, compute_uv=False)
     assert s.min() > 0.5 * s.max()  # orthogonalised (Newton-Schulz: singular values near one another)
     assert float(np.sqrt(np.mean(hidden ** 2))) == pytest.approx(lr * MUON_RMS, rel=0.35)
+    # DILOCO_MUON_RMS scales the hidden matrices' update only: twice the RMS, twice the update
+    opt2 = make_optimizer(lr, 0, 10, weight_decay=0.0, clip_norm=None, kind="muon", muon_rms=2 * MUON_RMS)
+    updates2, _ = opt2.update(grads, opt2.init(params), params)
+    np.testing.assert_allclose(np.asarray(updates2["blocks/0/mlp_in"]), 2 * hidden, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(updates2["embed"]), np.asarray(updates["embed"]))
     for k in ("embed", "blocks/0/norm"):  # Adam's first bias-corrected step: lr x sign(g)
         np.testing.assert_allclose(np.asarray(updates[k]), -lr * np.sign(np.asarray(grads[k])), rtol=1e-3)
     with pytest.raises(ValueError, match="inner optimizer"):
