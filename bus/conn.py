@@ -247,6 +247,10 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
             states.disconnected()
 
     async def on_reconnect() -> None:
+        if nc._flusher_task is None or nc._flusher_task.done():
+            # nats-py's reconnect after a slow login (see handshake_left_connecting) flushes inline
+            # from then on; give it back its flusher
+            nc._flusher_task = asyncio.get_running_loop().create_task(nc._flusher())
         if user_rec is not None:
             await user_rec()
         else:
@@ -312,9 +316,44 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
             within = f" ({attempts} attempts in {time.monotonic() - t0:.1f}s, each refused at once)"
         raise ConnectFailed(f"cannot connect to {url}{within}: {explain(cause)}", url, cause)
     connecting = False
+    if handshake_left_connecting(nc):
+        # seen in CI and here under load: every learner whose login took over 2 s trained nothing
+        await finish_handshake(nc, max(1.0, window - (time.monotonic() - t0)), url)
+        log.info("nats_handshake_completed", hint="the server's first PING came before its PONG (a slow login); "
+                 "nats-py left the connection unusable, completed here")
     if failed[0]:
         log.info("nats_connected", after_s=round(time.monotonic() - t0, 1), failed_attempts=failed[0])
     return nc
+
+
+def handshake_left_connecting(nc: Client) -> bool:
+    """nats-py 2.16 takes the first line after its CONNECT + PING as the handshake's answer: PONG ->
+    connected, -ERR -> failed, anything else -> it returns from ``connect()`` with the client still
+    CONNECTING. A server slow to check a login (bcrypt on a loaded 2-core machine: over 2 s) sends
+    its own first PING (2 s after CONNECT) before that PONG; the client then publishes and subscribes
+    into a buffer that is never written (its flusher exits at once, and ``flush()`` returns without
+    a round trip), while its interval PINGs, written directly, keep the server content: every
+    request times out on a connection that looks alive. True in that state."""
+    return bool(getattr(nc, "is_connecting", False)) and not nc.is_closed and getattr(nc, "_transport", None) is not None
+
+
+async def finish_handshake(nc: Client, timeout: float, url: str) -> None:
+    """Complete what nats-py left of a handshake whose answer came after the server's PING
+    (:func:`handshake_left_connecting`): the server took the CONNECT (it would have closed on us
+    otherwise, and the read loop already answers its pings), so mark the client connected, restart
+    its flusher and prove it with a round trip; ConnectFailed if none comes."""
+    nc._status = Client.CONNECTED
+    if nc._flusher_task is None or nc._flusher_task.done():
+        nc._flusher_task = asyncio.get_running_loop().create_task(nc._flusher())
+    try:
+        await nc.flush(timeout=max(1, round(timeout)))
+    except Exception as e:  # noqa: BLE001 - the server closed it after all (a refused login)
+        try:
+            await nc.close()
+        except Exception:  # noqa: BLE001
+            pass
+        raise ConnectFailed(f"cannot connect to {url}: the handshake did not complete ({_text(e)}): "
+                            f"{explain(e)}", url, e) from None
 
 
 async def probe(nc: Client, stream: str, timeout: float = 3.0, direct_subject: str | None = None) -> dict[str, Any]:

@@ -465,3 +465,76 @@ async def test_the_manifest_is_read_by_direct_get_and_an_older_bucket_still_read
         assert got is not None and got.model_hash == m.model_hash
     finally:
         await nc.close()
+
+
+async def test_a_login_slower_than_the_servers_first_ping_still_connects(tmp_path):
+    """A server whose first PING to a client comes before the PONG of its handshake (a login slower
+    than that: bcrypt on a loaded 2-core machine took over 2 s, the server pings after 2) left
+    nats-py 2.16 "connected" but CONNECTING: nothing it published or subscribed ever left, so every
+    learner whose login was slow timed out reading the manifest for a minute (compose's test in CI,
+    and here beside a benchmark). ``bus.conn.connect`` completes such a handshake: here the server
+    pings after 100 ms (and tolerates unanswered ones) and a bcrypt login takes longer."""
+    import warnings
+
+    import nats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt  # bcrypt hashes as nats-server checks them (diloco.auth_tls's fallback too)
+
+    from bus.config import CommonConfig
+    from bus.conn import connect, handshake_left_connecting
+    from bus.server import find_binary, free_port
+    from diloco.auth_tls import BCRYPT_COST
+
+    hashed = crypt.crypt("pw", crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=2 ** max(BCRYPT_COST, 12)))
+    if not hashed or not hashed.startswith("$2"):
+        pytest.skip("no bcrypt in this Python's crypt")
+    port = free_port()
+    conf = tmp_path / "slow-login.conf"
+    conf.write_text(f'listen: "127.0.0.1:{port}"\nping_interval: "100ms"\nping_max: 1000\n'
+                    f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+                    f'accounts {{ A {{ jetstream: enabled, users: [ {{user: u, password: "{hashed}"}} ] }} }}\n')
+    srv = subprocess.Popen([find_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                probe_nc = await nats.connect(url, user="u", password="pw", connect_timeout=5, max_reconnect_attempts=0)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the server did not start")
+        plain_broken = handshake_left_connecting(probe_nc)  # what nats-py alone makes of it
+        await probe_nc.close()
+
+        import structlog.testing
+
+        with structlog.testing.capture_logs() as said:
+            nc = await connect(CommonConfig(nats_url=url, run="slow", nats_user="u", nats_password="pw"),
+                               name="slow-login")
+        try:
+            assert nc.is_connected
+            info = await nc.jetstream(timeout=5).account_info()  # a request answered: the client works
+            assert info is not None
+            got: list[bytes] = []
+
+            async def cb(m):
+                got.append(m.data)
+
+            await nc.subscribe("self.x", cb=cb)
+            await nc.publish("self.x", b"hi")
+            await nc.flush(timeout=5)
+            for _ in range(50):
+                if got:
+                    break
+                await asyncio.sleep(0.02)
+            assert got == [b"hi"]
+        finally:
+            await nc.close()
+        if plain_broken:
+            assert [e["event"] for e in said].count("nats_handshake_completed") == 1, said
+    finally:
+        srv.terminate()
+        srv.wait(10)
