@@ -47,9 +47,8 @@ async def read_manifest(js: JetStreamContext, run: str) -> Manifest | None:
     """The run's manifest, or None while the run (or its manifest) does not exist yet.
 
     One direct get of the manifest's key (buckets are created with direct get, ``bus.streams``):
-    answered by the bucket's stream itself, not by the server's JetStream API workers (as many as
-    it has cores, stream info queued behind every other request), which on a loaded 2-core CI
-    machine left a learner's and an aggregator's manifest reads unanswered for a minute. A bucket
+    answered by the bucket's stream itself, in one round trip, not by the server's JetStream API
+    workers (as many as it has cores; stream info waits behind every other API request). A bucket
     without direct get (a run created before) or no bucket at all has no responder: then the key-value
     read (stream info, then a message get through the API)."""
     bucket = Subjects(run).bucket("run")

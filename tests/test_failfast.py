@@ -429,7 +429,7 @@ async def test_probe_tells_a_stalled_server_from_a_silent_jetstream(tmp_path):
 async def test_the_manifest_is_read_by_direct_get_and_an_older_bucket_still_reads(nats_server):
     """``bus.runs.read_manifest``: a run's bucket (created with direct get) is read in one direct get,
     which the stream answers itself, not the server's JetStream API workers (2 on a 2-core machine,
-    stream info queued behind the rest: compose's test in CI waited a minute for them); a bucket
+    stream info queued behind the rest); a bucket
     without direct get (a run of an older version) and a missing run still read, through the
     key-value path. The probe then tells the two kinds of answer apart."""
     import orjson
