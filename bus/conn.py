@@ -368,11 +368,16 @@ async def probe(nc: Client, stream: str, timeout: float = 3.0, direct_subject: s
     "silent", in ``direct_ms``): direct gets are answered by the stream itself, stream info by the
     server's JetStream API workers, so an API silent beside a direct get answered is the API's queue
     (as many workers as the server has cores), both silent with a ping answered this connection's
-    replies."""
+    replies. A client nats-py does not hold connected (``client``: "connecting", the slow-login
+    handshake of :func:`handshake_left_connecting`, or "not connected") is asked nothing: its
+    ``flush()`` would return at once and look like a 0 ms ping."""
     from nats.errors import NoRespondersError
     from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
     out: dict[str, Any] = {"ping_ms": None, "jetstream": "not asked", "jetstream_ms": None}
+    if not nc.is_connected:  # nats-py's flush() then returns at once, without a round trip
+        out["client"] = "connecting" if handshake_left_connecting(nc) else "not connected"
+        return out
     t0 = time.monotonic()
     try:
         await nc.flush(timeout=max(1, round(timeout)))

@@ -483,7 +483,7 @@ async def test_a_login_slower_than_the_servers_first_ping_still_connects(tmp_pat
         import crypt  # bcrypt hashes as nats-server checks them (diloco.auth_tls's fallback too)
 
     from bus.config import CommonConfig
-    from bus.conn import connect, handshake_left_connecting
+    from bus.conn import connect, handshake_left_connecting, probe
     from bus.server import find_binary, free_port
     from diloco.auth_tls import BCRYPT_COST
 
@@ -507,6 +507,9 @@ async def test_a_login_slower_than_the_servers_first_ping_still_connects(tmp_pat
         else:
             pytest.fail("the server did not start")
         plain_broken = handshake_left_connecting(probe_nc)  # what nats-py alone makes of it
+        if plain_broken:  # the probe says so, instead of a 0 ms "ping" that never left
+            seen = await probe(probe_nc, "ANY")
+            assert seen["client"] == "connecting" and seen["ping_ms"] is None, seen
         await probe_nc.close()
 
         import structlog.testing
