@@ -198,8 +198,8 @@ class ConsumerStats:
 
 
 #: The most :func:`prompt_fetch` waits for the server's answer to its request for the messages the
-#: first said were already there. The server answers such a request (``no_wait``) at once, with the
-#: messages or a status (404 none left, 408/409 none deliverable now), and that answer ends the wait;
+#: first said were already there. The server answers such a request (``no_wait``) with the messages
+#: or a status (404 none left; 408 none deliverable within ``DRAIN_EXPIRES_S``), which ends the wait;
 #: this bounds only a server that does not answer at all. It was a fixed 50 ms round trip once: on a
 #: loaded CI machine the answer came later and a poll returned 1 message of 32 (the rest waited for
 #: the next poll).
@@ -238,9 +238,10 @@ async def take_pending(sub, n: int, wait: float) -> list:
     """Up to ``n`` messages the server holds for ``sub`` now: one pull request with ``no_wait``,
     read until ``n`` came or the server's status says there are no more (404: none left, e.g.
     another puller took them; 408 after ``DRAIN_EXPIRES_S`` on the server's clock when none is
-    deliverable, e.g. ``max_ack_pending`` reached); ``wait`` seconds at most if it never answers. nats-py's ``fetch`` cannot end there: after a 404 it sends
-    a lingering request and waits out its timeout. What comes after we stop reading stays in the
-    subscription's queue, where the next fetch takes it first: nothing is lost."""
+    deliverable, e.g. ``max_ack_pending`` reached); ``wait`` seconds at most if it never answers.
+    nats-py's ``fetch`` cannot end there: after a 404 it sends a lingering request and waits out its
+    timeout. What comes after we stop reading stays in the subscription's queue, where the next
+    fetch takes it first: nothing is lost."""
     inner, nms, deliver = (getattr(sub, a, None) for a in ("_sub", "_nms", "_deliver"))
     if inner is None or nms is None or deliver is None:  # another nats-py: its own fetch, briefly
         return await sub.fetch(n, timeout=min(wait, 0.05))
@@ -249,7 +250,7 @@ async def take_pending(sub, n: int, wait: float) -> list:
     while len(out) < n and not queue.empty():  # a previous request's late answer
         m = queue.get_nowait()
         inner._pending_size -= len(m.data)
-        if not _status(m):
+        if not JetStreamContext.is_status_msg(m):
             out.append(m)
     if len(out) >= n:
         return out
@@ -264,16 +265,10 @@ async def take_pending(sub, n: int, wait: float) -> list:
             m = await inner.next_msg(timeout=left)
         except (asyncio.TimeoutError, TimeoutError):
             break
-        if _status(m):
+        if JetStreamContext.is_status_msg(m):
             break
         out.append(m)
     return out
-
-
-def _status(m) -> str | None:
-    """A JetStream status message's code (an empty message with a Status header), or None."""
-    h = m.headers
-    return h.get("Status") if h and not m.data else None
 
 
 class ChunkConsumer:
