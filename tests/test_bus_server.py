@@ -1,5 +1,6 @@
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from bus.server import EmbeddedServer, ServerError, find_binary, render_config, validate_config_file
+from bus.server import EmbeddedServer, ServerError, find_binary, free_port, render_config, validate_config_file
 
 
 def test_binary_is_installed_with_the_wheel():
@@ -30,6 +31,42 @@ def test_start_healthz_restart_on_same_store_and_stop(tmp_path):
     assert srv.port == port and srv.varz()["port"] == port
     srv.close()
     assert srv.proc is None
+
+
+def test_free_port_never_hands_out_one_port_twice():
+    """The kernel may give one port to two binds to 0 in a row; a server given it twice (client and
+    monitoring) exits at once (seen once in the suite)."""
+    ports = [free_port() for _ in range(1000)]  # about 30 repeats without the record
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(tmp_path, monkeypatch):
+    """Another process binds the chosen port between the choice and the server's bind: the server
+    starts on another one. A port the caller gave is not changed: the error names the cause."""
+    import bus.server
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        real, handed = bus.server.free_port, []
+
+        def first_the_busy_one(host="127.0.0.1"):
+            handed.append(busy if not handed else real(host))
+            return handed[-1]
+
+        monkeypatch.setattr(bus.server, "free_port", first_the_busy_one)
+        srv = EmbeddedServer(store_dir=str(tmp_path / "s"), log_file=str(tmp_path / "nats.log"))
+        try:
+            srv.start()
+            assert busy in handed and srv.port != busy and srv.http_port != busy
+            assert srv.varz()["port"] == srv.port
+        finally:
+            srv.close()
+        given = EmbeddedServer(store_dir=str(tmp_path / "g"), port=busy, log_file=str(tmp_path / "g.log"))
+        with pytest.raises(ServerError, match="address already in use"):
+            given.start()
+        given.close()
 
 
 def test_generated_config_validates_and_rejects_bad_payload(tmp_path):
