@@ -23,6 +23,7 @@ from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats, decide
 from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, merge_step, participation_scale, round_work
+from aggregator.trust import ew_mean
 from bus import codec, sparse
 from bus.downlink import encode_chain, encode_version
 from bus.transport import VersionConflict, ack_all
@@ -186,7 +187,7 @@ class VersionMaker:
         self.stats.queue_wait.append(t0 - first)
         self.log.info("merged", fragment=p, version=new.version, n=len(items), reason=reason,
                       wait_s=round(t0 - first, 4), merge_s=round(time.monotonic() - t0, 4),
-                      learners=sorted({x.c.learner for x in items}), scale=round(rec.scale, 4), clipped=new.last_clipped,
+                      learners=[x.c.learner for x in items], scale=round(rec.scale, 4), clipped=new.last_clipped,
                       stale=[before - x.c.base_version for x in items],
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
                       outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3),
@@ -206,17 +207,25 @@ class VersionMaker:
         for learner in sorted({x.c.learner for x in items}):
             # its verdict on the fragment where it is trusted least (one line per change of the
             # reason, not a line per merge where two fragments disagree)
-            records = [st.trust.learners[learner] for st in self.states.values() if learner in st.trust.learners]
+            records = [(q, st.trust) for q, st in self.states.items() if learner in st.trust.learners]
             if not records:
                 continue
-            lt = min(records, key=lambda r: (r.trust, (r.evidence or {}).get("median", 1.0)))
+            q, ts = min(records, key=lambda r: (r[1].learners[learner].trust,
+                                                (r[1].learners[learner].evidence or {}).get("median", 1.0)))
+            lt = ts.learners[learner]
             if self.suspected.get(learner, "") != lt.reason:
+                # where the verdict stands (``on``) and what it rests on: the typical agreement and this
+                # learner's pairs there (mean cosine, observations), its own agreement's mean
+                detail = {"on": q, "typical": round(ts.typical, 4), "seen": lt.seen,
+                          "pair_means": {(b if a == learner else a): [round(ew_mean(r), 4), int(r[4])]
+                                         for (a, b), r in sorted(ts.pairs.items()) if learner in (a, b)},
+                          "own_mean": round(ew_mean(lt.own), 4) if lt.own else None}
                 if lt.reason:
                     self.log.warning("learner_suspected", learner=learner, reason=lt.reason, fragment=p,
                                      weighed=self.settings.trust.mode == "weigh", evidence=lt.evidence,
-                                     distrusted=lt.distrusted, replays=lt.replays)
+                                     distrusted=lt.distrusted, replays=lt.replays, **detail)
                 else:
-                    self.log.info("learner_trusted_again", learner=learner, fragment=p, evidence=lt.evidence)
+                    self.log.info("learner_trusted_again", learner=learner, fragment=p, evidence=lt.evidence, **detail)
                 self.suspected[learner] = lt.reason
 
     # -- publishing -------------------------------------------------------------------------------
