@@ -90,3 +90,15 @@ def test_inner_opt_summary_compares_with_data_parallel_adamw_and_with_sync():
     s = summary(rows)
     assert s["gap_adamw_m4"] == 0.1 and s["gap_muon_m4"] == 0.01 and s["gap_same_muon_m4"] == 0.1222
     assert s["async_cost_adamw_m4"] == 0.0476 and s["async_cost_muon_m4"] == 0.01
+
+
+def test_size_trend_summary_gives_each_sizes_gap_and_the_trend():
+    from bench.size_trend import summary
+
+    rows = [{"size": z, "M": 4, "mode": m, "eval_loss": v} for z, m, v in [
+        ("tiny", "dp", 2.0), ("tiny", "sync", 2.1), ("tiny", "decoupled", 2.2),
+        ("mid", "dp", 1.5), ("mid", "sync", 1.53), ("mid", "decoupled", 1.56)]]
+    s = summary(rows, {"tiny": 17504, "mid": 252384})
+    assert s["gap_tiny_m4"] == 0.1 and s["sync_gap_tiny_m4"] == 0.05 and s["async_cost_tiny_m4"] == 0.0476
+    assert s["gap_mid_m4"] == 0.04 and s["params_mid"] == 252384
+    assert s["trend_m4"] == -0.06  # the largest size's gap minus the smallest's: it falls
