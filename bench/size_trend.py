@@ -16,8 +16,8 @@ published fits do). ``--plot FILE.png``: the gap against parameters, per M, with
 points. A figure of one run is one run: ``--seed`` repeats it on other data.
 
     python -m bench.size_trend --quick --out size_trend.json                        (~1 min)
-    python -m bench.size_trend --M 4 8 --jobs 2 --out size_trend.json --plot docs/size_trend.png
-        (tiny, small, mid; about 45 min on 2 cores; --reuse FILE.json skips the runs a file holds)
+    python -m bench.size_trend --M 2 4 8 --jobs 2 --out size_trend.json --plot docs/size_trend.png
+        (tiny, small, mid: 27 runs, about 30 min on 2 cores; --reuse FILE.json skips the runs a file holds)
 """
 
 from __future__ import annotations
