@@ -22,6 +22,16 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def reference_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of a benchmark of reference runs on a token budget (``simulation.reference``):
+    ``--tokens-per-param`` (None: the benchmark's default), ``--batch``, ``--seed``, ``--jobs``."""
+    p.add_argument("--tokens-per-param", type=float, default=None, help="budget (default 20; quick 2)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per learner step")
+    p.add_argument("--seed", type=int, default=0, help="the data seed (the batches each learner samples)")
+    p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    return p
+
+
 def machine() -> dict:
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
 

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import time
 
-from bench.common import finish, parser, progress, run_jobs
+from bench.common import finish, parser, progress, reference_options, run_jobs
 
 KINDS = ("adamw", "muon")
 MODES = ("dp", "sync", "decoupled")
@@ -127,10 +127,7 @@ def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 4 8; quick: 2)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    p.add_argument("--tokens-per-param", type=float, default=None, help="budget (default 20; quick 2)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per learner step")
-    p.add_argument("--seed", type=int, default=0, help="the data seed (the batches each learner samples)")
-    p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    reference_options(p)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--muon-rms", type=float, default=None, help="Muon's update RMS (default: DILOCO_MUON_RMS's)")
     p.add_argument("--no-speed", action="store_true", help="skip what a Muon step costs")

@@ -31,7 +31,7 @@ import time
 
 import orjson
 
-from bench.common import finish, parser, progress, run_jobs
+from bench.common import finish, parser, progress, reference_options, run_jobs
 
 #: the model sizes (the reference's model dicts); ``tiny`` and ``small`` are the reference's own
 SIZES: dict[str, dict] = {
@@ -134,10 +134,7 @@ def main() -> None:
     p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="default: all; quick: tiny")
     p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 2 4 8; quick: 2)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--tokens-per-param", type=float, default=None, help="budget (default 20; quick 2)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per learner step")
-    p.add_argument("--seed", type=int, default=0, help="the data seed (the batches each learner samples)")
-    p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    reference_options(p)
     p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")
     p.add_argument("--plot", default=None, help="write the gap-against-parameters plot here")
     a = p.parse_args()

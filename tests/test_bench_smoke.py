@@ -102,3 +102,17 @@ def test_size_trend_summary_gives_each_sizes_gap_and_the_trend():
     assert s["gap_tiny_m4"] == 0.1 and s["sync_gap_tiny_m4"] == 0.05 and s["async_cost_tiny_m4"] == 0.0476
     assert s["gap_mid_m4"] == 0.04 and s["params_mid"] == 252384
     assert s["trend_m4"] == -0.06  # the largest size's gap minus the smallest's: it falls
+
+
+def test_quorum_summary_gives_each_quorums_gap_cost_and_the_best():
+    from bench.quorum import quorums, summary
+
+    assert quorums(8) == [8, 4, 2, 1] and quorums(4) == [4, 2, 1] and quorums(2) == [2, 1] and quorums(1) == [1]
+    rows = [{"M": 4, "mode": "dp", "K": 4, "speeds": "equal", "eval_loss": 1.5},
+            {"M": 4, "mode": "sync", "K": 4, "speeds": "equal", "eval_loss": 1.53}]
+    rows += [{"M": 4, "mode": "decoupled", "K": k, "speeds": sp, "eval_loss": v} for k, sp, v in [
+        (4, "equal", 1.56), (2, "equal", 1.545), (1, "equal", 1.59), (4, "spread", 1.62), (1, "spread", 1.59)]]
+    s = summary(rows)
+    assert s["gap_k_all_m4_equal"] == 0.04 and s["gap_k2_m4_equal"] == 0.03 and s["async_cost_k1_m4_spread"] == 0.0392
+    assert s["best_k_m4_equal"] == 2 and s["best_k_m4_spread"] == 1
+    assert "gap_k2_m4_spread" not in s  # not run: not reported

@@ -1,0 +1,126 @@
+"""The aggregator's quorum as a lever on the asynchrony cost (issue 40, item 3): Decoupled DiLoCo
+closing each round of a fragment on K of its M learners (``DILOCO_QUORUM``; the default K = M, all
+active), at equal step times and with a speed spread, in the in-process reference
+(``simulation.reference``); synchronous DiLoCo and data-parallel at equal speeds beside them.
+
+Every run trains one built-in model (``--size``, default ``small``; ``--quick``: ``tiny``) for
+``--tokens-per-param`` x its parameters tokens at the roles' defaults, K the only change. The quorums:
+all (M), M/2, 2 and 1 (those within 1..M). The speeds: ``equal`` (every step 1.0 virtual seconds, no
+transfer time) and ``spread`` (learner i steps in 1 + 0.06 i, every contribution and every version
+0.5 s in flight: the unequal speeds of learners sharing a machine or of mixed hardware).
+
+Keys: ``gap_k<K>_m<M>_<speeds>`` = (decoupled - data-parallel) / data-parallel;
+``async_cost_k<K>_m<M>_<speeds>`` = (decoupled - synchronous) / synchronous (the cost of asynchrony,
+synchronous at equal speeds: the best case); ``best_k_m<M>_<speeds>``: the K of the lowest loss;
+``k_all`` in a key is K = M. A figure of one run is one run: ``--seed`` repeats it on other data.
+
+    python -m bench.quorum --quick --out quorum.json                        (~1 min)
+    python -m bench.quorum --M 2 4 8 --jobs 2 --out quorum.json             (24 runs, ~20 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from bench.common import finish, parser, progress, reference_options, run_jobs
+
+SPEEDS = ("equal", "spread")
+SPREAD_STEP = 0.06  # learner i steps in 1 + SPREAD_STEP x i virtual seconds
+SPREAD_DELAY = 0.5  # seconds a contribution (and a version) is in flight
+
+
+def quorums(M: int) -> list[int]:
+    """The K tried at M: all, M/2, 2 and 1 (distinct, within 1..M), largest first."""
+    return sorted({k for k in (M, M // 2, 2, 1) if 1 <= k <= M}, reverse=True)
+
+
+def timing(speeds: str, M: int) -> dict[str, Any]:
+    if speeds == "equal":
+        return {}
+    return {"step_times": tuple(1.0 + SPREAD_STEP * i for i in range(M)), "up_delay": SPREAD_DELAY,
+            "down_delay": SPREAD_DELAY}
+
+
+def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float, batch: int, seed: int,
+            quick: bool) -> list:
+    from bench.algorithm import budget_steps
+    from bench.size_trend import SIZES, params_of
+    from simulation.reference import RefConfig
+
+    n = params_of(size)
+    model = SIZES[size]
+    out = []
+    for M in Ms:
+        steps = budget_steps(n, tokens_per_param, M, batch, model["seq_len"])
+        base = RefConfig(M=M, steps=steps, batch=batch, model=model, data_seed=seed, eval_points=3 if quick else 8)
+        out.append(("equal", replace(base, mode="dp")))
+        out.append(("equal", replace(base, mode="sync")))
+        for sp in speeds:
+            for K in quorums(M):
+                out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, **timing(sp, M))))
+    return out
+
+
+def one(item: tuple[str, object]) -> dict:
+    from simulation.reference import run_reference
+
+    speeds, cfg = item
+    t0 = time.monotonic()
+    r = run_reference(cfg)  # type: ignore[arg-type]
+    M = cfg.M  # type: ignore[attr-defined]
+    return {"M": M, "mode": cfg.mode, "K": cfg.K or M, "speeds": speeds, "steps": cfg.steps,  # type: ignore[attr-defined]
+            "seed": cfg.data_seed, "eval_loss": float(r["eval_loss"]),  # type: ignore[attr-defined]
+            "staleness_max": max((int(k) for k in r.get("staleness_hist", {})), default=None),
+            "merges": r.get("merges"), "seconds": round(time.monotonic() - t0, 1)}
+
+
+def kname(K: int, M: int) -> str:
+    return "k_all" if K == M else f"k{K}"
+
+
+def summary(rows: list[dict]) -> dict:
+    out: dict = {}
+    for M in sorted({r["M"] for r in rows}):
+        dp = next((r["eval_loss"] for r in rows if r["M"] == M and r["mode"] == "dp"), None)
+        sync = next((r["eval_loss"] for r in rows if r["M"] == M and r["mode"] == "sync"), None)
+        for sp in SPEEDS:
+            dec = {r["K"]: r["eval_loss"] for r in rows if r["M"] == M and r["mode"] == "decoupled" and r["speeds"] == sp}
+            for K, v in sorted(dec.items(), reverse=True):
+                if dp:
+                    out[f"gap_{kname(K, M)}_m{M}_{sp}"] = round((v - dp) / dp, 4)
+                if sync:
+                    out[f"async_cost_{kname(K, M)}_m{M}_{sp}"] = round((v - sync) / sync, 4)
+            if dec:
+                out[f"best_k_m{M}_{sp}"] = min(dec, key=lambda k: dec[k])
+    return out
+
+
+def main() -> None:
+    from bench.size_trend import SIZES
+
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--size", default=None, choices=list(SIZES), help="the model (default small; quick: tiny)")
+    p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 2 4 8; quick: 2)")
+    p.add_argument("--speeds", nargs="+", default=list(SPEEDS), choices=SPEEDS)
+    reference_options(p)
+    a = p.parse_args()
+    size = a.size or ("tiny" if a.quick else "small")
+    Ms = a.M or ([2] if a.quick else [2, 4, 8])
+    tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
+    items = configs(size, Ms, a.speeds, tpp, a.batch, a.seed, a.quick)
+    progress(f"{len(items)} runs: {size}, M {Ms}, speeds {a.speeds}, {tpp} tokens/param, data seed {a.seed}")
+    rows = run_jobs(one, items, a.jobs, lambda r: f"M={r['M']} {r['mode']} K={r['K']} {r['speeds']}: "
+                                                   f"{r['eval_loss']:.4f} ({r['seconds']} s)")
+    finish({"size": size, "tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "rows": rows, **summary(rows)},
+           a.out)
+
+
+if __name__ == "__main__":
+    main()
