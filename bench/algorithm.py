@@ -99,6 +99,12 @@ def reduction_vs_dp(row: dict) -> float | None:
     return row["H"] * 2 * (M - 1) / M * 2 / learner
 
 
+def out_of_step(M: int) -> dict:
+    """The reference's timing of learners out of step: learner m steps in 1 + 0.06 m virtual seconds,
+    every contribution and every version half a step in flight (``RefConfig`` fields)."""
+    return {"step_times": tuple(round(1.0 + 0.06 * m, 2) for m in range(M)), "up_delay": 0.5, "down_delay": 0.5}
+
+
 def budget_steps(params: int, tokens_per_param: float, M: int, batch: int, seq_len: int) -> int:
     """Inner steps per learner for ``tokens_per_param`` x params tokens over M learners."""
     return max(1, round(tokens_per_param * params / (M * batch * seq_len)))
@@ -149,8 +155,7 @@ def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner)
     # 3. streaming and decoupled at the tuned values, with the learners' default fetch (one download
     # per round, H/4 steps after the sync) and with every version downloaded as it comes
     P = 4 if quick else 8
-    out_of_step = tuple(round(1.0 + 0.06 * m, 2) for m in range(M))
-    dec = dict(mode="decoupled", P=P, step_times=out_of_step, up_delay=0.5, down_delay=0.5)
+    dec = dict(mode="decoupled", P=P, **out_of_step(M))
     fam: dict[tuple[str, str], dict] = {}
     for fetch in ("round", "every"):
         f, sfx = ({}, "") if fetch == "round" else ({"fetch": "every"}, " fetch=every")

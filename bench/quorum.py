@@ -32,8 +32,6 @@ from typing import Any
 from bench.common import finish, parser, progress, reference_options, run_jobs
 
 SPEEDS = ("equal", "spread")
-SPREAD_STEP = 0.06  # learner i steps in 1 + SPREAD_STEP x i virtual seconds
-SPREAD_DELAY = 0.5  # seconds a contribution (and a version) is in flight
 
 
 def quorums(M: int) -> list[int]:
@@ -42,10 +40,9 @@ def quorums(M: int) -> list[int]:
 
 
 def timing(speeds: str, M: int) -> dict[str, Any]:
-    if speeds == "equal":
-        return {}
-    return {"step_times": tuple(1.0 + SPREAD_STEP * i for i in range(M)), "up_delay": SPREAD_DELAY,
-            "down_delay": SPREAD_DELAY}
+    from bench.algorithm import out_of_step
+
+    return {} if speeds == "equal" else out_of_step(M)
 
 
 def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float, batch: int, seed: int,
