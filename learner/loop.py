@@ -89,6 +89,7 @@ class FragmentBook:
     next_round: int = 0  # round number of the next contribution
     steps: int = 0  # inner steps since the last sync
     tokens: int = 0  # tokens since the last sync
+    seconds: float = 0.0  # seconds of those inner steps (the learner's pace, holds excluded)
     inflight: bool = False  # a publish of this fragment is running
     pending_version: int = -1  # newest downloaded version not yet mixed in (-1: none)
     known_version: int = -1  # newest global version seen (head), downloaded or not
@@ -116,6 +117,12 @@ class Contribution:
     tokens: int
     period: int = 0  # the learner's sync period H when it was due (0: unknown): steps / period is
     # the share of a round of work the contribution holds (the outer optimizer ``rounds``)
+    seconds: float = 0.0  # the seconds of its inner steps (step_s = seconds / steps: the pace)
+
+    @property
+    def step_s(self) -> float:
+        """Mean seconds per inner step of this contribution (0 when it holds none)."""
+        return self.seconds / self.steps if self.steps > 0 else 0.0
 
 
 def _due_after(first: int, H: int, step: int) -> int:
@@ -176,10 +183,12 @@ class Bookkeeper:
         """Count one finished inner step; returns the fragments due now."""
         self.step += 1
         self.tokens += self.tokens_per_step
-        self.step_seconds_total += max(0.0, float(seconds))
+        seconds = max(0.0, float(seconds))
+        self.step_seconds_total += seconds
         for f in self.frags:
             f.steps += 1
             f.tokens += self.tokens_per_step
+            f.seconds += seconds
         due = []
         for p, n in enumerate(self._next_due):
             f = self.frags[p]
@@ -288,10 +297,11 @@ class Bookkeeper:
         if f.inflight:
             f.skipped += 1
             return None
-        c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens, self.period)
+        c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens, self.period, f.seconds)
         self._sync_steps[(p, c.round)] = self.step
         f.next_round += 1
         f.steps = f.tokens = 0
+        f.seconds = 0.0
         f.inflight = True
         f.armed = True
         return c
@@ -317,6 +327,7 @@ class Bookkeeper:
             f.failed += 1
             f.steps += c.steps
             f.tokens += c.tokens
+            f.seconds += c.seconds
 
     def inflight(self) -> list[int]:
         return [p for p, f in enumerate(self.frags) if f.inflight]
@@ -360,11 +371,20 @@ class Bookkeeper:
         return holds_mine or f.steps >= max(int(delay), self.period - 1)
 
     def on_applied(self, p: int, rounds: list[int], version: int) -> None:
-        """A global head of p lists our ``rounds`` as merged into ``version``."""
+        """A global head of p lists our ``rounds`` as merged into ``version``.
+
+        A deferred fragment is armed again then: its sync waits for exactly that version
+        (:meth:`window_open`), and its one download of the round may have gone to an earlier one (a
+        learner not admitted, or in a run without a monitor, takes the newest version at the end of
+        its period). Without this it waited for the valve, 16 periods: measured end to end at M=4
+        (no monitor, quorum auto), 2-6 % of the contributions arrived 12-25 versions stale with 204
+        steps each."""
         f = self.frags[p]
         for r in rounds:
             if r > f.merged_round:
                 f.merged_round, f.merged_version = int(r), int(version)
+        if f.deferred_at >= 0 and f.merged_version > max(f.base_version, f.pending_version):
+            f.armed = True
 
     def on_downloaded(self, p: int, version: int) -> None:
         f = self.frags[p]

@@ -72,7 +72,7 @@ def test_schedule_counters_and_rounds():
     assert due == [[1], [2], [3], [0], [1], [2], [3], [0]]
     assert b.step == 8 and b.tokens == 80 and b.step_seconds_total == pytest.approx(4.0)
     c = b.begin_sync(0)
-    assert c == lp.Contribution(fragment=0, round=0, base_version=0, steps=8, tokens=80, period=4)
+    assert c == lp.Contribution(fragment=0, round=0, base_version=0, steps=8, tokens=80, period=4, seconds=4.0)
     assert b.frags[0].steps == 0 and b.frags[0].inflight
     b.end_sync(c, ok=True)
     assert b.contributions == 1 and b.steps_sent == 8 and b.frags[0].next_round == 1 and not b.frags[0].inflight
@@ -101,6 +101,21 @@ def test_busy_fragment_is_skipped_and_failed_publish_returns_counters():
     c3 = b.begin_sync(0)
     assert (c3.round, c3.steps, c3.base_version) == (1, 2, 3)  # round numbers are never reused
     assert b.counters() == {"sent": 0, "skipped": 1, "deferred": 0, "valve": 0, "holds": 0, "holds_expired": 0, "failed": 1}
+
+
+def test_a_contribution_carries_the_seconds_of_its_steps_and_a_failed_one_gives_them_back():
+    """The pace a contribution reports (step_s, the aggregator's on-time quorum): its inner steps'
+    own seconds, from the last sync of its fragment."""
+    b = lp.Bookkeeper(2, H=2, tokens_per_step=1, staggered=False)
+    assert b.on_step(0.5) == [] and b.on_step(1.5) == [0, 1]
+    c = b.begin_sync(0)
+    assert (c.steps, c.seconds, c.step_s) == (2, 2.0, 1.0)
+    assert b.frags[0].seconds == 0.0 and b.frags[1].seconds == 2.0
+    b.on_step(-3.0)  # a clock step back is no time, not negative time
+    b.end_sync(c, ok=False)
+    c2 = b.begin_sync(0)
+    assert (c2.steps, c2.seconds) == (3, 2.0)
+    assert lp.Contribution(0, 0, 0, 0, 0).step_s == 0.0
 
 
 def test_versions_wants_merge_staleness():
@@ -452,6 +467,30 @@ def test_a_deferred_fragment_takes_the_version_that_merged_its_round_even_after_
     b.on_downloaded(0, 14)
     b.on_merged(0, 14)
     assert b.holding() == [] and b.on_step() == [0]
+
+
+def test_a_learner_without_admission_takes_the_version_that_merged_its_deferred_round():
+    """In a run without a monitor (or before admission) a deferred fragment's one download goes to
+    the newest version at the end of the period; when a later head lists its round, it downloads
+    that version, and the window opens (it waited for the valve, 16 periods, before)."""
+    b = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1, hold=1)
+    b.on_merged(0, 10)
+    b.on_step(), b.on_step()
+    _sync(b, 0)
+    b.on_step(), b.on_step()
+    assert b.deferred() == [0]
+    assert b.fetch_due(0, 11, delay=1, admitted=False)  # the newest: it does not hold round 0
+    b.on_downloaded(0, 11)
+    b.on_merged(0, 11)
+    assert not b.fetch_due(0, 12, delay=1, admitted=False)  # the round's download is used up
+    b.on_applied(0, [], 12)  # a head without our round changes nothing
+    assert not b.fetch_due(0, 12, delay=1, admitted=False)
+    b.on_applied(0, [0], 13)
+    assert b.fetch_due(0, 13, delay=1, admitted=False)
+    b.on_downloaded(0, 13)
+    assert not b.fetch_due(0, 14, delay=1, admitted=False)  # once: pending already holds it
+    b.on_merged(0, 13)
+    assert b.on_step() == [0] and b.deferred() == []  # the window opened, no valve
 
 
 def test_sync_window_zero_never_defers_and_resync_clears_deferral():
