@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aggregator.quorum import AUTO
 from bus import codec, sparse
 from bus.config import boolean, choice, integer, number, register, token, var
 
@@ -33,13 +34,15 @@ def parse_fragments(spec: str, num_fragments: int) -> range:
 
 
 def quorum_value(s: str) -> int:
-    """'all' (0: every active learner) or an integer K >= 1."""
+    """'all' (0: every active learner), 'auto' (AUTO: rounds close on time) or an integer K >= 1."""
     if s.strip().lower() == "all":
         return 0
+    if s.strip().lower() == "auto":
+        return AUTO
     try:
         return integer(1, 100_000)(s)
     except ValueError:
-        raise ValueError("expected 'all' or an integer K with 1 <= K <= 100000") from None
+        raise ValueError("expected 'all', 'auto' or an integer K with 1 <= K <= 100000") from None
 
 
 @register("aggregator")
@@ -52,8 +55,10 @@ class AggregatorConfig:
                                  "needs no third process (false: run `diloco monitor` yourself)")
     agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
     quorum: int = var(0, quorum_value, "K: merge a fragment once K active learners contributed; all: once every "
-                      "active learner did (one merge per round; an evicted learner is not waited for)",
-                      show=lambda k: k or "all")
+                      "active learner did (one merge per round; an evicted learner is not waited for); auto: "
+                      "rounds close on time, every learner expected before half the fastest contributor's period "
+                      "is waited for (learners of unequal speed; see docs/aggregator.md)",
+                      show=lambda k: "auto" if k == AUTO else (k or "all"))
     grace: str = var("adaptive", choice("fixed", "adaptive"), "how long to wait for more after the quorum")
     grace_seconds: float = var(1.0, number(0.0, 3600), "fixed grace window, and the cap of the adaptive one")
     grace_gamma: float = var(0.5, number(0.0, 0.999), "adaptive grace = min(cap, gamma x slack)")

@@ -45,6 +45,7 @@ class Contribution:
     vector: np.ndarray
     period: int = 0  # the learner's sync period when it sent this (0: not declared)
     lockstep: bool = False  # from a synchronous learner: its round's fragments merge together
+    step_s: float = 0.0  # the learner's mean seconds per inner step of this contribution (0: not reported)
 
     @property
     def round_share(self) -> float:
@@ -77,4 +78,5 @@ def from_grad_message(meta: dict, blob, out=None) -> Contribution:
     return Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,
-                        period=meta.get("period", 0), lockstep=bool(meta.get("lockstep", 0)))
+                        period=meta.get("period", 0), lockstep=bool(meta.get("lockstep", 0)),
+                        step_s=float(meta.get("step_s", 0.0)))

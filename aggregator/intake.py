@@ -169,7 +169,8 @@ class Intake:
                           held_s=round(now - since, 3))
         self.buffers[p].append(dataclasses.replace(x, arrived=now))
         self.recent[c.learner] = now
-        self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps)
+        self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps, c.fragment,
+                                                      c.step_s, c.period)
         self.stats.accepted += 1
 
     def _watch_outliers(self, st: FragmentState, c: Contribution, norm: float) -> None:

@@ -21,6 +21,20 @@ sync_time the usual time from merge decision to published version (both observed
 - quorum reached -> merge when the grace window, started at the moment quorum was reached,
   has run out; until then report the deadline so the caller can set a timer.
 
+K = AUTO (``DILOCO_QUORUM=auto``) closes each round on time instead of on a count: a round of
+fragment p stays open at most until
+
+    deadline = min over its contributors c of  (arrival_c + AUTO_SHARE * period_c * step_c)
+
+(the fastest contributor's next sync of p is one period after its arrival; the merged version must
+be back before then, or that learner defers its sync), and closes earlier once every active learner
+contributed, or once each one missing is expected after the deadline (its last arrival of p plus
+its period times its step time: :meth:`ArrivalStats.expected`). Learners of one speed arrive
+together and merge together, as with all; a slower one that would hold the round past the
+deadline goes into the next round instead of holding the fast ones back. A missing learner of
+unknown pace is waited for until the deadline; a round whose contributors' pace is unknown waits
+for every active learner, as K = all.
+
 Operational advice: if versions advance at the pace of the slowest learner, K is too high or the
 grace too long; if the slow learner's contributions keep arriving just after each merge (high
 staleness), lengthen the grace (fixed) or raise gamma (adaptive, still < 1).
@@ -35,6 +49,12 @@ from typing import AbstractSet, Literal, Union
 
 Contributors = Union[Mapping[str, float], AbstractSet[str]]
 """learner -> arrival time (seconds, the clock of ``now``), or just the set of learners."""
+
+#: ``K`` of the on-time quorum (``DILOCO_QUORUM=auto``, see the module docstring)
+AUTO = -1
+#: the share of its contributors' fastest period a round of the on-time quorum may stay open: the
+#: rest is the merge, the publish and the download before that learner's next sync of the fragment
+AUTO_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -67,19 +87,26 @@ class GracePolicy:
 
 @dataclass(frozen=True)
 class ArrivalStats:
-    """Exponential moving averages (factor ``alpha``) of what the grace window needs.
+    """Exponential moving averages (factor ``alpha``) of what the grace window and the on-time
+    quorum need.
 
-    - per learner, seconds per inner step, from consecutive arrivals of the same learner and
-      incarnation for this fragment: (t - t_previous) / inner_steps of the later contribution;
-      a new incarnation (restart) resets that learner's clock instead of counting the downtime;
+    - per learner, seconds per inner step: the pace the learner reports with each contribution
+      (``step_s``: its inner steps' own time, holds and transfers excluded), or, from a learner
+      that does not report it, from consecutive arrivals of the same learner, incarnation and
+      fragment: (t - t_previous) / inner_steps of the later contribution (a learner sends its P
+      fragments in turn, so arrivals of different fragments are a fraction of a period apart); a
+      new incarnation (restart) resets that clock instead of counting the downtime;
+    - per learner, its sync period in inner steps (declared with each contribution);
+    - per (learner, fragment), the last arrival;
     - sync_time: seconds from the merge decision to the published version.
 
-    Keep one per fragment. Immutable: every ``observe_*`` returns a new object.
+    One per aggregator. Immutable: every ``observe_*`` returns a new object.
     """
 
     alpha: float = 0.2
     step_time: Mapping[str, float] = field(default_factory=dict)
-    last_arrival: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    last_arrival: Mapping[tuple[str, int], tuple[str, float]] = field(default_factory=dict)
+    period: Mapping[str, int] = field(default_factory=dict)
     sync_time: float | None = None
 
     def __post_init__(self) -> None:
@@ -90,16 +117,25 @@ class ArrivalStats:
         return x if old is None else (1 - self.alpha) * old + self.alpha * x
 
     def observe_arrival(
-        self, learner: str, incarnation: str, t: float, inner_steps: int
+        self, learner: str, incarnation: str, t: float, inner_steps: int, fragment: int = 0,
+        step_s: float = 0.0, period: int = 0,
     ) -> ArrivalStats:
-        """Record that ``learner`` delivered a contribution of ``inner_steps`` steps at ``t``."""
+        """Record that ``learner`` delivered fragment ``fragment``'s contribution of ``inner_steps``
+        steps at ``t``, at a reported ``step_s`` seconds per step (0: not reported) and sync period
+        ``period`` (0: not declared; the contribution's steps stand in)."""
         last = dict(self.last_arrival)
         steps = dict(self.step_time)
-        prev = self.last_arrival.get(learner)
-        if prev is not None and prev[0] == incarnation and t > prev[1] and inner_steps > 0:
+        key = (learner, int(fragment))
+        prev = self.last_arrival.get(key)
+        if math.isfinite(step_s) and step_s > 0:
+            steps[learner] = self._ema(steps.get(learner), float(step_s))
+        elif prev is not None and prev[0] == incarnation and t > prev[1] and inner_steps > 0:
             steps[learner] = self._ema(steps.get(learner), (t - prev[1]) / inner_steps)
-        last[learner] = (incarnation, t)
-        return replace(self, step_time=steps, last_arrival=last)
+        last[key] = (incarnation, t)
+        periods = dict(self.period)
+        if period > 0 or inner_steps > 0:
+            periods[learner] = int(period) if period > 0 else int(inner_steps)
+        return replace(self, step_time=steps, last_arrival=last, period=periods)
 
     def observe_sync(self, seconds: float) -> ArrivalStats:
         """Record the time from a merge decision to its published version."""
@@ -111,12 +147,24 @@ class ArrivalStats:
         """Drop a learner (evicted): it no longer sets the pace."""
         return replace(self,
                        step_time={k: v for k, v in self.step_time.items() if k != learner},
-                       last_arrival={k: v for k, v in self.last_arrival.items() if k != learner})
+                       last_arrival={k: v for k, v in self.last_arrival.items() if k[0] != learner},
+                       period={k: v for k, v in self.period.items() if k != learner})
 
     def fastest_step_time(self, among: AbstractSet[str] | None = None) -> float | None:
         """Smallest per-learner step time (optionally among ``among``), or None if none known."""
         times = [v for k, v in self.step_time.items() if among is None or k in among]
         return min(times) if times else None
+
+    def round_time(self, learner: str) -> float | None:
+        """Seconds of one sync period of ``learner`` (period x step time), or None if unknown."""
+        st, h = self.step_time.get(learner), self.period.get(learner)
+        return None if st is None or not h else st * h
+
+    def expected(self, learner: str, fragment: int) -> float | None:
+        """When ``learner``'s next contribution of ``fragment`` is due to arrive: its last arrival
+        of that fragment plus one period of its steps (None if either is unknown)."""
+        last, rt = self.last_arrival.get((learner, int(fragment))), self.round_time(learner)
+        return None if last is None or rt is None else last[1] + rt
 
     def slack(self, tau: int, quorum_time: float,
               among: AbstractSet[str] | None = None) -> float | None:
@@ -160,21 +208,25 @@ def decide(
     K: int,
     grace: GracePolicy,
     stats: ArrivalStats | None = None,
+    fragment: int = 0,
 ) -> Decision:
     """Merge the fragment now, or wait (see module docstring for the rules).
 
     ``contributors`` maps each learner whose contribution is buffered to its arrival time; the
     grace window then starts when the K-th active learner arrived. Given only a set of learners,
     the window starts at ``first_arrival`` (earlier, so never longer). ``first_arrival`` is the
-    arrival time of the first buffered contribution, active or not.
+    arrival time of the first buffered contribution, active or not. ``fragment`` is the
+    fragment decided (the on-time quorum, K = AUTO, looks up its learners' arrivals of it).
     """
-    if K < 0:
-        raise ValueError(f"K must be >= 1, or 0 for every active learner, got {K}")
+    if K < AUTO:
+        raise ValueError(f"K must be >= 1, 0 for every active learner or {AUTO} for on time, got {K}")
     counted = [c for c in contributors if c in active]
     n, n_active = len(counted), len(active)
-    k_eff = n_active if K == 0 else min(K, n_active)
     if n_active > 0 and n == n_active:
         return Decision(True, None, f"all {n_active} active contributed")
+    if K == AUTO:
+        return _on_time(now, first_arrival, contributors, counted, active, stats, fragment)
+    k_eff = n_active if K == 0 else min(K, n_active)
     if n == 0 or n < k_eff:
         return Decision(False, None,
                         f"waiting for quorum {n}/{max(k_eff, 1)} ({n_active} active)")
@@ -189,3 +241,37 @@ def decide(
     if now >= deadline:
         return Decision(True, None, f"{head}, grace {window:.1f}s expired", window)
     return Decision(False, deadline, f"{head}, grace {deadline - now:.1f}s left", window)
+
+
+def _on_time(
+    now: float,
+    first_arrival: float,
+    contributors: Contributors,
+    counted: list[str],
+    active: AbstractSet[str],
+    stats: ArrivalStats | None,
+    fragment: int,
+) -> Decision:
+    """K = AUTO: the round closes at its deadline, or once nobody missing is expected before it."""
+    n, n_active = len(counted), len(active)
+    head = f"on time {n}/{n_active}"
+    if n == 0:
+        return Decision(False, None, f"{head}: waiting for a contribution")
+    ends = []
+    for c in counted:
+        rt = None if stats is None else stats.round_time(c)
+        if rt is not None:
+            at = contributors[c] if isinstance(contributors, Mapping) else first_arrival
+            ends.append(max(at, first_arrival) + AUTO_SHARE * rt)
+    if not ends:  # nobody's pace known yet: every active learner, as K = all
+        return Decision(False, None, f"{head}: pace unknown, waiting for all")
+    deadline = min(ends)
+    window = deadline - first_arrival
+    if now >= deadline:
+        return Decision(True, None, f"{head}, round closed at {window:.1f}s", window)
+    missing = [m for m in active if m not in contributors]
+    expected = [None if stats is None else stats.expected(m, fragment) for m in missing]
+    if all(e is not None and e > deadline for e in expected):
+        return Decision(True, None, f"{head}, the {len(missing)} missing are not expected within "
+                        f"{window:.1f}s", window)
+    return Decision(False, deadline, f"{head}, {deadline - now:.1f}s left", window)

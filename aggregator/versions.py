@@ -20,7 +20,7 @@ import orjson
 from aggregator.intake import Pending
 from aggregator.mlog import LoggedContribution, MergeRecord, with_clears
 from aggregator.merge import l2_norm
-from aggregator.quorum import ArrivalStats, decide
+from aggregator.quorum import AUTO, ArrivalStats, decide
 from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, merge_step, participation_scale, round_work
 from aggregator.trust import ew_mean
@@ -52,7 +52,10 @@ class VersionMaker:
         for x in buf:
             contributors[x.c.learner] = min(contributors.get(x.c.learner, x.arrived), x.arrived)
         first = min(x.arrived for x in buf)
-        d = decide(now, first, contributors, active, self.cfg.quorum, self.grace, self.arrivals)
+        K = self.cfg.quorum
+        if K == AUTO and any(x.c.lockstep for x in buf):
+            K = 0  # synchronous learners wait for their round's merge: it has every one of them, as all
+        d = decide(now, first, contributors, active, K, self.grace, self.arrivals, p)
         if d.merge:
             return d.reason, None, first
         if not active:
@@ -178,7 +181,8 @@ class VersionMaker:
         self.stats.merges += 1
         self.stats.merge_latency.append(time.monotonic() - first)
         firsts = sorted({x.c.learner: x.arrived for x in reversed(items)}.values())
-        self.stats.quorum_wait += firsts[min(self.cfg.quorum or len(firsts), len(firsts)) - 1] - first
+        k = len(firsts) if self.cfg.quorum <= 0 else min(self.cfg.quorum, len(firsts))
+        self.stats.quorum_wait += firsts[k - 1] - first
         self.stats.clipped += new.last_clipped
         self._note_trust(p, new, items)
         for x in items:

@@ -25,8 +25,8 @@ from bus.subjects import check_token
 
 GRAD_FIELDS = ("run", "model", "learner", "inc", "frag", "round", "base", "steps", "tokens", "region")
 # absent from a learner before they were added: the aggregator then counts a full round (period) and
-# merges each fragment on its own (lockstep)
-GRAD_OPTIONAL = ("period", "lockstep")
+# merges each fragment on its own (lockstep) and learns the learner's pace from its arrivals (step_s)
+GRAD_OPTIONAL = ("period", "lockstep", "step_s")
 MANIFEST_KEY = "manifest"
 
 
@@ -36,11 +36,13 @@ def grad_obj_id(run: str, learner: str, incarnation: str, fragment: int, round_:
 
 def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment: int, round_: int,
               base_version: int, inner_steps: int, tokens: int, region: str, period: int | None = None,
-              lockstep: bool = False) -> dict:
+              lockstep: bool = False, step_s: float = 0.0) -> dict:
     """``period``: the learner's sync period H (inner steps) when the fragment was due; the
     contribution holds ``steps / period`` of a round of work (0 or None: not sent). ``lockstep``: a
     synchronous learner (``DILOCO_MODE=sync``), which sends every fragment of a round together and
-    waits for all of them to be merged (sent as ``1``; absent otherwise)."""
+    waits for all of them to be merged (sent as ``1``; absent otherwise). ``step_s``: the mean seconds
+    of the inner steps the contribution holds, the learner's own compute (holds and transfers
+    excluded; absent when 0): the aggregator's on-time quorum paces rounds by it."""
     meta = {"run": run, "model": model, "learner": learner, "inc": incarnation, "frag": int(fragment),
             "round": int(round_), "base": int(base_version), "steps": int(inner_steps), "tokens": int(tokens),
             "region": region}
@@ -48,6 +50,8 @@ def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment:
         meta["period"] = int(period)
     if lockstep:
         meta["lockstep"] = 1
+    if step_s > 0 and math.isfinite(step_s):
+        meta["step_s"] = round(float(step_s), 6)
     return meta
 
 
@@ -70,11 +74,13 @@ class GradMeta(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False
     region: _Name
     period: Annotated[int, msgspec.Meta(ge=1, le=2**31)] | msgspec.UnsetType = msgspec.UNSET
     lockstep: Annotated[int, msgspec.Meta(ge=1, le=1)] | msgspec.UnsetType = msgspec.UNSET
+    step_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | msgspec.UnsetType = msgspec.UNSET
 
 
 _RULES = {**{k: "must be a non-empty string" for k in ("run", "model", "learner", "inc", "region")},
           **{k: "must be an integer in 0..2**62" for k in ("frag", "round", "base", "steps", "tokens")},
-          "period": "must be an integer in 1..2**31", "lockstep": "must be 1 (or absent)"}
+          "period": "must be an integer in 1..2**31", "lockstep": "must be 1 (or absent)",
+          "step_s": "must be a number of seconds in (0, 86400]"}
 
 
 def parse_grad_meta(meta: dict) -> dict:

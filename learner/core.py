@@ -257,7 +257,8 @@ class IslandCore:
         meta = grad_meta(run=self.common.run, model=self.model_hash, learner=self.id,
                          incarnation=self.incarnation, fragment=p, round_=c.round,
                          base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
-                         region=self.common.region, period=c.period, lockstep=self.cfg.mode == "sync")
+                         region=self.common.region, period=c.period, lockstep=self.cfg.mode == "sync",
+                         step_s=c.step_s)
         self._sent[(p, c.round)] = blob  # what was sent is decode(blob), rebuilt only if the publish fails
         return blob, meta
 

@@ -159,13 +159,14 @@ class Reference:
         from aggregator.trust import TrustSettings
         from aggregator.validate import OutlierWatch
         from aggregator.weights import StalenessPolicy
-        from aggregator.quorum import GracePolicy
+        from aggregator.quorum import ArrivalStats, GracePolicy
         from learner.loop import Bookkeeper
 
         cfg, s = self.cfg, self.setup
         self.P = s.plan.num_fragments  # P, or fewer for a tree with fewer parameters
         self.K = quorum(cfg)
         self.grace = GracePolicy(mode="fixed", grace=cfg.grace, max_grace=max(cfg.grace, 10.0))
+        self.arrivals = ArrivalStats()  # the learners' pace and arrivals (the on-time quorum, K = AUTO)
         # cfg.staleness is the aggregator's setting, a str (StalenessPolicy checks it)
         staleness = StalenessPolicy(cfg.staleness, cfg.staleness_a, cfg.staleness_b)  # type: ignore[arg-type]
         self.settings = MergeSettings(method=cfg.merge, staleness=staleness,
@@ -337,7 +338,7 @@ class Reference:
                 vec = old
         contrib = Contribution(run="reference", model_hash="reference", learner=ln.name, incarnation=ln.incarnation,
                                fragment=p, round=c.round, base_version=c.base_version, inner_steps=c.steps,
-                               tokens=c.tokens, vector=vec, period=c.period)
+                               tokens=c.tokens, vector=vec, period=c.period, step_s=c.step_s)
         if cfg.mode == "sync":
             ln.awaiting.add((p, c.round))
         self._at(self.now + cfg.up_delay, 0, self._arrive, contrib)
@@ -483,6 +484,8 @@ class Reference:
             self.rejected[r] = self.rejected.get(r, 0) + 1
             return
         self.buffers[p].append(_Pending(c, norm, self.now))
+        self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, self.now, c.inner_steps, p, c.step_s,
+                                                      c.period)
         self._consider_merge(p)
 
     def _consider_merge(self, p: int) -> None:
@@ -498,7 +501,7 @@ class Reference:
             contributors[x.c.learner] = min(contributors.get(x.c.learner, x.arrived), x.arrived)
         first = min(x.arrived for x in buf)
         active = self._alive() - {ln.name for ln in self.learners if ln.done and ln.name not in contributors}
-        d = decide(self.now, first, contributors, active, self.K, self.grace)
+        d = decide(self.now, first, contributors, active, self.K, self.grace, self.arrivals, p)
         if d.merge or not active:
             self._merge(p, d.reason)
         elif d.wait_until is not None and self.timers.get(p) != d.wait_until:

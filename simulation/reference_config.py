@@ -81,8 +81,8 @@ class RefConfig:
     fetch: str = _L("fetch")
     fetch_delay: int = _L("fetch_delay")  # -1: H/4
     final_sync: bool = _L("final_sync")
-    # aggregator: its defaults, except the quorum (None: K = M, as diloco up runs it) and the grace
-    # window (fixed, in virtual seconds)
+    # aggregator: its defaults, except the quorum (None: K = M, every learner; -1: on time,
+    # aggregator.quorum.AUTO) and the grace window (fixed, in virtual seconds)
     K: int | None = None
     grace: float = 0.0
     merge: str = _A("merge")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.quorum import ArrivalStats, Decision, GracePolicy, decide, grace_window
+from aggregator.quorum import AUTO, AUTO_SHARE, ArrivalStats, Decision, GracePolicy, decide, grace_window
 
 ACTIVE4 = {"a", "b", "c", "d"}
 FIXED1 = GracePolicy("fixed", grace=1.0)
@@ -181,7 +181,7 @@ def test_quorum_all_waits_for_every_active_learner_and_only_those():
     assert decide(9.0, 0.0, {"a": 0.0, "b": 0.1, "c": 0.2}, {"a", "b", "c"}, K=0, grace=FIXED1).merge
     assert decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=0, grace=FIXED1).merge
     with pytest.raises(ValueError):
-        decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=-1, grace=FIXED1)
+        decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=-2, grace=FIXED1)
 
 
 def test_quorum_setting_reads_all_or_a_count():
@@ -189,7 +189,99 @@ def test_quorum_setting_reads_all_or_a_count():
     from bus.config import from_env
 
     assert quorum_value("all") == 0 and quorum_value(" ALL ") == 0 and quorum_value("3") == 3
+    assert quorum_value("auto") == AUTO and quorum_value(" Auto ") == AUTO
     assert from_env(AggregatorConfig, {}).quorum == 0
+    assert from_env(AggregatorConfig, {"DILOCO_QUORUM": "auto"}).quorum == AUTO
     for bad in ("0", "-1", "many", ""):
-        with pytest.raises(ValueError, match="'all' or an integer"):
+        with pytest.raises(ValueError, match="'all', 'auto' or an integer"):
             quorum_value(bad)
+
+
+def test_arrival_stats_time_each_fragment_apart():
+    """A learner sends its P fragments in turn: arrivals of different fragments are a fraction of a
+    period apart and are not its step time (they read P times too fast before)."""
+    s = ArrivalStats(alpha=1.0)
+    for k in range(4):  # fragments 0..3 of H = 8 steps, one every 2 steps of 1 s
+        s = s.observe_arrival("a", "i", 2.0 * k, 8, fragment=k, period=8)
+    assert s.fastest_step_time() is None  # no fragment arrived twice yet
+    s = s.observe_arrival("a", "i", 8.0, 8, fragment=0, period=8)
+    assert s.step_time["a"] == pytest.approx(1.0)
+    assert s.expected("a", 1) == pytest.approx(2.0 + 8.0) and s.expected("a", 9) is None
+    # a reported pace wins over arrivals (its own steps, holds and transfers excluded)
+    s = s.observe_arrival("a", "i", 30.0, 8, fragment=1, step_s=0.5, period=8)
+    assert s.step_time["a"] == pytest.approx(0.5) and s.round_time("a") == pytest.approx(4.0)
+    assert s.expected("a", 1) == pytest.approx(34.0)
+    for bad in (float("nan"), float("inf"), -1.0):  # not a pace: the arrivals decide
+        assert s.observe_arrival("a", "i", 40.0, 8, fragment=3, step_s=bad).step_time["a"] == pytest.approx(
+            (40.0 - 6.0) / 8)
+    assert s.forget("a").expected("a", 1) is None and not s.forget("a").period
+
+
+def paced(**learners: tuple[float, float]) -> ArrivalStats:
+    """Stats where each learner (step seconds, last arrival of fragment 0) has period 10."""
+    s = ArrivalStats(alpha=1.0)
+    for name, (step_s, last) in learners.items():
+        s = s.observe_arrival(name, "i", last, 10, fragment=0, step_s=step_s, period=10)
+    return s
+
+
+def test_on_time_quorum_waits_for_learners_due_before_the_deadline():
+    # a and b step at 1 s (period 10 s), c at 1.5 s (15 s): the round opened by a at t=10 may stay
+    # open until 10 + 0.5 x 10 = 15; b is due at 10.5, c at 15.5
+    s = paced(a=(1.0, 0.0), b=(1.0, 0.5), c=(1.5, 0.5))
+    d = decide(10.0, 10.0, {"a": 10.0}, {"a", "b", "c"}, AUTO, FIXED1, s)
+    assert not d.merge and d.wait_until == pytest.approx(10 + AUTO_SHARE * 10)  # b is expected in time
+    d = decide(10.5, 10.0, {"a": 10.0, "b": 10.5}, {"a", "b", "c"}, AUTO, FIXED1, s)
+    assert d.merge and "1 missing are not expected within 5.0s" in d.reason  # c would hold the round
+    # c expected at 14.5 instead: the round waits for it, and merges when it comes
+    s2 = paced(a=(1.0, 0.0), b=(1.0, 0.5), c=(1.4, -0.5))
+    d = decide(10.5, 10.0, {"a": 10.0, "b": 10.5}, {"a", "b", "c"}, AUTO, FIXED1, s2)
+    assert not d.merge and d.wait_until == pytest.approx(15.0)
+    d = decide(14.5, 10.0, {"a": 10.0, "b": 10.5, "c": 14.5}, {"a", "b", "c"}, AUTO, FIXED1, s2)
+    assert d.merge and d.reason == "all 3 active contributed"
+    # c is late (stopped, or slower than it was): the round closes at its deadline, not later
+    d = decide(15.0, 10.0, {"a": 10.0, "b": 10.5}, {"a", "b", "c"}, AUTO, FIXED1, s2)
+    assert d.merge and "round closed at 5.0s" in d.reason
+
+
+def test_on_time_quorum_with_unknown_pace_waits_like_all():
+    d = decide(99.0, 0.0, {"a": 0.0}, {"a", "b"}, AUTO, FIXED1, ArrivalStats())
+    assert not d.merge and d.wait_until is None and "pace unknown" in d.reason
+    d = decide(99.0, 0.0, {"a": 0.0}, {"a", "b"}, AUTO, FIXED1, None)
+    assert not d.merge and d.wait_until is None
+    # the contributor's pace known, the missing one's not: it is waited for until the deadline
+    s = paced(a=(1.0, -10.0))
+    d = decide(0.0, 0.0, {"a": 0.0}, {"a", "b"}, AUTO, FIXED1, s)
+    assert not d.merge and d.wait_until == pytest.approx(5.0)
+    assert decide(5.0, 0.0, {"a": 0.0}, {"a", "b"}, AUTO, FIXED1, s).merge
+    assert not decide(5.0, 0.0, {}, {"a", "b"}, AUTO, FIXED1, s).merge  # nothing to merge
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    active=st.sets(learners, min_size=1),
+    arrivals=st.dictionaries(learners, st.floats(0, 10), min_size=1),
+    paces=st.dictionaries(learners, st.tuples(st.floats(0.01, 5), st.floats(-20, 10))),
+    dt=st.floats(0, 40),
+)
+def test_on_time_quorum_invariants(active, arrivals, paces, dt):
+    """Never waits past the earliest contributor's deadline, never merges nothing, always merges
+    once every active learner is in; the round closes no later than K = all would."""
+    s = paced(**paces)
+    first = min(arrivals.values())
+    now = max(arrivals.values()) + dt
+    d = decide(now, first, arrivals, active, AUTO, FIXED1, s)
+    counted = set(arrivals) & active
+    ends = [arrivals[c] + AUTO_SHARE * s.round_time(c) for c in counted if s.round_time(c) is not None]
+    if counted == active:
+        assert d.merge
+    if d.merge:
+        assert counted
+    else:
+        assert d.wait_until is None or d.wait_until > now
+        if ends:
+            assert d.wait_until == pytest.approx(min(ends))
+        else:
+            assert d.wait_until is None
+    if decide(now, first, arrivals, active, 0, FIXED1, s).merge:
+        assert d.merge

@@ -23,6 +23,27 @@ def test_lockstep_is_sent_by_a_synchronous_learner_only():
     assert "lockstep" not in _meta(lockstep=False)
 
 
+def test_the_pace_is_sent_when_known_and_reaches_the_contribution():
+    import numpy as np
+
+    from aggregator.contribution import from_grad_message
+    from bus import codec
+
+    m = _meta(step_s=0.2500004)
+    assert m["step_s"] == 0.25 and parse_grad_meta(m) is m
+    for none in (0.0, -1.0, float("nan"), float("inf")):  # nothing to report: absent
+        assert "step_s" not in _meta(step_s=none)
+    blob = codec.encode_array(np.zeros(4, np.float32), "fp32")
+    assert from_grad_message(m, blob).step_s == 0.25
+    assert from_grad_message(_meta(), blob).step_s == 0.0  # an older learner's
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, float("nan"), float("inf"), 86401.0, "0.2", True])
+def test_a_bad_pace_is_malformed(bad):
+    with pytest.raises(ValueError, match="malformed: field 'step_s'"):
+        parse_grad_meta({**_meta(), "step_s": bad})
+
+
 @pytest.mark.parametrize("bad", [0, 2, True, "1", 1.0])
 def test_a_bad_lockstep_is_malformed(bad):
     with pytest.raises(ValueError, match="malformed: field 'lockstep'"):
