@@ -4,18 +4,20 @@ active), at equal step times and with a speed spread, in the in-process referenc
 (``simulation.reference``); synchronous DiLoCo and data-parallel at equal speeds beside them.
 
 Every run trains one built-in model (``--size``, default ``small``; ``--quick``: ``tiny``) for
-``--tokens-per-param`` x its parameters tokens at the roles' defaults, K the only change. The quorums:
-all (M), M/2, 2 and 1 (those within 1..M). The speeds: ``equal`` (every step 1.0 virtual seconds, no
+``--tokens-per-param`` x its parameters tokens at the roles' defaults, K the only change. The quorums
+(``--quorums``): all (M), M/2, 2 and 1 (those within 1..M), and auto (``DILOCO_QUORUM=auto``: rounds
+that close on time, ``aggregator.quorum``). The speeds: ``equal`` (every step 1.0 virtual seconds, no
 transfer time) and ``spread`` (learner i steps in 1 + 0.06 i, every contribution and every version
 0.5 s in flight: the unequal speeds of learners sharing a machine or of mixed hardware).
 
 Keys: ``gap_k<K>_m<M>_<speeds>`` = (decoupled - data-parallel) / data-parallel;
 ``async_cost_k<K>_m<M>_<speeds>`` = (decoupled - synchronous) / synchronous (the cost of asynchrony,
 synchronous at equal speeds: the best case); ``best_k_m<M>_<speeds>``: the K of the lowest loss;
-``k_all`` in a key is K = M. A figure of one run is one run: ``--seed`` repeats it on other data.
+``k_all`` in a key is K = M, ``k_auto`` the on-time quorum. A figure of one run is one run:
+``--seed`` repeats it on other data; ``--reuse FILE.json`` takes the rows an earlier run holds.
 
     python -m bench.quorum --quick --out quorum.json                        (~1 min)
-    python -m bench.quorum --M 2 4 8 --jobs 2 --out quorum.json             (24 runs, ~20 min on 2 cores)
+    python -m bench.quorum --M 2 4 8 --jobs 2 --out quorum.json             (30 runs, ~25 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -29,14 +31,20 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from bench.common import finish, parser, progress, reference_options, run_jobs
 
 SPEEDS = ("equal", "spread")
+QUORUMS = ("all", "half", "2", "1", "auto")
+AUTO = -1  # aggregator.quorum.AUTO (not imported: the reference's imports stay in the workers)
 
 
-def quorums(M: int) -> list[int]:
-    """The K tried at M: all, M/2, 2 and 1 (distinct, within 1..M), largest first."""
-    return sorted({k for k in (M, M // 2, 2, 1) if 1 <= k <= M}, reverse=True)
+def quorums(M: int, which: tuple[str, ...] = QUORUMS) -> list[int]:
+    """The K tried at M: all, M/2, 2 and 1 (distinct, within 1..M), largest first, then auto."""
+    named = {"all": M, "half": M // 2, "2": 2, "1": 1}
+    ks = sorted({named[w] for w in which if w in named and 1 <= named[w] <= M}, reverse=True)
+    return ks + ([AUTO] if "auto" in which else [])
 
 
 def timing(speeds: str, M: int) -> dict[str, Any]:
@@ -46,7 +54,7 @@ def timing(speeds: str, M: int) -> dict[str, Any]:
 
 
 def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float, batch: int, seed: int,
-            quick: bool) -> list:
+            quick: bool, which: tuple[str, ...] = QUORUMS) -> list:
     from bench.algorithm import budget_steps
     from bench.size_trend import SIZES, params_of
     from simulation.reference import RefConfig
@@ -60,26 +68,35 @@ def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float
         out.append(("equal", replace(base, mode="dp")))
         out.append(("equal", replace(base, mode="sync")))
         for sp in speeds:
-            for K in quorums(M):
+            for K in quorums(M, which):
                 out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, **timing(sp, M))))
     return out
 
 
-def one(item: tuple[str, object]) -> dict:
+def item_row(item: tuple[str, Any]) -> dict:
+    """The identity fields of the row ``one(item)`` gives."""
+    speeds, cfg = item
+    return {"M": cfg.M, "mode": cfg.mode, "K": cfg.K or cfg.M, "speeds": speeds, "steps": cfg.steps,
+            "seed": cfg.data_seed}
+
+
+def one(item: tuple[str, Any]) -> dict:
     from simulation.reference import run_reference
 
-    speeds, cfg = item
     t0 = time.monotonic()
-    r = run_reference(cfg)  # type: ignore[arg-type]
-    M = cfg.M  # type: ignore[attr-defined]
-    return {"M": M, "mode": cfg.mode, "K": cfg.K or M, "speeds": speeds, "steps": cfg.steps,  # type: ignore[attr-defined]
-            "seed": cfg.data_seed, "eval_loss": float(r["eval_loss"]),  # type: ignore[attr-defined]
+    r = run_reference(item[1])
+    return {**item_row(item), "eval_loss": float(r["eval_loss"]),
             "staleness_max": max((int(k) for k in r.get("staleness_hist", {})), default=None),
             "merges": r.get("merges"), "seconds": round(time.monotonic() - t0, 1)}
 
 
 def kname(K: int, M: int) -> str:
-    return "k_all" if K == M else f"k{K}"
+    return "k_all" if K == M else "k_auto" if K == AUTO else f"k{K}"
+
+
+def key(r: dict) -> tuple:
+    """A row's identity (what --reuse matches)."""
+    return (r["M"], r["mode"], r["K"], r["speeds"], r["steps"], r["seed"])
 
 
 def summary(rows: list[dict]) -> dict:
@@ -95,7 +112,8 @@ def summary(rows: list[dict]) -> dict:
                 if sync:
                     out[f"async_cost_{kname(K, M)}_m{M}_{sp}"] = round((v - sync) / sync, 4)
             if dec:
-                out[f"best_k_m{M}_{sp}"] = min(dec, key=lambda k: dec[k])
+                best = min(dec, key=lambda k: dec[k])
+                out[f"best_k_m{M}_{sp}"] = "auto" if best == AUTO else best
     return out
 
 
@@ -106,15 +124,24 @@ def main() -> None:
     p.add_argument("--size", default=None, choices=list(SIZES), help="the model (default small; quick: tiny)")
     p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 2 4 8; quick: 2)")
     p.add_argument("--speeds", nargs="+", default=list(SPEEDS), choices=SPEEDS)
+    p.add_argument("--quorums", nargs="+", default=list(QUORUMS), choices=QUORUMS)
     reference_options(p)
+    p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")
     a = p.parse_args()
     size = a.size or ("tiny" if a.quick else "small")
     Ms = a.M or ([2] if a.quick else [2, 4, 8])
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
-    items = configs(size, Ms, a.speeds, tpp, a.batch, a.seed, a.quick)
-    progress(f"{len(items)} runs: {size}, M {Ms}, speeds {a.speeds}, {tpp} tokens/param, data seed {a.seed}")
-    rows = run_jobs(one, items, a.jobs, lambda r: f"M={r['M']} {r['mode']} K={r['K']} {r['speeds']}: "
-                                                   f"{r['eval_loss']:.4f} ({r['seconds']} s)")
+    items = configs(size, Ms, a.speeds, tpp, a.batch, a.seed, a.quick, tuple(a.quorums))
+    old: dict = {}
+    for path in a.reuse or []:
+        with open(path, "rb") as f:
+            old.update({key(r): r for r in orjson.loads(f.read()).get("rows", [])})
+    todo = [it for it in items if key(item_row(it)) not in old]
+    reused = [old[key(item_row(it))] for it in items if key(item_row(it)) in old]
+    progress(f"{len(todo)} runs ({len(reused)} reused): {size}, M {Ms}, speeds {a.speeds}, quorums {a.quorums}, "
+             f"{tpp} tokens/param, data seed {a.seed}")
+    rows = reused + run_jobs(one, todo, a.jobs, lambda r: f"M={r['M']} {r['mode']} K={r['K']} {r['speeds']}: "
+                                                          f"{r['eval_loss']:.4f} ({r['seconds']} s)")
     finish({"size": size, "tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "rows": rows, **summary(rows)},
            a.out)
 

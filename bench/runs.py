@@ -292,7 +292,7 @@ class Cluster:
 #: aggregator variants of the end-to-end benchmarks: ``defaults`` (the aggregator's own: K = every
 #: active learner), ``quorum`` (K = M, given explicitly), ``k1`` (K = 1: a merge per arrival, the grace
 #: window for more), ``k1dn`` (K = 1 with Delayed Nesterov, N = M, no participation scale)
-AGG_VARIANTS = ("defaults", "quorum", "k1", "k1dn", "lean")
+AGG_VARIANTS = ("defaults", "quorum", "auto", "k1", "k1dn", "lean")
 
 
 def aggregator_settings(variant: str, M: int) -> dict:
@@ -300,6 +300,8 @@ def aggregator_settings(variant: str, M: int) -> dict:
         return {}
     if variant == "quorum":
         return {"DILOCO_QUORUM": str(M)}
+    if variant == "auto":  # rounds that close on time (aggregator.quorum.AUTO)
+        return {"DILOCO_QUORUM": "auto"}
     if variant == "k1":
         return {"DILOCO_QUORUM": "1"}
     if variant == "lean":  # diloco up --preset lean (its learners' half: learner_settings)
