@@ -107,12 +107,14 @@ def test_size_trend_summary_gives_each_sizes_gap_and_the_trend():
 def test_quorum_summary_gives_each_quorums_gap_cost_and_the_best():
     from bench.quorum import quorums, summary
 
-    assert quorums(8) == [8, 4, 2, 1] and quorums(4) == [4, 2, 1] and quorums(2) == [2, 1] and quorums(1) == [1]
+    assert quorums(8) == [8, 4, 2, 1, -1] and quorums(4) == [4, 2, 1, -1] and quorums(1) == [1, -1]
+    assert quorums(2, ("all", "1")) == [2, 1] and quorums(8, ("auto", "half")) == [4, -1]
     rows = [{"M": 4, "mode": "dp", "K": 4, "speeds": "equal", "eval_loss": 1.5},
             {"M": 4, "mode": "sync", "K": 4, "speeds": "equal", "eval_loss": 1.53}]
     rows += [{"M": 4, "mode": "decoupled", "K": k, "speeds": sp, "eval_loss": v} for k, sp, v in [
-        (4, "equal", 1.56), (2, "equal", 1.545), (1, "equal", 1.59), (4, "spread", 1.62), (1, "spread", 1.59)]]
+        (4, "equal", 1.56), (2, "equal", 1.545), (1, "equal", 1.59), (4, "spread", 1.62), (1, "spread", 1.59),
+        (-1, "spread", 1.575)]]
     s = summary(rows)
     assert s["gap_k_all_m4_equal"] == 0.04 and s["gap_k2_m4_equal"] == 0.03 and s["async_cost_k1_m4_spread"] == 0.0392
-    assert s["best_k_m4_equal"] == 2 and s["best_k_m4_spread"] == 1
+    assert s["best_k_m4_equal"] == 2 and s["best_k_m4_spread"] == "auto" and s["gap_k_auto_m4_spread"] == 0.05
     assert "gap_k2_m4_spread" not in s  # not run: not reported
