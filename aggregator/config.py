@@ -33,6 +33,11 @@ def parse_fragments(spec: str, num_fragments: int) -> range:
     return range(lo, hi + 1)
 
 
+def quorum_text(k: int) -> str:
+    """The setting of quorum ``k`` as DILOCO_QUORUM reads it (:func:`quorum_value`'s inverse)."""
+    return "auto" if k == AUTO else str(k or "all")
+
+
 def quorum_value(s: str) -> int:
     """'all' (0: every active learner), 'auto' (AUTO: rounds close on time) or an integer K >= 1."""
     if s.strip().lower() == "all":
@@ -54,11 +59,11 @@ class AggregatorConfig:
                                  "for the leader lease with any other monitor): a run of an aggregator and islands "
                                  "needs no third process (false: run `diloco monitor` yourself)")
     agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
-    quorum: int = var(0, quorum_value, "K: merge a fragment once K active learners contributed; all: once every "
-                      "active learner did (one merge per round; an evicted learner is not waited for); auto: "
-                      "rounds close on time, every learner expected before half the fastest contributor's period "
-                      "is waited for (learners of unequal speed; see docs/aggregator.md)",
-                      show=lambda k: "auto" if k == AUTO else (k or "all"))
+    quorum: int = var(AUTO, quorum_value, "auto: rounds close on time (every active learner expected within half the "
+                      "fastest contributor's sync period is waited for, then the round merges: one merge per "
+                      "round at equal speeds, no fast learner held back by a slow one); all: once every active "
+                      "learner contributed; K: once K did, then the grace window (see docs/aggregator.md)",
+                      show=quorum_text)
     grace: str = var("adaptive", choice("fixed", "adaptive"), "how long to wait for more after the quorum")
     grace_seconds: float = var(1.0, number(0.0, 3600), "fixed grace window, and the cap of the adaptive one")
     grace_gamma: float = var(0.5, number(0.0, 0.999), "adaptive grace = min(cap, gamma x slack)")

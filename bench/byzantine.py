@@ -113,10 +113,10 @@ def aggregator_defaults() -> dict:
     """The aggregator's own defaults for what the chaos harness sets for its faults (quorum 1, a fixed
     0.1 s grace, no staleness or outlier limit): trust judges a contribution by the merge's other
     learners, so a run of per-arrival merges would not be the product's."""
-    from aggregator.config import AggregatorConfig
+    from aggregator.config import AggregatorConfig, quorum_text
 
     d = {f.name: f.default for f in AggregatorConfig.__dataclass_fields__.values()}
-    return {"DILOCO_QUORUM": str(d["quorum"] or "all"), "DILOCO_GRACE": d["grace"],
+    return {"DILOCO_QUORUM": quorum_text(d["quorum"]), "DILOCO_GRACE": d["grace"],
             "DILOCO_GRACE_SECONDS": str(d["grace_seconds"]), "DILOCO_MAX_STALENESS": str(d["max_staleness"]),
             "DILOCO_NORM_OUTLIER_FACTOR": str(d["norm_outlier_factor"])}
 

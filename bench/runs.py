@@ -283,15 +283,11 @@ class Cluster:
 # -- a whole decoupled run of JAX (or synthetic) learners ------------------------------------------
 
 
-#: Aggregator variants of the JAX benchmarks (see docs/BENCHMARKS.md, Quality):
-#: ``quorum``: K = M with the adaptive grace window, as ``diloco up`` runs it (learners never wait:
-#: the aggregator merges a round once every active learner's outer gradient is in);
-#: ``k1``: the aggregator's own defaults, K = 1 (every arrival its own merge, Nesterov per merge,
-#: participation scale); ``k1dn``: K = 1 with Delayed Nesterov, N = M, no participation scale
-#: (DN already averages over N merges).
-#: aggregator variants of the end-to-end benchmarks: ``defaults`` (the aggregator's own: K = every
-#: active learner), ``quorum`` (K = M, given explicitly), ``k1`` (K = 1: a merge per arrival, the grace
-#: window for more), ``k1dn`` (K = 1 with Delayed Nesterov, N = M, no participation scale)
+#: Aggregator variants of the end-to-end benchmarks: ``defaults`` (the aggregator's own: rounds that
+#: close on time, ``DILOCO_QUORUM=auto``), ``quorum`` (K = M, given explicitly: every active learner,
+#: the default until the seventh round), ``auto`` (the on-time quorum, given explicitly), ``k1`` (K = 1:
+#: a merge per arrival, the grace window for more), ``k1dn`` (K = 1 with Delayed Nesterov, N = M, no
+#: participation scale), ``lean`` (``diloco up --preset lean``)
 AGG_VARIANTS = ("defaults", "quorum", "auto", "k1", "k1dn", "lean")
 
 

@@ -377,7 +377,7 @@ async def main_async(a) -> dict:
             "merge_cpu_ms_per_mvalue": cost, "aggregators": aggs, "sweep": sweep,
             "versions_per_s": {str(r["aggregators"]): r["versions_per_s"] for r in aggs},
             "accepted_per_s": {str(r["aggregators"]): r["accepted_per_s"] for r in aggs},
-            "first_behind": first_behind(sweep), "quorum": a.quorum or "default (all)",
+            "first_behind": first_behind(sweep), "quorum": a.quorum or "default (auto)",
             "mvalues_per_agg_cpu_s": max((r["mvalues_per_agg_cpu_s"] or 0 for r in aggs + sweep), default=None),
             "recovery": recovery, "wall_s": round(time.monotonic() - t0, 1)}
 

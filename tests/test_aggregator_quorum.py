@@ -184,13 +184,13 @@ def test_quorum_all_waits_for_every_active_learner_and_only_those():
         decide(0.0, 0.0, {"a": 0.0}, {"a"}, K=-2, grace=FIXED1)
 
 
-def test_quorum_setting_reads_all_or_a_count():
+def test_quorum_setting_reads_all_auto_or_a_count():
     from aggregator.config import AggregatorConfig, quorum_value
     from bus.config import from_env
 
     assert quorum_value("all") == 0 and quorum_value(" ALL ") == 0 and quorum_value("3") == 3
     assert quorum_value("auto") == AUTO and quorum_value(" Auto ") == AUTO
-    assert from_env(AggregatorConfig, {}).quorum == 0
+    assert from_env(AggregatorConfig, {}).quorum == AUTO  # the default: rounds that close on time
     assert from_env(AggregatorConfig, {"DILOCO_QUORUM": "auto"}).quorum == AUTO
     for bad in ("0", "-1", "many", ""):
         with pytest.raises(ValueError, match="'all', 'auto' or an integer"):

@@ -43,7 +43,8 @@ def test_aggregator_variants_of_the_jax_benchmarks():
     assert learner_settings("defaults") == {}
     assert aggregator_settings("k1", 4) == {"DILOCO_QUORUM": "1"} and aggregator_settings("defaults", 4) == {}
     assert aggregator_settings("k1dn", 4)["DILOCO_DELAY_N"] == "4"
-    assert set(AGG_VARIANTS) == {"defaults", "quorum", "k1", "k1dn", "lean"}
+    assert aggregator_settings("auto", 4) == {"DILOCO_QUORUM": "auto"}
+    assert set(AGG_VARIANTS) == {"defaults", "quorum", "auto", "k1", "k1dn", "lean"}
     with pytest.raises(ValueError):
         aggregator_settings("k2", 4)
 
