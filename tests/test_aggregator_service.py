@@ -10,6 +10,7 @@ import orjson
 from nats.js.api import DeliverPolicy
 
 from aggregator.config import AggregatorConfig
+from aggregator.quorum import AUTO
 from aggregator.service import AggregatorService
 from bus import codec
 from bus.chunks import checksum, chunk_headers
@@ -489,3 +490,34 @@ async def test_an_operators_trust_clear_reaches_every_fragments_next_merge_and_s
     finally:
         stop2.set()
         await task2
+
+
+async def test_the_default_quorum_closes_a_round_on_time_and_waits_for_every_lock_step_learner(nats_server, js):
+    """DILOCO_QUORUM=auto (the default): a round closes half its fastest contributor's period after
+    that contributor's arrival (10 steps at the reported 0.2 s: 1 s), with whoever came by then and
+    without a learner that did not; a lock-step (synchronous) round waits for every active learner."""
+    svc, stop, task = await _start(nats_server, trust="off")
+    assert svc.cfg.quorum == AUTO
+    await set_members(js, RUN, {"a": "active", "b": "active", "c": "active"})
+    await _until(lambda: len(svc.active()) == 3)
+    store = VersionedStore(js, RUN, GLOBAL)
+    a, b, c = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2), FakeLearner(js, RUN, "c", 3)
+    pace = {"period": 10, "step_s": 0.2}
+    t0 = time.monotonic()
+    ka = await a.send(0, base=0, **pace)
+    kb = await b.send(0, base=0, **pace)
+    assert await _until(lambda: svc.published.get(0) == 1)
+    assert time.monotonic() - t0 >= 0.9  # it waited for c until the round's time was up
+    head, _ = await store.get(0)
+    assert sorted(map(tuple, head.meta["applied"])) == sorted([ka, kb])  # c was not waited for longer
+    # lock-step contributions of fragment 1: the round waits for c past every deadline, then merges at once
+    la = await a.send(1, base=0, lockstep=1, **pace)
+    lb = await b.send(1, base=0, lockstep=1, **pace)
+    await asyncio.sleep(2.5)
+    assert svc.published.get(1, 0) == 0
+    lc = await c.send(1, base=0, lockstep=1, **pace)
+    assert await _until(lambda: svc.published.get(1) == 1)
+    head, _ = await store.get(1)
+    assert sorted(map(tuple, head.meta["applied"])) == sorted([la, lb, lc])
+    stop.set()
+    await task
