@@ -15,7 +15,7 @@ sync_time the usual time from merge decision to published version (both observed
 
 - only ACTIVE learners count; an evicted learner is never waited for;
 - K is capped at the number of active learners, so evictions never deadlock a fragment; K = 0
-  (``DILOCO_QUORUM=all``, the default) is every active learner;
+  (``DILOCO_QUORUM=all``) is every active learner;
 - all active learners contributed -> merge now;
 - fewer than K -> wait (no deadline: nothing to merge yet);
 - quorum reached -> merge when the grace window, started at the moment quorum was reached,
@@ -55,6 +55,9 @@ AUTO = -1
 #: the share of its contributors' fastest period a round of the on-time quorum may stay open: the
 #: rest is the merge, the publish and the download before that learner's next sync of the fragment
 AUTO_SHARE = 0.5
+#: a learner's round time is at least this share of the time the aggregator saw between two of its
+#: contributions of one fragment: the pace it reports cannot close rounds much faster than it works
+OBSERVED_FLOOR = 0.25
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,9 @@ class ArrivalStats:
       fragment: (t - t_previous) / inner_steps of the later contribution (a learner sends its P
       fragments in turn, so arrivals of different fragments are a fraction of a period apart); a
       new incarnation (restart) resets that clock instead of counting the downtime;
-    - per learner, its sync period in inner steps (declared with each contribution);
+    - per learner, its sync period in inner steps (declared with each contribution), and the
+      seconds between two of its arrivals of one fragment (observed: the floor of its round time,
+      :data:`OBSERVED_FLOOR`, so a reported pace cannot shrink it below a share of what it does);
     - per (learner, fragment), the last arrival;
     - sync_time: seconds from the merge decision to the published version.
 
@@ -107,6 +112,7 @@ class ArrivalStats:
     step_time: Mapping[str, float] = field(default_factory=dict)
     last_arrival: Mapping[tuple[str, int], tuple[str, float]] = field(default_factory=dict)
     period: Mapping[str, int] = field(default_factory=dict)
+    interval: Mapping[str, float] = field(default_factory=dict)
     sync_time: float | None = None
 
     def __post_init__(self) -> None:
@@ -125,17 +131,21 @@ class ArrivalStats:
         ``period`` (0: not declared; the contribution's steps stand in)."""
         last = dict(self.last_arrival)
         steps = dict(self.step_time)
+        intervals = dict(self.interval)
         key = (learner, int(fragment))
         prev = self.last_arrival.get(key)
+        timed = prev is not None and prev[0] == incarnation and t > prev[1]
+        if timed:
+            intervals[learner] = self._ema(intervals.get(learner), t - prev[1])
         if math.isfinite(step_s) and step_s > 0:
             steps[learner] = self._ema(steps.get(learner), float(step_s))
-        elif prev is not None and prev[0] == incarnation and t > prev[1] and inner_steps > 0:
+        elif timed and inner_steps > 0:
             steps[learner] = self._ema(steps.get(learner), (t - prev[1]) / inner_steps)
         last[key] = (incarnation, t)
         periods = dict(self.period)
         if period > 0 or inner_steps > 0:
             periods[learner] = int(period) if period > 0 else int(inner_steps)
-        return replace(self, step_time=steps, last_arrival=last, period=periods)
+        return replace(self, step_time=steps, last_arrival=last, period=periods, interval=intervals)
 
     def observe_sync(self, seconds: float) -> ArrivalStats:
         """Record the time from a merge decision to its published version."""
@@ -148,7 +158,8 @@ class ArrivalStats:
         return replace(self,
                        step_time={k: v for k, v in self.step_time.items() if k != learner},
                        last_arrival={k: v for k, v in self.last_arrival.items() if k[0] != learner},
-                       period={k: v for k, v in self.period.items() if k != learner})
+                       period={k: v for k, v in self.period.items() if k != learner},
+                       interval={k: v for k, v in self.interval.items() if k != learner})
 
     def fastest_step_time(self, among: AbstractSet[str] | None = None) -> float | None:
         """Smallest per-learner step time (optionally among ``among``), or None if none known."""
@@ -156,9 +167,12 @@ class ArrivalStats:
         return min(times) if times else None
 
     def round_time(self, learner: str) -> float | None:
-        """Seconds of one sync period of ``learner`` (period x step time), or None if unknown."""
+        """Seconds of one sync period of ``learner`` (period x step time, at least OBSERVED_FLOOR x
+        the seconds observed between two of its contributions of one fragment), or None if unknown."""
         st, h = self.step_time.get(learner), self.period.get(learner)
-        return None if st is None or not h else st * h
+        if st is None or not h:
+            return None
+        return max(st * h, OBSERVED_FLOOR * self.interval.get(learner, 0.0))
 
     def expected(self, learner: str, fragment: int) -> float | None:
         """When ``learner``'s next contribution of ``fragment`` is due to arrive: its last arrival

@@ -28,6 +28,7 @@ GRAD_FIELDS = ("run", "model", "learner", "inc", "frag", "round", "base", "steps
 # merges each fragment on its own (lockstep) and learns the learner's pace from its arrivals (step_s)
 GRAD_OPTIONAL = ("period", "lockstep", "step_s")
 MANIFEST_KEY = "manifest"
+STEP_S_MAX = 86400.0  # the largest pace (seconds per inner step) a gradient's metadata carries
 
 
 def grad_obj_id(run: str, learner: str, incarnation: str, fragment: int, round_: int) -> str:
@@ -50,7 +51,7 @@ def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment:
         meta["period"] = int(period)
     if lockstep:
         meta["lockstep"] = 1
-    if step_s > 0 and math.isfinite(step_s):
+    if math.isfinite(step_s) and 0 < round(float(step_s), 6) <= STEP_S_MAX:  # else not sent (never malformed)
         meta["step_s"] = round(float(step_s), 6)
     return meta
 
@@ -74,7 +75,7 @@ class GradMeta(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False
     region: _Name
     period: Annotated[int, msgspec.Meta(ge=1, le=2**31)] | msgspec.UnsetType = msgspec.UNSET
     lockstep: Annotated[int, msgspec.Meta(ge=1, le=1)] | msgspec.UnsetType = msgspec.UNSET
-    step_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | msgspec.UnsetType = msgspec.UNSET
+    step_s: Annotated[float, msgspec.Meta(gt=0, le=STEP_S_MAX)] | msgspec.UnsetType = msgspec.UNSET
 
 
 _RULES = {**{k: "must be a non-empty string" for k in ("run", "model", "learner", "inc", "region")},

@@ -373,7 +373,8 @@ class Bookkeeper:
     def on_applied(self, p: int, rounds: list[int], version: int) -> None:
         """A global head of p lists our ``rounds`` as merged into ``version``.
 
-        A deferred fragment is armed again then: its sync waits for exactly that version
+        A deferred fragment is armed again while a version known to merge its round is newer than
+        its base and than what it downloaded: its sync waits for exactly that version
         (:meth:`window_open`), and its one download of the round may have gone to an earlier one (a
         learner not admitted, or in a run without a monitor, takes the newest version at the end of
         its period). Without this it waited for the valve, 16 periods: measured end to end at M=4

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.quorum import AUTO, AUTO_SHARE, ArrivalStats, Decision, GracePolicy, decide, grace_window
+from aggregator.quorum import AUTO, AUTO_SHARE, OBSERVED_FLOOR, ArrivalStats, Decision, GracePolicy, decide, grace_window
 
 ACTIVE4 = {"a", "b", "c", "d"}
 FIXED1 = GracePolicy("fixed", grace=1.0)
@@ -208,9 +208,9 @@ def test_arrival_stats_time_each_fragment_apart():
     assert s.step_time["a"] == pytest.approx(1.0)
     assert s.expected("a", 1) == pytest.approx(2.0 + 8.0) and s.expected("a", 9) is None
     # a reported pace wins over arrivals (its own steps, holds and transfers excluded)
-    s = s.observe_arrival("a", "i", 30.0, 8, fragment=1, step_s=0.5, period=8)
+    s = s.observe_arrival("a", "i", 10.0, 8, fragment=1, step_s=0.5, period=8)
     assert s.step_time["a"] == pytest.approx(0.5) and s.round_time("a") == pytest.approx(4.0)
-    assert s.expected("a", 1) == pytest.approx(34.0)
+    assert s.expected("a", 1) == pytest.approx(14.0)
     for bad in (float("nan"), float("inf"), -1.0):  # not a pace: the arrivals decide
         assert s.observe_arrival("a", "i", 40.0, 8, fragment=3, step_s=bad).step_time["a"] == pytest.approx(
             (40.0 - 6.0) / 8)
@@ -285,3 +285,18 @@ def test_on_time_quorum_invariants(active, arrivals, paces, dt):
             assert d.wait_until is None
     if decide(now, first, arrivals, active, 0, FIXED1, s).merge:
         assert d.merge
+
+
+def test_a_reported_pace_cannot_shrink_a_round_below_a_share_of_the_observed_one():
+    """step_s is the learner's word: a learner reporting a microsecond per step (a bug, or to split
+    every round it is in) still has a round time of a quarter of what the aggregator sees it take."""
+    s = ArrivalStats(alpha=1.0)
+    s = s.observe_arrival("liar", "i", 0.0, 10, fragment=0, step_s=1e-6, period=10)
+    assert s.round_time("liar") == pytest.approx(1e-5)  # nothing observed yet: its word
+    s = s.observe_arrival("liar", "i", 12.0, 10, fragment=0, step_s=1e-6, period=10)
+    assert s.round_time("liar") == pytest.approx(OBSERVED_FLOOR * 12.0)
+    # an honest pace is above the floor: it stands
+    s = s.observe_arrival("honest", "i", 0.0, 10, fragment=0, step_s=1.1, period=10)
+    s = s.observe_arrival("honest", "i", 12.0, 10, fragment=0, step_s=1.1, period=10)
+    assert s.round_time("honest") == pytest.approx(11.0)
+    assert "liar" not in s.forget("liar").interval
