@@ -134,13 +134,13 @@ class ArrivalStats:
         intervals = dict(self.interval)
         key = (learner, int(fragment))
         prev = self.last_arrival.get(key)
-        timed = prev is not None and prev[0] == incarnation and t > prev[1]
-        if timed:
-            intervals[learner] = self._ema(intervals.get(learner), t - prev[1])
+        gap = t - prev[1] if prev is not None and prev[0] == incarnation and t > prev[1] else None
+        if gap is not None:
+            intervals[learner] = self._ema(intervals.get(learner), gap)
         if math.isfinite(step_s) and step_s > 0:
             steps[learner] = self._ema(steps.get(learner), float(step_s))
-        elif timed and inner_steps > 0:
-            steps[learner] = self._ema(steps.get(learner), (t - prev[1]) / inner_steps)
+        elif gap is not None and inner_steps > 0:
+            steps[learner] = self._ema(steps.get(learner), gap / inner_steps)
         last[key] = (incarnation, t)
         periods = dict(self.period)
         if period > 0 or inner_steps > 0:
