@@ -72,7 +72,7 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
                      variants: tuple[str, ...] = ("defaults", "k1"), corpus: str | None = None,
                      dp_lrs: tuple[float, ...] = (), slowdown: float = 1.0, agg_slowdown: float = 1.0,
                      agg_env: dict | None = None, learner_env: dict | None = None,
-                     keep_logs: str | None = None, dp_inner: tuple[str, ...] = ()) -> dict:
+                     keep_logs: str | None = None, dp_inner: tuple[str, ...] = (), monitor: bool = False) -> dict:
     env = settings(quick, steps, corpus)
     runs = {}
     slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
@@ -82,7 +82,7 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
         dec = await run_learners(env, M, steps, label=f"decoupled {v}",
                                  agg={**aggregator_settings(v, M), **lag, **(agg_env or {})},
                                  learner={**learner_settings(v), **slow, **(learner_env or {})},
-                                 keep_logs=f"{keep_logs}/{v}" if keep_logs else None)
+                                 keep_logs=f"{keep_logs}/{v}" if keep_logs else None, monitor=monitor)
         progress(f"decoupled ({v}) eval {dec['eval']['eval_loss']:.4f} ({dec['wall_s']} s)")
         agg = dec["aggregator"]
         runs[v] = {"loss": dec["eval"]["eval_loss"], "aggregator": aggregator_settings(v, M),
@@ -154,6 +154,10 @@ def main() -> None:
     p.add_argument("--agg-env", default="", help="extra aggregator settings, K=V,K=V (e.g. DILOCO_TRUST=off)")
     p.add_argument("--learner-env", default="", help="extra learner settings, K=V,K=V")
     p.add_argument("--keep-logs", default=None, help="copy every process's log to this folder (one per variant)")
+    p.add_argument("--monitor", action="store_true",
+                   help="run a membership monitor, as a user's run has (the aggregator then admits learners, and "
+                        "an admitted learner holds its steps when its sync waited a period): without it the "
+                        "learners are never admitted and never hold")
     a = p.parse_args()
     steps = a.steps or (80 if a.quick else 300)
     if a.corpus:
@@ -165,8 +169,8 @@ def main() -> None:
     variants = a.variants or ("defaults" if a.quick and a.steps is None else "defaults,k1")
     r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(variants.split(",")), a.corpus, lrs,
                                a.slowdown, a.agg_slowdown, kv(a.agg_env), kv(a.learner_env), a.keep_logs,
-                               tuple(x for x in a.dp_inner.split(",") if x.strip())))
-    finish({"bench": "quality", "quick": a.quick, **r}, a.out)
+                               tuple(x for x in a.dp_inner.split(",") if x.strip()), a.monitor))
+    finish({"bench": "quality", "quick": a.quick, "monitor": a.monitor, **r}, a.out)
 
 
 if __name__ == "__main__":
