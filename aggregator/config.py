@@ -60,9 +60,10 @@ class AggregatorConfig:
                                  "needs no third process (false: run `diloco monitor` yourself)")
     agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
     quorum: int = var(AUTO, quorum_value, "auto: rounds close on time (every active learner expected within half the "
-                      "fastest contributor's sync period, at the pace it reports, is waited for, then the round merges: one merge per "
-                      "round at equal speeds, no fast learner held back by a slow one); all: once every active "
-                      "learner contributed; K: once K did, then the grace window (see docs/aggregator.md)",
+                      "fastest contributor's sync period, at the pace it reports, is waited for, then the round "
+                      "merges: one merge per round at equal speeds, no fast learner held back by a slow one); all: "
+                      "once every active learner contributed; K: once K did, then the grace window (see "
+                      "docs/aggregator.md)",
                       show=quorum_text)
     grace: str = var("adaptive", choice("fixed", "adaptive"), "how long to wait for more after the quorum")
     grace_seconds: float = var(1.0, number(0.0, 3600), "fixed grace window, and the cap of the adaptive one")

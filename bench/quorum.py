@@ -33,11 +33,11 @@ from typing import Any
 
 import orjson
 
+from aggregator.quorum import AUTO
 from bench.common import finish, parser, progress, reference_options, run_jobs
 
 SPEEDS = ("equal", "spread")
 QUORUMS = ("all", "half", "2", "1", "auto")
-AUTO = -1  # aggregator.quorum.AUTO (not imported: the reference's imports stay in the workers)
 
 
 def quorums(M: int, which: tuple[str, ...] = QUORUMS) -> list[int]:

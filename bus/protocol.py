@@ -25,7 +25,7 @@ from bus.subjects import check_token
 
 GRAD_FIELDS = ("run", "model", "learner", "inc", "frag", "round", "base", "steps", "tokens", "region")
 # absent from a learner before they were added: the aggregator then counts a full round (period) and
-# merges each fragment on its own (lockstep) and learns the learner's pace from its arrivals (step_s)
+# merges each fragment on its own (lockstep) and times the learner by its arrivals (step_s)
 GRAD_OPTIONAL = ("period", "lockstep", "step_s")
 MANIFEST_KEY = "manifest"
 STEP_S_MAX = 86400.0  # the largest pace (seconds per inner step) a gradient's metadata carries
@@ -51,8 +51,9 @@ def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment:
         meta["period"] = int(period)
     if lockstep:
         meta["lockstep"] = 1
-    if math.isfinite(step_s) and 0 < round(float(step_s), 6) <= STEP_S_MAX:  # else not sent (never malformed)
-        meta["step_s"] = round(float(step_s), 6)
+    pace = round(float(step_s), 6) if math.isfinite(step_s) else 0.0
+    if 0 < pace <= STEP_S_MAX:  # else not sent: a gradient is never malformed for its pace
+        meta["step_s"] = pace
     return meta
 
 

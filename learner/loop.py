@@ -377,9 +377,8 @@ class Bookkeeper:
         its base and than what it downloaded: its sync waits for exactly that version
         (:meth:`window_open`), and its one download of the round may have gone to an earlier one (a
         learner not admitted, or in a run without a monitor, takes the newest version at the end of
-        its period). Without this it waited for the valve, 16 periods: measured end to end at M=4
-        (no monitor, quorum auto), 2-6 % of the contributions arrived 12-25 versions stale with 204
-        steps each."""
+        its period). Without this it waited for the valve, 16 periods (docs/BENCHMARKS.md, "Seventh
+        round")."""
         f = self.frags[p]
         for r in rounds:
             if r > f.merged_round:
