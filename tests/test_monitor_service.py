@@ -438,14 +438,18 @@ async def test_a_stop_releases_the_lease_after_a_renew_it_never_heard_back_from(
     try:
         assert a.svc.is_leader
         lease_kv = await js.key_value(Subjects(run).bucket("lease"))
-        # the lease loop renews once right after the start: wait until the monitor knows the stored
-        # revision (the next renew is ttl/3 = 10 s away)
-        for _ in range(100):
+        # the lease loop renews once right after the start: wait until that renew is stored and known
+        # (the next one is ttl/3 = 10 s away). The bucket is fresh: the acquire wrote revision 1, the
+        # renew writes 2. Waiting only for the stored revision to equal the known one passed at 1 while
+        # the renew had read revision 1 and not written yet; the test's update below then beat the
+        # renew, which lost the race and stepped down, so there was nothing to release (1 suite in 3
+        # here, 2026-12-04: "DID NOT RAISE KeyNotFoundError")
+        for _ in range(200):
             entry = await lease_kv.get("leader")
-            if entry.revision == a.svc._lease_rev:
+            if entry.revision == a.svc._lease_rev and entry.revision >= 2:
                 break
             await asyncio.sleep(0.05)
-        assert entry.revision == a.svc._lease_rev
+        assert entry.revision == a.svc._lease_rev == 2
         # the renew the monitor never heard back from: same holder, a newer revision
         await lease_kv.update("leader", lease_value("mon-a", time.time(), ttl), last=entry.revision)
     finally:
