@@ -47,7 +47,7 @@ from aggregator.feedback import FeedbackQueue
 from aggregator.intake import Intake, Pending, VectorPool
 from aggregator.load import BusyMeter, saturation_change
 from aggregator.mlog import LogPosition, settings_to_dict
-from aggregator.quorum import ArrivalStats, GracePolicy
+from aggregator.quorum import ArrivalStats, GracePolicy, input_clock
 from aggregator.step import FragmentState, MergeSettings
 from aggregator.trust import summary as trust_summary
 from aggregator.validate import OutlierWatch
@@ -493,9 +493,11 @@ class AggregatorService(Intake, VersionMaker, Durability):
             while not stop.is_set():
                 now = time.monotonic()
                 timeout = 0.2 if wake is None else max(0.01, min(0.2, wake - now))
-                for r in await self.consumer.poll(timeout=timeout):
+                got = await self.consumer.poll(timeout=timeout)
+                t_poll = time.monotonic()  # when they reached us: each one's arrival
+                for r in got:
                     t_in = time.monotonic()
-                    await self._handle(r, t_in)
+                    await self._handle(r, t_poll)
                     self._busy(t_in)
                 self._release_held(time.monotonic())
                 for p in list(self.uncommitted):
@@ -505,7 +507,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                         await self._publish_global(p)
                 await self._probe_store()  # a full store is noticed even with nothing to merge
                 t_m = time.monotonic()
-                wake = await self._merge_due(t_m)
+                wake = await self._merge_due(input_clock(t_m, self.consumer.drained_at))
                 self._busy(t_m)
                 await self._checkpoints_due(time.monotonic())
                 if self._audit:

@@ -234,6 +234,15 @@ async def prompt_fetch(sub, batch: int, timeout: float) -> list:
     return msgs
 
 
+def _none_pending(msg) -> bool:
+    """The server had nothing more for the consumer when it delivered ``msg`` (its JetStream
+    metadata); False when that is not known."""
+    try:
+        return int(msg.metadata.num_pending) == 0
+    except Exception:  # noqa: BLE001 - no metadata (not a JetStream message)
+        return False
+
+
 async def take_pending(sub, n: int, wait: float) -> list:
     """Up to ``n`` messages the server holds for ``sub`` now: one pull request with ``no_wait``,
     read until ``n`` came or the server's status says there are no more (404: none left, e.g.
@@ -294,6 +303,9 @@ class ChunkConsumer:
         self.deliver_new = deliver_new
         self.stats = ConsumerStats()
         self._sub = None
+        #: monotonic time of the newest poll that left nothing pending on the server: every message
+        #: stored before then has been read (what a deadline is judged against: aggregator.service)
+        self.drained_at = 0.0
 
     async def start(self) -> None:
         cfg = ConsumerConfig(
@@ -321,15 +333,21 @@ class ChunkConsumer:
         assembler, expire old partials."""
         assert self._sub is not None, "call start() first"
         out: list[Assembled | Dropped] = []
+        drained = False
         try:
             msgs = await prompt_fetch(self._sub, self.batch, timeout)
+            drained = not msgs or _none_pending(msgs[-1])
         except (asyncio.TimeoutError, TimeoutError):
-            msgs = []
+            msgs, drained = [], True  # nothing came within the timeout
         except Exception as e:  # connection trouble: the client reconnects by itself
             if "timeout" not in repr(e).lower():
                 await asyncio.sleep(min(timeout, 0.5))
+            else:
+                drained = True
             msgs = []
         now = time.monotonic()
+        if drained:
+            self.drained_at = now
         for m in msgs:
             self.stats.chunks += 1
             try:

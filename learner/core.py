@@ -47,8 +47,16 @@ class IslandCore:
         blocked_s: float
         held_s: float
         admitted: bool
+        member_state: str | None
         sync_timeouts: int
         _resync_requested: bool
+
+    @property
+    def merges_reach(self) -> bool:
+        """The aggregator merges this learner's work now (``learner.loop.merges_reach``): admitted,
+        or in a run without a monitor once a round of it was merged. Holds and the wait for the
+        own round's version apply only then."""
+        return lp.merges_reach(self.admitted, self.member_state, self.book.merged_any())
 
     # -- the training loop --------------------------------------------------------------------------
 
@@ -80,7 +88,7 @@ class IslandCore:
                 self._behind += self.book.deferrals - deferrals
                 if self._behind >= self.P and not self._told_behind:
                     self._tell_behind()
-            if self.admitted and self.book.holding():
+            if self.merges_reach and self.book.holding():
                 await self._hold(hook)
             self.loss = loss
             self.rate.add(time.monotonic(), self.tokens_per_step)
@@ -127,14 +135,15 @@ class IslandCore:
         step (an island's user waits in ``island.step``) until the version holding that round is
         here: mixed in now, or, on an island, into the deposit the user's step hands over (the hook
         path below). Heartbeats and downloads go on meanwhile. At most DILOCO_SYNC_TIMEOUT seconds:
-        then train on (``hold_expired``, once per hold) until the sync goes out. Only while admitted:
+        then train on (``hold_expired``, once per hold) until the sync goes out. Only while its work
+        is merged (``merges_reach``: admitted, or merged in a run without a monitor):
         the work of a learner the monitor has not admitted (a restart rejoining) is held by the
         aggregator until it is, and admission needs current versions, which a held learner would not
         take (it waited for its own round's merge: a deadlock that the held work's rejection ended)."""
         t0 = time.monotonic()
         deadline = t0 + self.cfg.sync_timeout
         self.book.holds += 1
-        while not self._halt.is_set() and self.admitted:
+        while not self._halt.is_set() and self.merges_reach:
             held = self.book.holding()
             if not held:
                 break
@@ -377,7 +386,7 @@ class IslandCore:
     def _fetch_candidates(self) -> None:
         """fetch=round, at a step boundary: start the downloads that became due."""
         for p, head in list(self._candidate.items()):
-            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.admitted) and not any(
+            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.merges_reach) and not any(
                     t.get_name() == f"fetch-{p}" for t in self._fetches):
                 task = asyncio.create_task(self._on_head(head), name=f"fetch-{p}")
                 self._fetches.add(task)
@@ -405,7 +414,7 @@ class IslandCore:
                 # so a forged huge version is replaced by the next genuine one)
                 if head.version > self.book.frags[p].base_version:
                     self._candidate[p] = head
-                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.admitted)
+                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.merges_reach)
                 if not due:
                     return
             if due:

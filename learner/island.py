@@ -349,7 +349,7 @@ class Island:
         for a merge then, ``learner.core._hold``), and the core is not failing."""
         lr = self.learner
         return (not lr.pending and not lr._resync_requested and self.cfg.mode != "sync"
-                and lr.failure is None and not (lr.admitted and lr.book.holding()))
+                and lr.failure is None and not (lr.merges_reach and lr.book.holding()))
 
     def train(self, train_step: Callable, opt_state: Any, batches: Iterable, steps: int | None = None
               ) -> tuple[Any, Any]:

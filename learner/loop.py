@@ -262,6 +262,10 @@ class Bookkeeper:
             self.holds_expired += 1
         self.frags[p].hold_off = True
 
+    def merged_any(self) -> bool:
+        """A global head listed a round of this process as merged (its work reaches the model)."""
+        return any(f.merged_round >= 0 for f in self.frags)
+
     def deferred(self) -> list[int]:
         """Fragments whose due sync waits for its window."""
         return [p for p, f in enumerate(self.frags) if f.deferred_at >= 0]
@@ -475,6 +479,18 @@ def sync_satisfied(applied_in: int | None, have_version: int) -> bool:
     our contribution (None: not seen yet); ``have_version`` the newest version of the fragment
     downloaded or merged. A newer version than the one that applied us includes it too."""
     return applied_in is not None and have_version >= applied_in
+
+
+def merges_reach(admitted: bool, member_state: str | None, merged_any: bool) -> bool:
+    """Does the aggregator merge this learner's work now, so that a hold for a merge will end and a
+    deferred fragment may wait for exactly the version holding its round? When the monitor admitted
+    this process; and in a run without a monitor (no membership record: the aggregator merges every
+    learner, DILOCO_REQUIRE_MEMBERSHIP=false) once a head listed one of its rounds. Not for a learner
+    the monitor has not admitted yet: its work is held at the aggregator until it is, and admission
+    needs current versions, which a held learner would not take. Before issue 40's fifth stop a run
+    without a monitor never held: a lagging aggregator let its learners train on alone for up to
+    16 periods (the guard test with a lagging aggregator, +22.0% in one suite run; docs/learner.md)."""
+    return admitted or (member_state is None and merged_any)
 
 
 def should_resync(state: str, record_incarnation: str, my_incarnation: str) -> bool:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.quorum import AUTO, AUTO_SHARE, OBSERVED_FLOOR, ArrivalStats, Decision, GracePolicy, decide, grace_window
+from aggregator.quorum import (AUTO, AUTO_SHARE, INPUT_LAG_MAX, OBSERVED_FLOOR, ArrivalStats, Decision, GracePolicy, decide,
+                               grace_window, input_clock)
 
 ACTIVE4 = {"a", "b", "c", "d"}
 FIXED1 = GracePolicy("fixed", grace=1.0)
@@ -300,3 +301,19 @@ def test_a_reported_pace_cannot_shrink_a_round_below_a_share_of_the_observed_one
     s = s.observe_arrival("honest", "i", 12.0, 10, fragment=0, step_s=1.1, period=10)
     assert s.round_time("honest") == pytest.approx(11.0)
     assert "liar" not in s.forget("liar").interval
+
+
+def test_deadlines_are_judged_at_the_time_everything_on_the_server_had_been_read():
+    """``input_clock``: the real time once the input is drained; the drain's time while the
+    aggregator is behind its input (a deadline cannot pass for a contribution it has not read);
+    never more than INPUT_LAG_MAX behind (an input that never drains does not stop time)."""
+    assert input_clock(100.0, 100.0) == 100.0
+    assert input_clock(100.0, 100.5) == 100.0  # drained after the look began: the real time
+    assert input_clock(100.0, 99.4) == 99.4  # busy since 99.4: what came meanwhile is unread
+    assert input_clock(100.0, 0.0) == 100.0 - INPUT_LAG_MAX
+    assert input_clock(100.0, 95.0, lag_max=2.0) == 98.0
+    # a round whose deadline passed while the aggregator was busy is not closed by it
+    stats = ArrivalStats().observe_arrival("a", "i", 99.0, 10, 0, step_s=0.1, period=10)
+    d = decide(input_clock(100.0, 99.2), 99.0, {"a": 99.0}, {"a", "b"}, AUTO, GracePolicy(), stats, 0)
+    assert not d.merge and d.wait_until == pytest.approx(99.0 + AUTO_SHARE * 1.0)
+    assert decide(100.0, 99.0, {"a": 99.0}, {"a", "b"}, AUTO, GracePolicy(), stats, 0).merge

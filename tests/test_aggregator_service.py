@@ -1,6 +1,7 @@
 """The aggregator service against a real nats-server: rejections, merges, slow learners."""
 
 import asyncio
+import threading
 import time
 
 from collections import Counter
@@ -16,7 +17,7 @@ from bus import codec
 from bus.chunks import checksum, chunk_headers
 from bus.config import CommonConfig
 from bus.subjects import GLOBAL, Subjects
-from bus.transport import VersionedStore
+from bus.transport import ChunkPublisher, VersionedStore
 from bus.conn import connect
 from learner.builtin import create_builtin_run
 from tests.agg_helpers import MODEL, PLAN, FakeLearner, set_members
@@ -518,5 +519,62 @@ async def test_the_on_time_quorum_closes_a_round_on_time_and_waits_for_every_loc
     assert await _until(lambda: svc.published.get(1) == 1)
     head, _ = await store.get(1)
     assert sorted(map(tuple, head.meta["applied"])) == sorted([la, lb, lc])
+    stop.set()
+    await task
+
+
+async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(nats_server, js, monkeypatch):
+    """DILOCO_QUORUM=auto: the aggregator is busy (blocked) for 0.6 s right after reading a's
+    contribution, past the round's deadline (0.1-0.15 s after a's arrival); b's contribution of the
+    same round reaches the server meanwhile, well before that deadline. The round is judged at the
+    time the aggregator had read everything the server held (``aggregator.quorum.input_clock``), so
+    it waits for its next read and merges a and b together. Judged by the real clock it closed with a
+    alone (b went into the next round, a version stale): what the guard test's 30x slower aggregator
+    did to half its rounds."""
+    svc, stop, task = await _start(nats_server, trust="off", quorum=AUTO)
+    await set_members(js, RUN, {"a": "active", "b": "active"})
+    await _until(lambda: len(svc.active()) == 2)
+    store = VersionedStore(js, RUN, GLOBAL)
+    a, b = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2)
+    pace = {"period": 10, "step_s": 0.02}  # a round time of 0.2 s: its deadline half of that
+    await a.send(0, base=0, **pace)
+    await b.send(0, base=0, **pace)
+    assert await _until(lambda: svc.published.get(0) == 1)
+    await asyncio.sleep(0.5)  # b is due again (its arrival plus its round time), so a's round waits for it
+
+    # b's next contribution goes out from another thread (its own loop and connection) while the
+    # aggregator's loop is blocked
+    ready, go, sent = threading.Event(), threading.Event(), threading.Event()
+    keys: list = []
+
+    def other_learner() -> None:
+        async def run() -> None:
+            nc = await connect(CommonConfig(nats_url=nats_server.url, run=RUN), name="b")
+            b.pub = ChunkPublisher(nc.jetstream(timeout=10), max_chunk=4096)
+            ready.set()
+            await asyncio.to_thread(go.wait, 10)
+            keys.append(await b.send(0, base=1, **pace))
+            sent.set()
+            await nc.close()
+        asyncio.run(run())
+
+    thread = threading.Thread(target=other_learner)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 10)
+    handle = svc._handle
+
+    async def busy_after_a(r, now):
+        await handle(r, now)
+        if getattr(r, "meta", {}).get("learner") == "a":
+            go.set()
+            assert sent.wait(10)  # b is stored on the server while this loop is blocked
+            time.sleep(0.6)
+
+    monkeypatch.setattr(svc, "_handle", busy_after_a)
+    ka = await a.send(0, base=1, **pace)
+    assert await _until(lambda: svc.published.get(0) == 2)
+    await asyncio.to_thread(thread.join, 10)
+    head, _ = await store.get(0)
+    assert sorted(map(tuple, head.meta["applied"])) == sorted([ka, keys[0]]), head.meta["applied"]
     stop.set()
     await task

@@ -327,6 +327,29 @@ async def test_prompt_fetch_takes_what_is_pending_and_no_more_than_the_batch(js)
     assert [int(m.data) for m in await prompt_fetch(sub, 32, 2.0)] == [40]  # one pending: no drain
 
 
+async def test_a_poll_says_when_it_last_read_everything_the_server_held(js):
+    """``ChunkConsumer.drained_at`` (what the aggregator judges deadlines by): a poll that leaves
+    messages on the server (more than its batch) does not move it; one that takes the rest does, and
+    so does one that waited its timeout for nothing."""
+    consumer = await _setup(js)
+    consumer.batch = 4
+    await consumer.start()
+    pub = ChunkPublisher(js, max_chunk=1024)
+    for i in range(3):  # 3 objects of 3 chunks: 9 messages
+        await pub.publish(S.grad(0, "a"), f"o{i}", np.arange(700, dtype=np.float32).tobytes(), {"i": i})
+    t0 = time.monotonic()
+    first = await consumer.poll(timeout=2.0)
+    assert consumer.drained_at == 0.0 and len(first) == 1  # 4 of 9 read: one object whole
+    rest = []
+    while consumer.drained_at == 0.0:
+        rest += await consumer.poll(timeout=2.0)
+    assert len(first) + len(rest) == 3 and consumer.drained_at >= t0  # all 9 read, nothing pending
+    for r in first + rest:
+        await ack_all(r.tokens)
+    before = consumer.drained_at
+    assert await consumer.poll(timeout=0.1) == [] and consumer.drained_at > before  # waited for nothing
+
+
 async def test_take_pending_waits_for_the_servers_answer_not_a_fixed_time(nats_server, js):
     """bus.transport.take_pending ends at the server's answer: a server that answers late (stopped for
     0.4 s: a loaded machine) still gives every pending message (a fixed 50 ms wait once gave 1 of 32

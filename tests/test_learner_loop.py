@@ -493,6 +493,27 @@ def test_a_learner_without_admission_takes_the_version_that_merged_its_deferred_
     assert b.on_step() == [0] and b.deferred() == []  # the window opened, no valve
 
 
+def test_holds_apply_once_the_aggregator_merges_the_learner_s_work():
+    """``merges_reach``: an admitted learner holds; in a run without a monitor (no membership record)
+    a learner holds once a head listed one of its rounds (before, it never held there, and a
+    lagging aggregator let it train on alone for up to 16 periods: the guard test +22.0%); a learner
+    the monitor knows but has not admitted does not (its work waits for the admission)."""
+    b = lp.Bookkeeper(num_fragments=2, H=2, tokens_per_step=1, window=1, hold=1)
+    b.on_merged(0, 0), b.on_merged(1, 0)
+    assert not b.merged_any()
+    assert lp.merges_reach(True, "active", False)
+    assert not lp.merges_reach(False, None, b.merged_any())  # no monitor, nothing merged yet
+    b.on_step(), b.on_step()
+    _sync(b, 1)
+    b.on_applied(1, [], 3)  # a head without our round
+    assert not b.merged_any()
+    b.on_applied(1, [0], 4)
+    assert b.merged_any()
+    assert lp.merges_reach(False, None, b.merged_any())  # no monitor, its work merged: it holds
+    assert not lp.merges_reach(False, "joining", True)  # known to a monitor, not admitted
+    assert not lp.merges_reach(False, "evicted", True)
+
+
 def test_sync_window_zero_never_defers_and_resync_clears_deferral():
     b = lp.Bookkeeper(num_fragments=2, H=2, tokens_per_step=1, window=0)
     for _ in range(8):
