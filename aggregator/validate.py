@@ -243,6 +243,20 @@ class AppliedSet:
             return None
         return entry[2][-1][1] if entry[2] else entry[0]
 
+    def newest_rounds(self, fragment: int) -> list[list]:
+        """``[learner, incarnation, highest round]`` of ``fragment`` per learner, for the learner's
+        most recently applied incarnation that has one: what a global head states as merged so far
+        (a learner that missed the head of the version holding its round learns it from any later
+        one: ``learner.loop.merged_upto``)."""
+        out = []
+        for learner, incs in sorted(self._seen.items()):
+            for inc in reversed(incs):
+                r = self.highest_round(learner, inc, fragment)
+                if r is not None and r >= 0:
+                    out.append([learner, inc, r])
+                    break
+        return out
+
     def is_duplicate(self, c: Contribution) -> bool:
         """True if round ``c.round`` of its incarnation and fragment was already applied."""
         entry = self._seen.get(c.learner, {}).get(c.incarnation, {}).get(c.fragment)

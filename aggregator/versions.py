@@ -238,7 +238,8 @@ class VersionMaker:
         """Version ``states[p]`` encoded for the downlink now (the merge updates the parameters in
         place, so the blob is taken before the next merge), to be published in order."""
         st = self.states[p]
-        meta = {"model": self.model_hash, "plan": self.plan.plan_hash()}
+        # "merged": every learner's highest round merged so far (``applied`` lists this merge's only)
+        meta = {"model": self.model_hash, "plan": self.plan.plan_hash(), "merged": st.applied.newest_rounds(p)}
         if self.cfg.downlink_chain:
             # every version against the previous reconstruction; the reconstruction itself, whole,
             # on the keyframe subjects for a reader that lost the chain (bus.downlink.encode_chain)

@@ -404,7 +404,8 @@ class IslandCore:
                 return
             # which of our rounds this version's merge held (the fetch policy waits for our own)
             ours = lp.applied_rounds(head.meta, self.id, self.incarnation, p)
-            self.book.on_applied(p, ours, head.version)
+            upto = lp.merged_upto(head.meta, self.id, self.incarnation)  # merged here or earlier
+            self.book.on_applied(p, ours if upto is None else [*ours, upto], head.version)
             self.fate.on_head(p, head.version, ours, time.monotonic())
             if self._fetch_all or head.meta.get("chain"):
                 # (a chained downlink: every version, so the next one is a small delta against it)

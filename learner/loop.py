@@ -474,6 +474,24 @@ def applied_rounds(meta: Mapping, learner: str, incarnation: str, fragment: int)
     return out
 
 
+def merged_upto(meta: Mapping, learner: str, incarnation: str) -> int | None:
+    """The highest round of ``(learner, incarnation)`` a global head states as merged into its
+    version or an earlier one (its ``"merged"`` list, ``[learner, incarnation, round]`` per learner:
+    ``aggregator.validate.AppliedSet.newest_rounds``); None when it states none (or a head of an
+    aggregator before the eighth round). A learner that missed the head listing its round (the watch
+    skips a head older than a version already fetched, a re-created watch starts at the newest)
+    learns it from any later head: before, its sync window stayed shut until the valve (16 periods)
+    and it never held (one learner of two sent 32 outer gradients in 480 steps, the other 169)."""
+    merged = meta.get("merged") if isinstance(meta, Mapping) else None
+    if not isinstance(merged, (list, tuple)):
+        return None
+    for a in merged:
+        if (isinstance(a, (list, tuple)) and len(a) == 3 and a[0] == learner and a[1] == incarnation
+                and _is_int(a[2])):
+            return int(a[2])
+    return None
+
+
 def sync_satisfied(applied_in: int | None, have_version: int) -> bool:
     """Synchronous mode: may the learner go on? ``applied_in`` is the version whose head listed
     our contribution (None: not seen yet); ``have_version`` the newest version of the fragment

@@ -576,5 +576,7 @@ async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(n
     await asyncio.to_thread(thread.join, 10)
     head, _ = await store.get(0)
     assert sorted(map(tuple, head.meta["applied"])) == sorted([ka, keys[0]]), head.meta["applied"]
+    # every learner's highest round merged so far (a learner that missed a head learns it here)
+    assert head.meta["merged"] == [["a", a.inc, 2], ["b", b.inc, 2]]
     stop.set()
     await task

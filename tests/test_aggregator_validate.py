@@ -205,6 +205,23 @@ def test_applied_set_rounds():
     assert s.to_dict()["learners"][0][1][0][1] == [[0, 4, 5, []]]  # fragment 0, floor 4, base 5
 
 
+def test_applied_set_states_every_learner_s_newest_round_of_a_fragment():
+    """``newest_rounds``: what a global head states as merged so far, per learner, for its most
+    recently applied incarnation that has a round of the fragment."""
+    s = AppliedSet()
+    assert s.newest_rounds(0) == []
+    s.record(make(round=3))
+    s.record(make(round=5))
+    s.record(make(round=1, learner="b", incarnation="b1"))
+    s.record(make(round=7, fragment=1))
+    assert s.newest_rounds(0) == [["a", "i1", 5], ["b", "b1", 1]]
+    assert s.newest_rounds(1) == [["a", "i1", 7]]
+    s.record(make(round=0, incarnation="i2", fragment=1))  # a restart: its newest incarnation
+    assert s.newest_rounds(1) == [["a", "i2", 0]]
+    assert s.newest_rounds(0) == [["a", "i1", 5], ["b", "b1", 1]]  # i2 has no round of 0 yet
+    assert s.newest_rounds(2) == []
+
+
 def test_applied_set_gaps_are_bounded():
     s = AppliedSet()
     for r in range(1, 2 + 2 * AppliedSet.max_gaps, 2):  # every other round never arrives

@@ -161,6 +161,28 @@ def test_sync_decisions_and_applied_list():
     assert not lp.sync_satisfied(5, 4) and lp.sync_satisfied(5, 5) and lp.sync_satisfied(5, 6)
 
 
+def test_a_head_states_the_highest_round_merged_so_far():
+    """``merged_upto``: the ``merged`` list of a head (every learner's highest round merged into it
+    or earlier); and a learner that missed the head listing its round opens its window from a later
+    one (before, it waited for the valve, 16 periods, and never held)."""
+    meta = {"merged": [["l1", "x", 9], "junk", ["l0", "old", 4], ["l0", "abc", True], ["l0", "abc", 5]]}
+    assert lp.merged_upto(meta, "l0", "abc") == 5 and lp.merged_upto(meta, "l1", "x") == 9
+    assert lp.merged_upto(meta, "l0", "zzz") is None and lp.merged_upto({}, "l0", "abc") is None
+    assert lp.merged_upto({"merged": "no"}, "l0", "abc") is None
+    b = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1, hold=1)
+    b.on_merged(0, 10)
+    b.on_step(), b.on_step()
+    _sync(b, 0)  # round 0
+    b.on_step(), b.on_step()
+    assert b.deferred() == [0]
+    # version 11 merged round 0 (its head was missed); version 12's head states it
+    b.on_applied(0, [*lp.applied_rounds({"applied": []}, "l0", "abc", 0), 0], 12)
+    assert b.merged_any() and b.fetch_due(0, 12, delay=1)
+    b.on_downloaded(0, 12)
+    b.on_merged(0, 12)
+    assert b.on_step() == [0] and b.deferred() == []  # the window opened, no valve
+
+
 def test_should_resync_only_for_this_incarnation_when_evicted():
     assert lp.should_resync("evicted", "me", "me")
     assert not lp.should_resync("evicted", "old-life", "me")
