@@ -59,10 +59,10 @@ class AggregatorConfig:
                                  "for the leader lease with any other monitor): a run of an aggregator and islands "
                                  "needs no third process (false: run `diloco monitor` yourself)")
     agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
-    quorum: int = var(0, quorum_value, "all: merge a fragment once every active learner contributed (one merge per "
-                      "round; an evicted learner is not waited for); auto: rounds close on time (every active "
-                      "learner expected within half the fastest contributor's sync period, at the pace it reports, "
-                      "is waited for; learners of unequal speed); K: once K did, then the grace window (see "
+    quorum: int = var(AUTO, quorum_value, "auto: rounds close on time (every active learner expected within half the "
+                      "fastest contributor's sync period, at the pace it reports, is waited for, then the round "
+                      "merges: one merge per round at equal speeds, no fast learner held back by a slow one); all: "
+                      "once every active learner contributed; K: once K did, then the grace window (see "
                       "docs/aggregator.md)",
                       show=quorum_text)
     grace: str = var("adaptive", choice("fixed", "adaptive"), "how long to wait for more after the quorum")

@@ -15,7 +15,7 @@ sync_time the usual time from merge decision to published version (both observed
 
 - only ACTIVE learners count; an evicted learner is never waited for;
 - K is capped at the number of active learners, so evictions never deadlock a fragment; K = 0
-  (``DILOCO_QUORUM=all``, the default) is every active learner;
+  (``DILOCO_QUORUM=all``) is every active learner;
 - all active learners contributed -> merge now;
 - fewer than K -> wait (no deadline: nothing to merge yet);
 - quorum reached -> merge when the grace window, started at the moment quorum was reached,

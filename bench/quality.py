@@ -2,11 +2,11 @@
 
 Decoupled: an embedded server, one aggregator and M real JAX learner processes, each running
 ``steps`` inner steps of batch b on its own data shard, all with the roles' defaults (the aggregator:
-K = every active learner, mean merge, outer Nesterov once per round; the learners: staggered
+rounds that close on time, mean merge, outer Nesterov once per round; the learners: staggered
 fragments, int8 outer gradients with error feedback, rebase on arrival, one download per fragment
 and round, a final sync at the step budget); then ``diloco eval --once`` on the final global model.
 ``--variants`` (comma-separated, ``bench.runs.AGG_VARIANTS``) runs the aggregator variants one after
-the other, by default ``defaults`` (K = every active learner) and ``k1`` (K = 1 and the grace window;
+the other, by default ``defaults`` (the on-time quorum) and ``k1`` (K = 1 and the grace window;
 ``--quick`` without ``--steps``: ``defaults`` only, to stay under a minute).
 Data-parallel: one process, the same model, the same version-0 parameters (same seed), the same
 inner optimizer (DILOCO_INNER_OPTIMIZER: Muon by default), settings and schedule, batches of M x b

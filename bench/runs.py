@@ -283,8 +283,9 @@ class Cluster:
 # -- a whole decoupled run of JAX (or synthetic) learners ------------------------------------------
 
 
-#: Aggregator variants of the end-to-end benchmarks: ``defaults`` (the aggregator's own: K = every
-#: active learner), ``quorum`` (K = M, given explicitly), ``auto`` (the on-time quorum, given explicitly), ``k1`` (K = 1:
+#: Aggregator variants of the end-to-end benchmarks: ``defaults`` (the aggregator's own: rounds that
+#: close on time, ``DILOCO_QUORUM=auto``), ``quorum`` (K = M, given explicitly: every active learner,
+#: the default until the seventh round), ``auto`` (the on-time quorum, given explicitly), ``k1`` (K = 1:
 #: a merge per arrival, the grace window for more), ``k1dn`` (K = 1 with Delayed Nesterov, N = M, no
 #: participation scale), ``lean`` (``diloco up --preset lean``)
 AGG_VARIANTS = ("defaults", "quorum", "auto", "k1", "k1dn", "lean")

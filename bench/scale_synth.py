@@ -6,7 +6,7 @@ encoded once per process with the real codec and replayed with fresh metadata on
 schedule (fragment p every H x step_time seconds, staggered by p H / P steps; H=24, step 0.1 s,
 P=8), with heartbeats to a monitor. So the learners offer M x P / (H x step_time) contributions
 per second (M=8: 26.7/s) at almost no CPU, and the aggregator has the machine to itself but for
-the broker. Aggregators: ``diloco aggregator`` with its defaults (K = all; ``--quorum 1`` for one
+the broker. Aggregators: ``diloco aggregator`` with its defaults (the on-time quorum; ``--quorum 1`` for one
 merge per arrival) and the int8 keyframe-delta downlink, fragments split into equal ranges
 (``DILOCO_AGG_FRAGMENTS``); the run is created by this process before they start.
 
@@ -377,7 +377,7 @@ async def main_async(a) -> dict:
             "merge_cpu_ms_per_mvalue": cost, "aggregators": aggs, "sweep": sweep,
             "versions_per_s": {str(r["aggregators"]): r["versions_per_s"] for r in aggs},
             "accepted_per_s": {str(r["aggregators"]): r["accepted_per_s"] for r in aggs},
-            "first_behind": first_behind(sweep), "quorum": a.quorum or "default (all)",
+            "first_behind": first_behind(sweep), "quorum": a.quorum or "default (auto)",
             "mvalues_per_agg_cpu_s": max((r["mvalues_per_agg_cpu_s"] or 0 for r in aggs + sweep), default=None),
             "recovery": recovery, "wall_s": round(time.monotonic() - t0, 1)}
 
@@ -391,7 +391,7 @@ def main() -> None:
     p.add_argument("--agg-learners", type=int, default=None, help="learners of the aggregator runs (8; quick 4)")
     p.add_argument("--models", default=None, help="sizes of the sweep, comma-separated (all; quick 5M; none)")
     p.add_argument("--stages", default=None, help="learner counts of the sweep (4,8,16; quick 4,8)")
-    p.add_argument("--quorum", default=None, help="DILOCO_QUORUM of the aggregators (default: the role's, all)")
+    p.add_argument("--quorum", default=None, help="DILOCO_QUORUM of the aggregators (default: the role's, auto)")
     p.add_argument("--recovery", action="store_true", help="kill -9 and time the recovery after each sweep model")
     a = p.parse_args()
     if a.quorum:

@@ -191,7 +191,7 @@ def test_quorum_setting_reads_all_auto_or_a_count():
 
     assert quorum_value("all") == 0 and quorum_value(" ALL ") == 0 and quorum_value("3") == 3
     assert quorum_value("auto") == AUTO and quorum_value(" Auto ") == AUTO
-    assert from_env(AggregatorConfig, {}).quorum == 0  # the default: every active learner
+    assert from_env(AggregatorConfig, {}).quorum == AUTO  # the default: rounds that close on time
     assert from_env(AggregatorConfig, {"DILOCO_QUORUM": "auto"}).quorum == AUTO
     for bad in ("0", "-1", "many", ""):
         with pytest.raises(ValueError, match="'all', 'auto' or an integer"):

@@ -493,11 +493,12 @@ async def test_an_operators_trust_clear_reaches_every_fragments_next_merge_and_s
         await task2
 
 
-async def test_the_on_time_quorum_closes_a_round_on_time_and_waits_for_every_lock_step_learner(nats_server, js):
-    """DILOCO_QUORUM=auto: a round closes half its fastest contributor's period after
+async def test_the_default_quorum_closes_a_round_on_time_and_waits_for_every_lock_step_learner(nats_server, js):
+    """DILOCO_QUORUM=auto (the default): a round closes half its fastest contributor's period after
     that contributor's arrival (10 steps at the reported 0.2 s: 1 s), with whoever came by then and
     without a learner that did not; a lock-step (synchronous) round waits for every active learner."""
-    svc, stop, task = await _start(nats_server, trust="off", quorum=AUTO)
+    svc, stop, task = await _start(nats_server, trust="off")
+    assert svc.cfg.quorum == AUTO
     await set_members(js, RUN, {"a": "active", "b": "active", "c": "active"})
     await _until(lambda: len(svc.active()) == 3)
     store = VersionedStore(js, RUN, GLOBAL)

