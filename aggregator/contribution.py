@@ -46,6 +46,7 @@ class Contribution:
     period: int = 0  # the learner's sync period when it sent this (0: not declared)
     lockstep: bool = False  # from a synchronous learner: its round's fragments merge together
     step_s: float = 0.0  # the learner's mean seconds per inner step of this contribution (0: not reported)
+    final: bool = False  # from the learner's final sync: it sends nothing more (bus.protocol.grad_meta)
 
     @property
     def round_share(self) -> float:
@@ -79,4 +80,4 @@ def from_grad_message(meta: dict, blob, out=None) -> Contribution:
                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,
                         period=meta.get("period", 0), lockstep=bool(meta.get("lockstep", 0)),
-                        step_s=float(meta.get("step_s", 0.0)))
+                        step_s=float(meta.get("step_s", 0.0)), final=bool(meta.get("final", 0)))

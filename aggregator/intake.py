@@ -126,6 +126,10 @@ class Intake:
             return
         if not self.cfg.require_membership and c.run == self.common.run:
             self.seen.add(c.learner)
+            if c.final:  # its final sync: no round waits for it any more (a monitor's "left")
+                self.finished[c.learner] = c.incarnation
+            elif self.finished.get(c.learner, c.incarnation) != c.incarnation:
+                del self.finished[c.learner]  # a new process of that learner id: active again
         norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
         self._consider(Pending(c, norm, r.tokens, now, chunk_seqs(r.tokens), len(r.blob),
                                taken[0] if taken else None), now)

@@ -143,6 +143,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self._grad_checked = 0.0  # when the GRAD stream's first sequence was last looked at
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
+        # without a monitor: learner -> incarnation whose final sync came (it sends nothing more, and
+        # rounds stop waiting for it; what it sent is still merged, as a monitor's "left")
+        self.finished: dict[str, str] = {}
         self.members_loaded = asyncio.Event()  # the members bucket's initial values arrived
         self.members_rewatch = asyncio.Event()  # the connection came back: watch the bucket anew
         self.recent: dict[str, float] = {}  # learner -> monotonic time of its newest accepted contribution
@@ -193,12 +196,12 @@ class AggregatorService(Intake, VersionMaker, Durability):
 
     def active(self) -> set[str]:
         if not self.cfg.require_membership:
-            return set(self.seen)
+            return set(self.seen) - set(self.finished)
         return {k for k, st in self.members.items() if st == "active"}
 
     def leavers(self) -> set[str]:
         """Learners that left (done, not failed): what they sent before leaving is still merged."""
-        return {k for k, st in self.members.items() if st == "left"} if self.cfg.require_membership else set()
+        return {k for k, st in self.members.items() if st == "left"} if self.cfg.require_membership else set(self.finished)
 
     def participants(self, now: float) -> set[str]:
         """Learners taking part in the run for the participation scale and the staleness rounds: the

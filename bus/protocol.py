@@ -25,8 +25,9 @@ from bus.subjects import check_token
 
 GRAD_FIELDS = ("run", "model", "learner", "inc", "frag", "round", "base", "steps", "tokens", "region")
 # absent from a learner before they were added: the aggregator then counts a full round (period) and
-# merges each fragment on its own (lockstep) and times the learner by its arrivals (step_s)
-GRAD_OPTIONAL = ("period", "lockstep", "step_s")
+# merges each fragment on its own (lockstep), times the learner by its arrivals (step_s) and learns
+# that it is done from its membership only (final)
+GRAD_OPTIONAL = ("period", "lockstep", "step_s", "final")
 MANIFEST_KEY = "manifest"
 STEP_S_MAX = 86400.0  # the largest pace (seconds per inner step) a gradient's metadata carries
 
@@ -37,13 +38,15 @@ def grad_obj_id(run: str, learner: str, incarnation: str, fragment: int, round_:
 
 def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment: int, round_: int,
               base_version: int, inner_steps: int, tokens: int, region: str, period: int | None = None,
-              lockstep: bool = False, step_s: float = 0.0) -> dict:
+              lockstep: bool = False, step_s: float = 0.0, final: bool = False) -> dict:
     """``period``: the learner's sync period H (inner steps) when the fragment was due; the
     contribution holds ``steps / period`` of a round of work (0 or None: not sent). ``lockstep``: a
     synchronous learner (``DILOCO_MODE=sync``), which sends every fragment of a round together and
     waits for all of them to be merged (sent as ``1``; absent otherwise). ``step_s``: the mean seconds
     of the inner steps the contribution holds, the learner's own compute (holds and transfers
-    excluded; absent when 0): the aggregator's on-time quorum paces rounds by it."""
+    excluded; absent when 0): the aggregator's on-time quorum paces rounds by it. ``final``: sent by
+    the learner's final sync (its step budget reached, or an island closing): the learner sends
+    nothing more, and a run without a monitor stops waiting for it (sent as ``1``; absent otherwise)."""
     meta = {"run": run, "model": model, "learner": learner, "inc": incarnation, "frag": int(fragment),
             "round": int(round_), "base": int(base_version), "steps": int(inner_steps), "tokens": int(tokens),
             "region": region}
@@ -51,6 +54,8 @@ def grad_meta(*, run: str, model: str, learner: str, incarnation: str, fragment:
         meta["period"] = int(period)
     if lockstep:
         meta["lockstep"] = 1
+    if final:
+        meta["final"] = 1
     pace = round(float(step_s), 6) if math.isfinite(step_s) else 0.0
     if 0 < pace <= STEP_S_MAX:  # else not sent: a gradient is never malformed for its pace
         meta["step_s"] = pace
@@ -77,12 +82,13 @@ class GradMeta(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False
     period: Annotated[int, msgspec.Meta(ge=1, le=2**31)] | msgspec.UnsetType = msgspec.UNSET
     lockstep: Annotated[int, msgspec.Meta(ge=1, le=1)] | msgspec.UnsetType = msgspec.UNSET
     step_s: Annotated[float, msgspec.Meta(gt=0, le=STEP_S_MAX)] | msgspec.UnsetType = msgspec.UNSET
+    final: Annotated[int, msgspec.Meta(ge=1, le=1)] | msgspec.UnsetType = msgspec.UNSET
 
 
 _RULES = {**{k: "must be a non-empty string" for k in ("run", "model", "learner", "inc", "region")},
           **{k: "must be an integer in 0..2**62" for k in ("frag", "round", "base", "steps", "tokens")},
           "period": "must be an integer in 1..2**31", "lockstep": "must be 1 (or absent)",
-          "step_s": "must be a number of seconds in (0, 86400]"}
+          "step_s": "must be a number of seconds in (0, 86400]", "final": "must be 1 (or absent)"}
 
 
 def parse_grad_meta(meta: dict) -> dict:

@@ -46,6 +46,7 @@ class IslandCore:
         quant_error: float
         blocked_s: float
         held_s: float
+        _finishing: bool
         admitted: bool
         member_state: str | None
         sync_timeouts: int
@@ -200,6 +201,7 @@ class IslandCore:
         Without it about H/2 inner steps per fragment of every learner never reach the global model.
         """
         await self._drain()  # a publish still in flight would make begin_sync skip its fragment
+        self._finishing = True  # they say so: a run without a monitor stops waiting for this learner
         tasks = []
         for p in self.book.unsent_fragments():
             c = self.book.begin_sync(p)
@@ -267,7 +269,7 @@ class IslandCore:
                          incarnation=self.incarnation, fragment=p, round_=c.round,
                          base_version=c.base_version, inner_steps=c.steps, tokens=c.tokens,
                          region=self.common.region, period=c.period, lockstep=self.cfg.mode == "sync",
-                         step_s=c.step_s)
+                         step_s=c.step_s, final=self._finishing)
         self._sent[(p, c.round)] = blob  # what was sent is decode(blob), rebuilt only if the publish fails
         return blob, meta
 

@@ -123,6 +123,7 @@ class Learner(IslandCore, Presence):
         self.rate = lp.RateMeter()
         self._resync_requested = False
         self._told_behind = False  # aggregator_behind said (once per process)
+        self._finishing = False  # the final sync is under way: its outer gradients say ``final``
         self._behind = 0  # syncs deferred while admitted (or with no monitor): aggregator_behind at P
         self._halt = asyncio.Event()
         self._news = asyncio.Event()

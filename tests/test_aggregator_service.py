@@ -149,6 +149,36 @@ async def test_merge_publishes_version_with_applied_keys_and_nesterov_step(nats_
     await task
 
 
+async def test_without_a_monitor_rounds_stop_waiting_for_a_learner_after_its_final_sync(nats_server, js):
+    """No membership (DILOCO_REQUIRE_MEMBERSHIP=false), every active learner waited for: a learner's
+    final sync (``final``) takes it out of the active set, so the others' rounds merge without it
+    (before, they waited for it for ever, and since their learners hold their steps for a merge, the
+    run stalled); what it sent is still merged; a new process of the same id is active again."""
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=0, trust="off")
+    a, b = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2)
+    await a.send(0, base=0)
+    await b.send(0, base=0)
+    assert await _until(lambda: svc.seen == {"a", "b"})  # both known
+    await a.send(1, base=0)
+    await asyncio.sleep(0.5)
+    assert svc.published.get(1, 0) == 0  # every active learner: b is waited for
+    kb = await b.send(1, base=0, final=1)  # b's final sync
+    assert await _until(lambda: svc.published.get(1) == 1)
+    assert svc.active() == {"a"} and svc.leavers() == {"b"}
+    v = svc.states[0].version
+    ka = await a.send(0, base=v)
+    assert await _until(lambda: svc.states[0].version > v)  # b is not waited for
+    head, _ = await VersionedStore(js, RUN, GLOBAL).get(0)
+    assert ka in [tuple(k) for k in head.meta["applied"]]
+    b2 = FakeLearner(js, RUN, "b", 3)  # b restarted: a new incarnation, active again
+    await b2.send(1, base=1)
+    assert await _until(lambda: "b" not in svc.finished)
+    assert svc.active() == {"a", "b"}
+    assert kb[:2] == ("b", b.inc)
+    stop.set()
+    await task
+
+
 async def test_slow_learner_does_not_hold_back_versions_and_still_counts(nats_server, js):
     svc, stop, task = await _start(nats_server, require_membership=False, grace="fixed", grace_seconds=0.05,
                                    quorum=1, max_staleness=50)

@@ -46,6 +46,22 @@ def test_a_bad_pace_is_malformed(bad):
         parse_grad_meta({**_meta(), "step_s": bad})
 
 
+def test_a_final_sync_says_so_and_reaches_the_contribution():
+    import numpy as np
+
+    from aggregator.contribution import from_grad_message
+    from bus import codec
+
+    m = _meta(final=True)
+    assert m["final"] == 1 and parse_grad_meta(m) is m
+    assert "final" not in _meta(final=False)
+    blob = codec.encode_array(np.zeros(4, np.float32), "fp32")
+    assert from_grad_message(m, blob).final and not from_grad_message(_meta(), blob).final
+    for bad in (0, 2, True, "1", 1.0):
+        with pytest.raises(ValueError, match="malformed: field 'final'"):
+            parse_grad_meta({**_meta(), "final": bad})
+
+
 @pytest.mark.parametrize("bad", [0, 2, True, "1", 1.0])
 def test_a_bad_lockstep_is_malformed(bad):
     with pytest.raises(ValueError, match="malformed: field 'lockstep'"):

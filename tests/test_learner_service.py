@@ -248,6 +248,8 @@ async def test_jax_learner_publishes_outer_gradients(nats_server, js):
         # the final sync sends the rest, so every step of every fragment is sent exactly once
         assert [m["steps"] for m in metas] == ([4, 4, 4] if p == 0 else [p, 4, 4, 4 - p])
         assert [m["round"] for m in metas] == list(range(len(metas)))
+        # the final sync says so (a run without a monitor stops waiting for this learner): only it
+        assert [m.get("final", 0) for m in metas] == ([0, 0, 0] if p == 0 else [0, 0, 0, 1])
     last = metrics.msgs[-1][1]
     assert last["step"] == 12 and last["contributions"] == 15 and last["mode"] == "async"
     assert last["bytes_sent"] == sum(len(g.blob) for g in grads)
