@@ -44,8 +44,14 @@ STEPS = 480
 #: the worst measured run plus more than the measured range: a return of the failure is far above it.
 #: With Muon the default inner optimizer (2026-12-03, both sides Muon): data-parallel 1.9263 (AdamW's
 #: 2.2646), decoupled 2.0810, 2.0847, 2.0945: +8.0%, +8.2%, +8.7% (3 runs); the window off: +28.9%,
-#: staleness 13 (the failure still far above the bound). With the on-time quorum the default
-#: (2026-12-04): +9.6%, +8.2%, +9.3%, staleness at most 1 (3 runs).
+#: staleness 13 (the failure still far above the bound). With the on-time quorum the default (the
+#: seventh round): +9.6%, +8.2%, +9.3% alone, and once +22.0% in a suite run (112 outer gradients
+#: merged against ~200): these learners have no monitor, so they never held their steps, and ran up
+#: to 16 periods alone between syncs; a busy aggregator also closed rounds before reading a
+#: contribution that had come in time. Both fixed (learner.loop.merges_reach, aggregator.quorum.
+#: input_clock; docs/BENCHMARKS.md, "Eighth round"): +6.8%, +6.2%, +6.4%, +5.8% with two CPU hogs
+#: beside it, staleness at most 1 (4 runs); at 30x lag +7.5% to +8.5% in 5 runs (before the fixes +18%
+#: to +90%; once +1.4% with one learner's window shut by a missed head: heads now say what is merged).
 MAX_GAP = 0.12
 #: the staleness the aggregator saw, in versions: at most 1 in those 5 runs (a contribution is computed
 #: from the version that merged its learner's previous round); without the window 11 and 14
