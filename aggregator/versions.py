@@ -238,8 +238,12 @@ class VersionMaker:
         """Version ``states[p]`` encoded for the downlink now (the merge updates the parameters in
         place, so the blob is taken before the next merge), to be published in order."""
         st = self.states[p]
-        # "merged": every learner's highest round merged so far (``applied`` lists this merge's only)
-        meta = {"model": self.model_hash, "plan": self.plan.plan_hash(), "merged": st.applied.newest_rounds(p)}
+        # "merged": the highest round merged so far of every learner taking part (``applied`` lists
+        # this merge's only); bounded like ``applied`` by the learners of the run now, not by every
+        # id ever seen (the metadata rides in every chunk's header)
+        keep = self.participants(time.monotonic()) | self.leavers()
+        meta = {"model": self.model_hash, "plan": self.plan.plan_hash(),
+                "merged": [m for m in st.applied.newest_rounds(p) if m[0] in keep]}
         if self.cfg.downlink_chain:
             # every version against the previous reconstruction; the reconstruction itself, whole,
             # on the keyframe subjects for a reader that lost the chain (bus.downlink.encode_chain)

@@ -229,7 +229,7 @@ def child(m: int, n: int) -> None:
         cs = _contribs(blobs)
         del blobs
         acc = np.empty(n, np.float32)
-        for r in range(2):  # K = all (the default): every merge is a whole round
+        for r in range(2):  # K = all (and the on-time quorum at equal speeds): every merge is a whole round
             st = merge_step(st, [dataclasses.replace(c, round=r + 1) for c in cs], s,
                             [l2_norm(c.vector) for c in cs], 1.0, m, inplace=True, out=acc)
             encode_version(st.params, st.version, key, "int8", 64)

@@ -156,8 +156,8 @@ def main() -> None:
     p.add_argument("--keep-logs", default=None, help="copy every process's log to this folder (one per variant)")
     p.add_argument("--monitor", action="store_true",
                    help="run a membership monitor, as a user's run has (the aggregator then admits learners, and "
-                        "an admitted learner holds its steps when its sync waited a period): without it the "
-                        "learners are never admitted and never hold")
+                        "an admitted learner holds its steps when its sync waited a period): without it every "
+                        "learner is accepted, and holds once one of its rounds was merged")
     a = p.parse_args()
     steps = a.steps or (80 if a.quick else 300)
     if a.corpus:

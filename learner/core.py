@@ -408,6 +408,8 @@ class IslandCore:
             ours = lp.applied_rounds(head.meta, self.id, self.incarnation, p)
             upto = lp.merged_upto(head.meta, self.id, self.incarnation)  # merged here or earlier
             self.book.on_applied(p, ours if upto is None else [*ours, upto], head.version)
+            if upto is not None:  # rounds whose own head was missed are merged too (work fate)
+                ours = sorted({*ours, *(r for f, r in self.fate.outstanding if f == p and r <= upto)})
             self.fate.on_head(p, head.version, ours, time.monotonic())
             if self._fetch_all or head.meta.get("chain"):
                 # (a chained downlink: every version, so the next one is a small delta against it)

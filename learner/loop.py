@@ -346,7 +346,7 @@ class Bookkeeper:
         f = self.frags[p]
         return version > f.base_version and version > f.pending_version
 
-    def fetch_due(self, p: int, version: int, delay: int, admitted: bool = True) -> bool:
+    def fetch_due(self, p: int, version: int, delay: int, merging: bool = True) -> bool:
         """Fetch policy ``round``: download version ``version`` of p now?
 
         At most one download per fragment per round of this learner: ``delay`` inner steps after a
@@ -357,15 +357,17 @@ class Bookkeeper:
         round (issue 24): a learner ahead of the others by more than the delay took the version
         before its round's merge and so ran a whole round behind the merges; now it waits for
         that merge, until the step before its next sync, when it takes the newest version anyway
-        (its round was rejected, or the merges lag by a round). A learner not ``admitted`` yet (a
-        restart rejoining) takes the newest version of a deferred fragment the same way: its round
-        is held by the aggregator until the monitor admits it, which needs current versions.
+        (its round was rejected, or the merges lag by a round). A learner whose work is not
+        ``merging`` (:func:`merges_reach`: not admitted yet, a restart rejoining; or, without a
+        monitor, none of its rounds merged yet) takes the newest version of a deferred fragment the
+        same way: its round is held by the aggregator until the monitor admits it, which needs
+        current versions.
         """
         f = self.frags[p]
         # an admitted learner's deferred fragment is always armed: its one download of the round may
         # have gone to the newest version while the learner was not admitted yet, and it must still
         # take the version that merged its round (a hold waited for it in vain, 120 s)
-        waits = f.deferred_at >= 0 and admitted
+        waits = f.deferred_at >= 0 and merging
         if not ((f.armed or waits) and self.wants(p, version) and f.steps >= max(0, int(delay))):
             return False
         mine = f.next_round - 1  # the round sent at the last sync
@@ -380,8 +382,8 @@ class Bookkeeper:
         A deferred fragment is armed again while a version known to merge its round is newer than
         its base and than what it downloaded: its sync waits for exactly that version
         (:meth:`window_open`), and its one download of the round may have gone to an earlier one (a
-        learner not admitted, or in a run without a monitor, takes the newest version at the end of
-        its period). Without this it waited for the valve, 16 periods (docs/BENCHMARKS.md, "Seventh
+        learner whose work is not merging yet, :func:`merges_reach`, takes the newest version at the
+        end of its period). Without this it waited for the valve, 16 periods (docs/BENCHMARKS.md, "Seventh
         round")."""
         f = self.frags[p]
         for r in rounds:

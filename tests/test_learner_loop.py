@@ -478,7 +478,7 @@ def test_a_deferred_fragment_takes_the_version_that_merged_its_round_even_after_
     _sync(b, 0)  # round 0, held by the aggregator until the learner is admitted
     b.on_step(), b.on_step()
     assert b.deferred() == [0]
-    assert b.fetch_due(0, 12, delay=1, admitted=False)  # not admitted: the newest, for the monitor
+    assert b.fetch_due(0, 12, delay=1, merging=False)  # not admitted: the newest, for the monitor
     b.on_downloaded(0, 12)
     b.on_merged(0, 12)
     assert not b.fetch_due(0, 13, delay=1)  # admitted now: only the version that holds round 0
@@ -501,16 +501,16 @@ def test_a_learner_without_admission_takes_the_version_that_merged_its_deferred_
     _sync(b, 0)
     b.on_step(), b.on_step()
     assert b.deferred() == [0]
-    assert b.fetch_due(0, 11, delay=1, admitted=False)  # the newest: it does not hold round 0
+    assert b.fetch_due(0, 11, delay=1, merging=False)  # the newest: it does not hold round 0
     b.on_downloaded(0, 11)
     b.on_merged(0, 11)
-    assert not b.fetch_due(0, 12, delay=1, admitted=False)  # the round's download is used up
+    assert not b.fetch_due(0, 12, delay=1, merging=False)  # the round's download is used up
     b.on_applied(0, [], 12)  # a head without our round changes nothing
-    assert not b.fetch_due(0, 12, delay=1, admitted=False)
+    assert not b.fetch_due(0, 12, delay=1, merging=False)
     b.on_applied(0, [0], 13)
-    assert b.fetch_due(0, 13, delay=1, admitted=False)
+    assert b.fetch_due(0, 13, delay=1, merging=False)
     b.on_downloaded(0, 13)
-    assert not b.fetch_due(0, 14, delay=1, admitted=False)  # once: pending already holds it
+    assert not b.fetch_due(0, 14, delay=1, merging=False)  # once: pending already holds it
     b.on_merged(0, 13)
     assert b.on_step() == [0] and b.deferred() == []  # the window opened, no valve
 
