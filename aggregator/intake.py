@@ -128,8 +128,9 @@ class Intake:
             self.seen.add(c.learner)
             if c.final:  # its final sync: no round waits for it any more (a monitor's "left")
                 self.finished[c.learner] = c.incarnation
-            elif self.finished.get(c.learner, c.incarnation) != c.incarnation:
-                del self.finished[c.learner]  # a new process of that learner id: active again
+            elif self.finished.get(c.learner, c.incarnation) != c.incarnation and not any(
+                    c.incarnation in st.applied.incarnations(c.learner) for st in self.states.values()):
+                del self.finished[c.learner]  # a new process of that learner id (not an earlier one's late work)
         norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
         self._consider(Pending(c, norm, r.tokens, now, chunk_seqs(r.tokens), len(r.blob),
                                taken[0] if taken else None), now)

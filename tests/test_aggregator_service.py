@@ -153,12 +153,14 @@ async def test_without_a_monitor_rounds_stop_waiting_for_a_learner_after_its_fin
     """No membership (DILOCO_REQUIRE_MEMBERSHIP=false), every active learner waited for: a learner's
     final sync (``final``) takes it out of the active set, so the others' rounds merge without it
     (before, they waited for it for ever, and since their learners hold their steps for a merge, the
-    run stalled); what it sent is still merged; a new process of the same id is active again."""
+    run stalled); what it sent is still merged; a new process of the same id is active again, and
+    late work of an earlier process of it does not count as one."""
     svc, stop, task = await _start(nats_server, require_membership=False, quorum=0, trust="off")
-    a, b = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2)
+    a, b_old = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 4)
     await a.send(0, base=0)
-    await b.send(0, base=0)
+    await b_old.send(0, base=0)
     assert await _until(lambda: svc.seen == {"a", "b"})  # both known
+    b = FakeLearner(js, RUN, "b", 2)  # b restarted once
     await a.send(1, base=0)
     await asyncio.sleep(0.5)
     assert svc.published.get(1, 0) == 0  # every active learner: b is waited for
@@ -172,6 +174,10 @@ async def test_without_a_monitor_rounds_stop_waiting_for_a_learner_after_its_fin
     assert await _until(lambda: svc.states[0].version > v)  # b is not waited for
     head, _ = await VersionedStore(js, RUN, GLOBAL).get(0)
     assert ka in [tuple(k) for k in head.meta["applied"]]
+    assert svc.stats.contributions["b"] == 2  # b's earlier process's round and b's final one
+    await b_old.send(0, base=v)  # a late message of b's earlier process: b stays done
+    assert await _until(lambda: any(x.c.learner == "b" for x in svc.buffers[0]))
+    assert svc.finished == {"b": b.inc} and svc.active() == {"a"}
     b2 = FakeLearner(js, RUN, "b", 3)  # b restarted: a new incarnation, active again
     await b2.send(1, base=1)
     assert await _until(lambda: "b" not in svc.finished)
