@@ -371,6 +371,35 @@ async def test_with_nothing_merged_a_learner_defers_and_its_final_sync_sends_eve
         np.testing.assert_allclose(total[p], V0[p] - learner.backend.frags[p], rtol=1e-5, atol=1e-6)
     c = learner.book.counters()
     assert c["deferred"] == 4 and learner._told_behind  # one deferral per fragment, said once
+    assert c["holds"] == 0  # no monitor and nothing of it merged: nothing to hold for
+
+
+async def test_without_a_monitor_a_learner_holds_once_its_work_is_merged(nats_server, js):
+    """No monitor (no membership record): once a head lists one of its rounds, the aggregator merges
+    this learner's work, so a sync deferred for a period holds its steps (DILOCO_SYNC_HOLD) as an
+    admitted learner's does. Before the eighth round it never held there, and a lagging aggregator
+    let it train alone for up to 16 periods (the guard test +22.0% in one suite run)."""
+    from learner.service import Learner
+
+    await bootstrap(js)
+    common, model, cfg = configs(nats_server, sync_every=2, max_steps=24, step_time=0.02, quantiser="fp32",
+                                 error_feedback=False, sync_timeout=0.5)
+    learner = Learner(common, model, cfg)
+
+    async def merge_first_round_of_fragment_0() -> None:
+        for g in await consume_grads(js, 4, timeout=30):  # every fragment's first round
+            if g.meta["frag"] == 0:
+                await put_version(js, 0, 1, V0[0], applied=[[g.meta["learner"], g.meta["inc"], 0, g.meta["round"]]])
+                return
+        raise AssertionError("no outer gradient of fragment 0")
+
+    rc, _ = await asyncio.gather(learner.run(), merge_first_round_of_fragment_0())
+    assert rc == 0
+    c = learner.book.counters()
+    # fragment 0's next round is never merged (nothing else merges): its deferred sync holds the
+    # steps for DILOCO_SYNC_TIMEOUT, then trains on; the other fragments were never merged
+    assert c["holds"] >= 1 and c["holds_expired"] >= 1 and learner.held_s >= 0.4, c
+    assert learner.book.merged_any() and learner.merges_reach
 
 
 # -- (b) heartbeats keep flowing during long steps; SIGTERM stops a learner promptly ---------------
