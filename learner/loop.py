@@ -364,8 +364,8 @@ class Bookkeeper:
         current versions.
         """
         f = self.frags[p]
-        # an admitted learner's deferred fragment is always armed: its one download of the round may
-        # have gone to the newest version while the learner was not admitted yet, and it must still
+        # a merging learner's deferred fragment is always armed: its one download of the round may
+        # have gone to the newest version while its work was not merging yet, and it must still
         # take the version that merged its round (a hold waited for it in vain, 120 s)
         waits = f.deferred_at >= 0 and merging
         if not ((f.armed or waits) and self.wants(p, version) and f.steps >= max(0, int(delay))):
@@ -507,7 +507,7 @@ def merges_reach(admitted: bool, member_state: str | None, merged_any: bool) -> 
     this process; and in a run without a monitor (no membership record: the aggregator merges every
     learner, DILOCO_REQUIRE_MEMBERSHIP=false) once a head listed one of its rounds. Not for a learner
     the monitor has not admitted yet: its work is held at the aggregator until it is, and admission
-    needs current versions, which a held learner would not take. Before issue 40's fifth stop a run
+    needs current versions, which a held learner would not take. Before the eighth round a run
     without a monitor never held: a lagging aggregator let its learners train on alone for up to
     16 periods (the guard test with a lagging aggregator, +22.0% in one suite run; docs/learner.md)."""
     return admitted or (member_state is None and merged_any)
