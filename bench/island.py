@@ -19,6 +19,22 @@ when versions do arrive, measured separately as ``rebase_s``).
   both. (The first version subtracted the RSS at rest: the loop alone holds up to 3x the
   parameter bytes of garbage between collections, which that figure counted against the island.)
 
+* ``hook_s_sync_max``: the longest ``island.step`` on the step after one with a fragment due (the
+  step that used to wait while the island prepared that fragment's outer gradient; an island now
+  does that in its side thread from a snapshot of the step's leaves, ``learner.core``).
+* ``arrival_hook_s_max``: the longest ``island.step`` while a new version of every fragment is
+  swapped in. The versions are handed to the island's core as its download would (pending, swap
+  queued: ``learner.swap``), and the user's loop keeps stepping until every fragment has taken its
+  version (``arrival_steps``); target <= 0.1 s. ``rebase_all_fragments_s`` is the plain path's cost
+  for comparison: a get, rebase and put of every fragment on the calling thread.
+* ``island_cpu_s`` / ``island_cpu_share``: CPU seconds of the island's own threads (its asyncio
+  loop, worker and side threads, from ``/proc/self/task``) over the steps with the island, and
+  that over the wall time of those steps: the background work that competes with the user's step
+  on a CPU-only machine (the embedded server is another process, not counted).
+* ``--cheap-step``: the user's step is one elementwise pass over the parameters instead of the
+  MLP's AdamW step: on this CPU the island's work per fragment is then as long as the step or
+  longer, as it is beside an accelerator's short steps (a GPU's 21 ms step at 1B).
+
 * ``call_us_nothing_due`` (median, and ``_p90``): the time inside ``island.step`` for a plain-JAX
   MLP of about 10k parameters trained by its own jitted step (about a millisecond), on steps where
   no fragment is due and nothing arrived (target <= 50 us): the step is taken and served in the
@@ -36,9 +52,11 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
     from pathlib import Path as _Path
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
+import asyncio
 import gc
 import os
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -63,6 +81,41 @@ def _mlp(width: int, seed: int) -> dict:
     key = jax.random.PRNGKey(seed)
     return {f"l{i}": {"w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / np.sqrt(width),
                       "b": jnp.zeros(width)} for i in range(4)}
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(prefixes: tuple[str, ...]) -> float:
+    """CPU seconds (user + system) of this process's live threads whose names start with one of
+    ``prefixes``."""
+    total = 0
+    for t in threading.enumerate():
+        if t.native_id is None or not t.name.startswith(prefixes):
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / TICK
+
+
+def inject_arrivals(island, delta: float = 1e-3) -> int:
+    """Hand the island's core a new version of every fragment (its base plus ``delta``), as its
+    download would, in the core's loop thread. Returns how many."""
+    lr = island.learner
+
+    async def go() -> int:
+        for p in range(lr.P):
+            v = lr.book.frags[p].base_version + 1
+            lr.pending[p] = (v, np.asarray(lr.base[p], dtype=np.float32) + np.float32(delta))
+            if hasattr(lr, "_queue_swap"):
+                lr._queue_swap(p)
+        return lr.P
+
+    return asyncio.run_coroutine_threadsafe(go(), island._loop).result(60)
 
 
 def store_for(n_params: int, fragments: int = 8) -> int:
@@ -134,6 +187,9 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=50e6)
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--fragments", type=int, default=8)
+    p.add_argument("--cheap-step", action="store_true",
+                   help="the user's step is one elementwise pass over the parameters (an accelerator's ratio)")
     a = p.parse_args()
     target = 5e6 if a.quick else a.params
     steps = 24 if a.quick else a.steps
@@ -163,6 +219,12 @@ def main() -> None:
         u, st = opt.update(g, st, pr)
         return optax.apply_updates(pr, u), st, loss
 
+    if a.cheap_step:
+        @jax.jit
+        def train_step(pr, st, x):  # noqa: F811 (the cheap step replaces the MLP's)
+            new = jax.tree_util.tree_map(lambda w: w - 1e-4 * jnp.tanh(w), pr)
+            return new, st, jnp.mean(x)
+
     x = jnp.ones((32, width))
     params, opt_state, loss = train_step(params, opt_state, x)  # compile
     jax.block_until_ready(params)
@@ -191,24 +253,50 @@ def main() -> None:
             gc.collect()
             reset_peak()
             island = Island(params, run="bench", learner_id="b0", nats_url=srv.url, sync_every=24,
-                            num_fragments=8, max_inner_lr=1e-3, env={"DILOCO_LOG_LEVEL": "warning"})
+                            num_fragments=a.fragments, max_inner_lr=1e-3, env={"DILOCO_LOG_LEVEL": "warning"})
             params = island.params
-            hook, inner = [], []
+            ours = (f"island-{island.cfg.learner_id}", f"inner-{island.cfg.learner_id}",
+                    f"side-{island.cfg.learner_id}")
+            hook, inner, after_sync = [], [], []
+
+            def begun(book=island.learner.book) -> int:  # syncs begun so far (a round advances when its
+                return sum(f.next_round for f in book.frags)  # outer gradient is started)
+
+            cpu0, wall0, rounds = thread_cpu_s(ours), time.perf_counter(), begun()
             for i in range(steps):
                 t0 = time.perf_counter()
                 params, opt_state, loss = train_step(params, opt_state, x)
                 jax.block_until_ready(params)
                 t1 = time.perf_counter()
+                now = begun()  # a sync begun since the last call: this call is the one it could hold
                 params = island.step(params, loss=float(loss))
                 t2 = time.perf_counter()
                 inner.append(t1 - t0)
                 hook.append(t2 - t1)
-            # one rebase of every fragment: what arriving versions cost at a step boundary
+                if now > rounds:
+                    after_sync.append(t2 - t1)
+                rounds = now
+            island_cpu = thread_cpu_s(ours) - cpu0
+            loop_wall = time.perf_counter() - wall0
+            peak = peak_rss_mib()
+            # a new version of every fragment arrives: the steps go on until each is swapped in
+            merged0 = sum(f.base_version for f in island.learner.book.frags)
+            arrived = inject_arrivals(island)
+            arrival = []
+            for _ in range(40):
+                t0 = time.perf_counter()
+                params, opt_state, loss = train_step(params, opt_state, x)
+                jax.block_until_ready(params)
+                t1 = time.perf_counter()
+                params = island.step(params, loss=float(loss))
+                arrival.append(time.perf_counter() - t1)
+                if sum(f.base_version for f in island.learner.book.frags) >= merged0 + arrived:
+                    break
+            # the plain path for comparison: a get, rebase and put of every fragment on this thread
             t0 = time.perf_counter()
             for p in range(island.learner.P):
                 island._tree.set_fragment(p, island._tree.get_fragment(p))
             rebase = time.perf_counter() - t0
-            peak = peak_rss_mib()
             island.close(final_sync=False)
             del island
             t_inner += alone(6)  # the step alone again, after: the machine's drift
@@ -216,9 +304,13 @@ def main() -> None:
             progress(str(small))
         finally:
             srv.close()
-    res = {"params": int(n_params), "fragments": 8, "steps": steps,
+    res = {"params": int(n_params), "fragments": a.fragments, "steps": steps, "cheap_step": a.cheap_step,
            "inner_step_s": round(float(np.mean(inner)), 5), "hook_s_mean": round(float(np.mean(hook)), 6),
            "hook_s_max": round(float(np.max(hook)), 6), "hook_s": [round(h, 4) for h in hook],
+           "hook_s_sync_max": round(float(np.max(after_sync)), 6) if after_sync else None,
+           "arrival_steps": len(arrival), "arrival_hook_s_max": round(float(np.max(arrival)), 4),
+           "arrival_hook_s": [round(h, 4) for h in arrival],
+           "island_cpu_s": round(island_cpu, 2), "island_cpu_share": round(island_cpu / loop_wall, 4),
            "inner_step_alone_s": round(float(np.mean(t_inner)), 5),
            "hook_overhead": round(float(np.mean(hook) / np.mean(t_inner)), 5),
            "loop_overhead": round(float((np.mean(inner) + np.mean(hook)) / np.mean(t_inner) - 1), 4),

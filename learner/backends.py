@@ -53,15 +53,16 @@ class _TreeBackend:
         for p, v in enumerate(vectors):
             self.params.set_fragment(p, v)
 
-    def get_fragment(self, p: int) -> np.ndarray:
-        return self.params.get_fragment(p)
+    def get_fragment(self, p: int, leaves: dict | None = None) -> np.ndarray:
+        return self.params.get_fragment(p, leaves)
 
     def set_fragment(self, p: int, vector: np.ndarray) -> None:
         self.params.set_fragment(p, vector)
 
-    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray) -> None:
-        """``acc += base - theta_p``, ``base <- theta_p``, in chunks (``TreeParams.fold_progress``)."""
-        self.params.fold_progress(p, base, acc)
+    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray, leaves: dict | None = None) -> None:
+        """``acc += base - theta_p``, ``base <- theta_p``, in chunks (``TreeParams.fold_progress``;
+        ``leaves``: a snapshot of the step's leaves)."""
+        self.params.fold_progress(p, base, acc, leaves=leaves)
 
 
 def _as_float(loss: Any) -> float:

@@ -20,6 +20,7 @@ from bus import codec
 from bus.protocol import grad_meta, grad_obj_id
 from bus.transport import Head, follow_heads
 from learner import loop as lp
+from learner import swap
 from learner.outer import mix, outer_gradient, rebase
 from learner.startup import HEAD_POLL_INTERVAL, StartupError, fetch_newest
 
@@ -66,6 +67,8 @@ class IslandCore:
         total = cfg.steps_to_run
         hook = getattr(self.backend, "serves_early", False)
         while not self._halt.is_set() and self.book.step < total:
+            if self._side_error is not None:  # the side thread failed (a bug): as if the worker had
+                raise self._side_error
             # an island's hook (``hook``): the parameters held here were handed back to the user
             # already, and the next deposit replaces them; arrivals and a resync are applied to
             # that deposit instead (below), or they would be lost with the base moved on
@@ -112,8 +115,15 @@ class IslandCore:
                 if c is None:
                     self.log.debug("sync_skipped", fragment=p, reason="previous publish in flight")
                     continue
-                blob, meta = await self._in_worker(self._prepare, c)
-                task = asyncio.create_task(self._publish(c, blob, meta))
+                if self._side is not None:
+                    # an island: the outer gradient is computed in the side thread from this step's
+                    # leaves while the user's next steps run (the user's thread never waits for it:
+                    # bench.island's hook_s at a sync step)
+                    prepared = self._side.submit(self._prepare, c, self.backend.params.fragment_leaves(p))
+                    task = asyncio.create_task(self._publish_prepared(c, prepared))
+                else:
+                    blob, meta = await self._in_worker(self._prepare, c)
+                    task = asyncio.create_task(self._publish(c, blob, meta))
                 self._publishes.add(task)
                 task.add_done_callback(self._publishes.discard)
                 if cfg.mode == "sync":
@@ -149,10 +159,12 @@ class IslandCore:
             if not held:
                 break
             if any(p in self.pending for p in held):
-                if hook:
+                if not hook:
+                    await self._apply_pending()
+                    continue
+                if not self._swapping() or any(self._swap_ready(p) for p in held):
                     break  # applied to the user's next deposit (its step is not served early now)
-                await self._apply_pending()
-                continue
+                # (its swap is still being prepared in the side thread: its end sets the news)
             if not self._fetch_all:  # (a step boundary's downloads: a head that came before it was due)
                 self._fetch_candidates()
             rest = deadline - time.monotonic()
@@ -207,7 +219,7 @@ class IslandCore:
             c = self.book.begin_sync(p)
             if c is None:
                 continue
-            blob, meta = await self._in_worker(self._prepare, c)
+            blob, meta = await self._in_side(self._prepare, c)
             tasks.append(asyncio.create_task(self._publish(c, blob, meta)))
         if tasks:
             done = await asyncio.gather(*tasks, return_exceptions=True)
@@ -220,8 +232,10 @@ class IslandCore:
             except asyncio.TimeoutError:
                 pass
 
-    def _prepare(self, c: lp.Contribution) -> tuple[bytearray, dict]:
-        """Worker thread: Delta = base - theta (+ residual), quantised, and its metadata.
+    def _prepare(self, c: lp.Contribution, leaves: dict | None = None) -> tuple[bytearray, dict]:
+        """Worker thread (an island's side thread): Delta = base - theta (+ residual), quantised,
+        and its metadata. ``leaves``: the snapshot of theta's leaves taken at the sync step (an
+        island's parameters have moved on meanwhile).
 
         The reference then moves to theta: base_p <- theta_p. The next outer gradient of p holds only
         progress made after this one, so work is never sent twice when no new global version arrives
@@ -229,7 +243,9 @@ class IslandCore:
         delta would repeat this one and the aggregator would apply it again and again.
         """
         p, q = c.fragment, self.cfg.quantiser
+        self._base_gen[p] += 1  # the base moves to theta (learner.swap.new_base)
         ef = self.cfg.error_feedback and q != "fp32"
+        snap = {} if leaves is None else {"leaves": leaves}
         base, res = self.base[p], self.residual[p]
         if ef and res is not None and hasattr(self.backend, "fold_progress") and _owned(base) and _owned(res):
             # residual += base - theta and base <- theta, chunk by chunk from the parameters; the
@@ -238,7 +254,7 @@ class IslandCore:
             # work, since r + d == d + r)
             if self.cfg.feedback_decay != 1.0:
                 res *= np.float32(self.cfg.feedback_decay)
-            self.backend.fold_progress(p, base, res)
+            self.backend.fold_progress(p, base, res, **snap)
             if self.unsent[p] is not None:
                 res += self.unsent[p]
                 self.unsent[p] = None
@@ -246,7 +262,7 @@ class IslandCore:
                 res, None, q, keep_residual=True, want_sent=False, in_place=True,
             **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
             return self._finish_prepare(c, blob)
-        theta = self.backend.get_fragment(p)  # a new float32 array (every backend's contract)
+        theta = self.backend.get_fragment(p, **snap)  # a new float32 array (every backend's contract)
         # the base is ours alone (never an alias of the parameters or a keyframe) and replaced
         # below: the delta goes into its memory, one fragment-sized array less at the peak of a sync
         delta = outer_gradient(base, theta, out=base if _owned(base) and base.shape == theta.shape else None)
@@ -272,6 +288,19 @@ class IslandCore:
                          step_s=c.step_s, final=self._finishing)
         self._sent[(p, c.round)] = blob  # what was sent is decode(blob), rebuilt only if the publish fails
         return blob, meta
+
+    async def _publish_prepared(self, c: lp.Contribution, prepared) -> bool:
+        """An island's sync: publish once the side thread has prepared the outer gradient."""
+        try:
+            blob, meta = await asyncio.wrap_future(prepared)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug: the training loop raises it at its next step
+            self._side_error = self._side_error or e
+            self.book.end_sync(c, False)
+            self._news.set()
+            return False
+        return await self._publish(c, blob, meta)
 
     async def _publish(self, c: lp.Contribution, blob, meta: dict) -> bool:
         ok = False
@@ -333,16 +362,105 @@ class IslandCore:
             await self._apply_pending()
 
     async def _apply_pending(self) -> None:
-        items, self.pending = self.pending, {}
-        merged = await self._in_worker(self._apply, items)
+        if self._swapping():
+            merged = await self._swap_in()
+        else:
+            items, self.pending = self.pending, {}
+            merged = await self._in_side(self._apply, items)
         for p, v in merged:
             self.book.on_merged(p, v)
         if merged:
             self.log.debug("merged", versions=dict(merged))
 
+    # -- an island's arrivals: prepared in the side thread, swapped in at a step boundary -----------
+
+    def _swapping(self) -> bool:
+        """Arrivals are swapped in (learner.swap): an island's hook, rebase on arrival, async mode."""
+        return self._side is not None and self.cfg.on_arrival == "rebase" and self.cfg.mode != "sync"
+
+    def _swap_ready(self, p: int) -> bool:
+        f = self._swaps.get(p)
+        return f is not None and f.done()
+
+    def arrivals_ready(self) -> bool:
+        """Something to mix into the next step (any thread: an island's fast path asks): an
+        arrival whose swap is prepared, or, without swaps, any arrival."""
+        if not self._swapping():
+            return bool(self.pending)
+        # (an arrival without a swap queued is queued by the core at the next deposit)
+        return any(f.done() for f in list(self._swaps.values())) or any(p not in self._swaps for p in list(self.pending))
+
+    def _side_submit(self, fn, *args):
+        """Queue ``fn`` on the side thread; a failure is raised by the training loop."""
+        fut = self._side.submit(fn, *args)
+
+        def done(f) -> None:
+            if f.exception() is not None and self._side_error is None:
+                self._side_error = f.exception()
+        fut.add_done_callback(done)
+        return fut
+
+    def _queue_swap(self, p: int) -> None:
+        """Prepare the swap of fragment p's pending version in the side thread."""
+        if not self._swapping() or p not in self.pending:
+            return
+        v, vec = self.pending[p]
+        fut = self._side.submit(self._prepare_swap, p, v, vec)
+        self._swaps[p] = fut
+        loop = asyncio.get_running_loop()
+
+        def done(_f) -> None:
+            try:
+                loop.call_soon_threadsafe(self._news.set)
+            except RuntimeError:  # the loop is closed: the learner stopped
+                pass
+        fut.add_done_callback(done)
+
+    def _prepare_swap(self, p: int, v: int, vec: np.ndarray) -> swap.Swap:
+        tp = self.backend.params
+        return swap.prepare(self.plan.fragments[p], v, vec, self.base[p], self._base_gen[p],
+                            dict(tp.placement), tp.shapes, tp.dtypes)
+
+    def _commit_swap(self, sw: swap.Swap) -> None:
+        """Side thread, after the swap's adds: the base follows (``learner.swap.new_base``)."""
+        p = sw.fragment
+        self.base[p] = swap.new_base(sw, self.base[p], self._base_gen[p])
+        self._base_gen[p] += 1
+
+    async def _swap_in(self) -> list[tuple[int, int]]:
+        """At a step boundary (an island's deposit taken, not yet served): dispatch the adds of
+        every arrival whose swap is prepared; the others wait for a later step."""
+        ready: list[swap.Swap] = []
+        for p, (v, _) in list(self.pending.items()):
+            f = self._swaps.get(p)
+            if f is None or (f.done() and f.result().version != v):
+                self._queue_swap(p)  # (never queued, or prepared for a version replaced since)
+                continue
+            if not f.done():
+                continue
+            sw = f.result()  # a failed preparation is raised here
+            del self.pending[p], self._swaps[p]
+            if v > self.book.frags[p].base_version:
+                ready.append(sw)
+        fast = [sw for sw in ready if sw.parts is not None]
+        plain = {sw.fragment: (sw.version, sw.vector) for sw in ready if sw.parts is None}
+        merged = []
+        if fast:
+            await self._in_worker(self._add_swaps, fast)
+            for sw in fast:
+                self._side_submit(self._commit_swap, sw)
+            merged += [(sw.fragment, sw.version) for sw in fast]
+        if plain:
+            merged += await self._in_side(self._apply, plain)
+        return merged
+
+    def _add_swaps(self, swaps: list[swap.Swap]) -> None:
+        for sw in swaps:
+            self.backend.params.add_to_slices(sw.parts)
+
     def _apply(self, items: dict[int, tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
-        """Worker thread, at a step boundary: theta_p <- Theta_p + (theta_p - base_p) (rebase) or
-        mix(theta_p, Theta_p, alpha) (mix); then base_p <- Theta_p."""
+        """Worker thread (an island's side thread), at a step boundary: theta_p <- Theta_p +
+        (theta_p - base_p) (rebase) or mix(theta_p, Theta_p, alpha) (mix); then base_p <- Theta_p."""
         alpha = self.cfg.mix_alpha
         merged = []
         for p, (v, vec) in sorted(items.items()):
@@ -355,6 +473,7 @@ class IslandCore:
             else:
                 self.backend.set_fragment(p, mix(self.backend.get_fragment(p), vec, alpha))
             self.base[p] = vec
+            self._base_gen[p] += 1
             merged.append((p, v))
         return merged
 
@@ -371,11 +490,17 @@ class IslandCore:
             return
         finally:
             self.blocked_s += time.monotonic() - t0
+        if self._side is not None:
+            await self._in_side(lambda: None)  # the outer gradients in preparation are done with the bases
         await self._in_worker(self.backend.load, vectors)
         self.base = vectors
+        self._base_gen = [g + 1 for g in self._base_gen]
         self.residual = [None] * self.P
         self.unsent = [None] * self.P
         self.pending = {p: pv for p, pv in self.pending.items() if pv[0] > versions[p]}
+        self._swaps = {}
+        for p in self.pending:
+            self._queue_swap(p)
         self.book.on_resync(versions)
         self.log.warning("resynced", versions=versions, step=self.book.step)
 
@@ -440,6 +565,7 @@ class IslandCore:
                     self._news.set()
                     return
                 self.pending[p] = (head.version, vec)
+                self._queue_swap(p)
                 self.book.on_downloaded(p, head.version)
                 self._drop_candidate(head)
             self._verified[p] = max(self._verified.get(p, -1), head.version)

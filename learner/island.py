@@ -348,7 +348,7 @@ class Island:
         lock-step learner (whose steps wait for merges), not held by the sync window (the step waits
         for a merge then, ``learner.core._hold``), and the core is not failing."""
         lr = self.learner
-        return (not lr.pending and not lr._resync_requested and self.cfg.mode != "sync"
+        return (not lr.arrivals_ready() and not lr._resync_requested and self.cfg.mode != "sync"
                 and lr.failure is None and not (lr.merges_reach and lr.book.holding()))
 
     def train(self, train_step: Callable, opt_state: Any, batches: Iterable, steps: int | None = None
@@ -420,7 +420,7 @@ def load_params(path: str, like: Any) -> Any:
     is of its type. ValueError naming the first leaf that is missing or of another shape."""
     import jax
 
-    from learner.pytree import _np_dtype
+    from learner.pytree import np_dtype
 
     paths, leaves, treedef = flatten(like)
     spec = tree_spec(like)
@@ -435,7 +435,7 @@ def load_params(path: str, like: Any) -> Any:
             a = f[leaf.path]
             if tuple(a.shape) != leaf.shape:
                 raise ValueError(f"{path}: leaf {leaf.path} has shape {tuple(a.shape)}, yours {leaf.shape}")
-            a = a.astype(_np_dtype(leaf.dtype))
+            a = a.astype(np_dtype(leaf.dtype))
             out.append(jax.device_put(a, x.sharding) if isinstance(x, jax.Array) else a)
     return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -106,6 +106,10 @@ class TreeParams:
         self.index: dict[str, int] = {}
         self.dtypes = {leaf.path: leaf.dtype for leaf in spec.leaves}
         self._synced = frozenset(leaf.path for leaf in spec.synced)
+        self.shapes = {leaf.path: tuple(leaf.shape) for leaf in spec.synced}
+        # each synced leaf's sharding as last flattened (None: not a JAX array): an arrival's delta
+        # is put there ahead of its swap (learner.swap), from another thread
+        self.placement: dict[str, Any] = {}
         self.set_tree(tree)
 
     def check(self, tree: Any) -> None:
@@ -151,6 +155,7 @@ class TreeParams:
             paths, leaves, treedef = flatten(self._obj)
             self.paths, self._leaves, self._treedef = paths, list(leaves), treedef
             self.index = {p: i for i, p in enumerate(paths)}
+            self.placement = {p: getattr(x, "sharding", None) for p, x in zip(paths, leaves) if p in self._synced}
         return self._leaves
 
     @property
@@ -184,29 +189,40 @@ class TreeParams:
 
         return np.array(jax.device_get(self._leaf(path)), dtype=np.float32)
 
-    def view(self, path: str) -> np.ndarray:
+    def view(self, path: str, leaves: dict[str, Any] | None = None) -> np.ndarray:
         """Leaf ``path`` as a flat host array of its own dtype: no copy where JAX can avoid one
-        (a CPU array), else one transfer of the leaf."""
+        (a CPU array), else one transfer of the leaf. ``leaves``: a snapshot taken by
+        :meth:`fragment_leaves` (read from another thread while the parameters move on)."""
         import jax
 
-        return np.asarray(jax.device_get(self._leaf(path))).reshape(-1)
+        x = self._leaf(path) if leaves is None else leaves[path]
+        return np.asarray(jax.device_get(x)).reshape(-1)
 
-    def get_fragment(self, p: int) -> np.ndarray:
+    def fragment_leaves(self, p: int) -> dict[str, Any]:
+        """The leaves fragment p reads, by path: a snapshot of this step's parameters (JAX arrays
+        are immutable, so holding them costs nothing until the user's loop would have freed them).
+        An island's outer gradient is computed from it in the learner's side thread while the
+        user's next steps run (``learner.core``)."""
+        return {s.path: self._leaf(s.path) for s in self.plan.fragments[p].slices}
+
+    def get_fragment(self, p: int, leaves: dict[str, Any] | None = None) -> np.ndarray:
         """Fragment p as a new float32 vector: only its slices are copied (and cast)."""
         frag = self.plan.fragments[p]
         out = np.empty(frag.size, dtype=np.float32)
         pos, cache = 0, {}
         for s in frag.slices:
             if s.path not in cache:
-                cache[s.path] = self.view(s.path)
+                cache[s.path] = self.view(s.path, leaves)
             out[pos:pos + s.size] = cache[s.path][s.start:s.stop]
             pos += s.size
         return out
 
-    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray, chunk: int = 1 << 16) -> None:
+    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray, chunk: int = 1 << 16,
+                      leaves: dict[str, Any] | None = None) -> None:
         """``acc += base - theta_p`` and ``base <- theta_p`` (float32 vectors of fragment p), in
-        chunks read straight from the leaves: no array of the fragment's size (a learner's sync
-        with error feedback accumulates its outer gradient into its residual this way)."""
+        chunks read straight from the leaves (or the snapshot ``leaves``): no array of the
+        fragment's size (a learner's sync with error feedback accumulates its outer gradient into
+        its residual this way)."""
         frag = self.plan.fragments[p]
         if base.shape != (frag.size,) or acc.shape != (frag.size,):
             raise ValueError(f"fragment {p} has {frag.size} values: base {base.shape}, acc {acc.shape}")
@@ -214,7 +230,7 @@ class TreeParams:
         pos, cache = 0, {}
         for s in frag.slices:
             if s.path not in cache:
-                cache[s.path] = self.view(s.path)
+                cache[s.path] = self.view(s.path, leaves)
             leaf = cache[s.path]
             for a in range(0, s.size, chunk):
                 b = min(s.size, a + chunk)
@@ -225,6 +241,27 @@ class TreeParams:
                 acc[pos + a:pos + b] += t
                 old[...] = theta
             pos += s.size
+
+    def add_to_slices(self, parts: list[tuple[str, int, Any, Any]]) -> None:
+        """``leaf[start:start + n] += d`` for each (path, start, d, compiled add) of an arrival
+        prepared by ``learner.swap.prepare``: one dispatch per slice (an accelerator runs the adds
+        after the call returns). A leaf whose sharding changed since is added by the plain
+        ``jax.numpy`` path."""
+        import jax
+        import jax.numpy as jnp
+
+        leaves = self._flatten()
+        for path, start, d, fn in parts:
+            i = self.index[path]
+            x = leaves[i]
+            if getattr(x, "sharding", None) == d.sharding and isinstance(x, jax.Array):
+                leaves[i] = fn(x, d) if d.size == x.size and start == 0 else fn(x, d, np.int32(start))
+            else:
+                flat = jnp.asarray(x).reshape(-1)
+                seg = (flat[start:start + d.size].astype(jnp.float32) + jax.device_put(d, getattr(x, "sharding", None)))
+                new = flat.at[start:start + d.size].set(seg.astype(flat.dtype)).reshape(x.shape)
+                leaves[i] = jax.device_put(new, x.sharding) if isinstance(x, jax.Array) else np.asarray(new)
+        self._obj = None  # tree() rebuilds it from the leaves
 
     def set_fragment(self, p: int, vector: np.ndarray) -> None:
         import jax
@@ -241,7 +278,7 @@ class TreeParams:
         for path, value in touched.items():
             i = self.index[path]
             old = leaves[i]
-            new = value.astype(_np_dtype(self.dtypes[path]))
+            new = value.astype(np_dtype(self.dtypes[path]))
             if isinstance(old, jax.Array):
                 leaves[i] = jax.device_put(new, old.sharding)
             else:
@@ -249,7 +286,7 @@ class TreeParams:
         self._obj = None  # tree() rebuilds it from the leaves
 
 
-def _np_dtype(name: str):
+def np_dtype(name: str):
     if name == "bfloat16":
         import ml_dtypes
 

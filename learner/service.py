@@ -148,6 +148,13 @@ class Learner(IslandCore, Presence):
         self._cancel = threading.Event()
         self._publishes: set[asyncio.Task] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"inner-{self.id}")
+        # an island's side thread (learner.core): outer gradients and arrivals prepared from
+        # snapshots while the user's steps go on; every write to a base or residual runs there,
+        # in the order submitted. None for the other backends (their worker thread does it all)
+        self._side: concurrent.futures.ThreadPoolExecutor | None = None
+        self._side_error: BaseException | None = None
+        self._swaps: dict[int, concurrent.futures.Future] = {}  # fragment -> learner.swap.Swap being prepared
+        self._base_gen = [0] * self.P  # moves of each base (learner.swap.new_base)
 
     def _new_book(self, start_step: int) -> lp.Bookkeeper:
         cfg = self.cfg
@@ -199,6 +206,8 @@ class Learner(IslandCore, Presence):
             await asyncio.gather(*tasks, *self._publishes, *self._fetches, return_exceptions=True)
             await close_quietly(self.nc)
             self._executor.shutdown(wait=False)
+            if self._side is not None:
+                self._side.shutdown(wait=False)
 
     async def _start_noting_why(self) -> None:
         from bus.streams import LimitsTooSmall, StorageUnavailable
@@ -220,6 +229,11 @@ class Learner(IslandCore, Presence):
 
     async def _in_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _in_side(self, fn, *args):
+        """Run ``fn`` where bases and residuals are written: the side thread of an island (after
+        what it was given before), else the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._side or self._executor, fn, *args)
 
     async def _start(self) -> None:
         cfg = self.cfg
@@ -254,6 +268,8 @@ class Learner(IslandCore, Presence):
         if isinstance(self.run_model, BuiltinModel):  # a chained downlink's first delta is against v0
             self.store.v0_source = self.run_model.initial_blob(manifest)
         self.backend = await self._in_worker(self._make_backend)
+        if getattr(self.backend, "serves_early", False):  # an island's hook (learner.backends.HookBackend)
+            self._side = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"side-{self.id}")
         # an island whose own parameters are the run's version 0 (every fragment's bytes equal:
         # the reader took each from our local copy) has nothing to load
         ours = (getattr(self.run_model, "holds_version0", False) and local_hits == self.P

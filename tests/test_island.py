@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -374,10 +375,109 @@ def test_an_arrival_after_the_hand_back_reaches_the_users_next_step(nats_server,
                     time.sleep(0.005)
         assert "vec" in injected
         assert seen[-1] == 1.0, seen  # the arrival reached the user
+        isl.learner._side.submit(lambda: None).result(10)  # bases are written in the side thread
         np.testing.assert_array_equal(isl.learner.base[0], injected["vec"])
         # and no progress is claimed: theta equals the base, the next outer gradient is zero
         assert np.abs(isl._tree.get_fragment(0) - isl.learner.base[0]).max() == 0.0
     finally:
+        isl.close(final_sync=False)
+
+
+@pytest.mark.timeout(120)
+def test_an_island_step_never_waits_for_an_outer_gradient(nats_server, monkeypatch):
+    """The outer gradient of a due fragment is computed in the island's side thread from a
+    snapshot of that step's leaves: with its encoding held up, the user's steps go on. (It used to
+    run in the worker that takes the user's next step: at 1B on a GPU each step after a sync
+    waited 1.1-1.9 s for it, docs/learner.md; here the user's steps would wait for the release.)"""
+    import jax.numpy as jnp
+
+    from bus import codec
+    from learner.island import Island
+
+    release, entered = threading.Event(), threading.Event()
+    encode = codec.encode_with_feedback
+
+    def held(*a, **kw):
+        entered.set()
+        release.wait(60)
+        return encode(*a, **kw)
+
+    monkeypatch.setattr(codec, "encode_with_feedback", held)
+    tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
+    isl = Island(tree, run="held", nats_url=nats_server.url, learner_id="h", sync_every=2, num_fragments=1,
+                 join_timeout=60, env={"DILOCO_LOG_LEVEL": "error"})
+    timer = threading.Timer(30, release.set)  # (without the side thread the steps end only here)
+    timer.start()
+    try:
+        p = isl.params
+        for i in range(12):
+            p = isl.step(jax_add(p, 0.5), loss=0.0)
+            if i == 3:
+                assert entered.wait(20), "no outer gradient was started"
+        assert not release.is_set(), "the user's steps waited for the outer gradient"
+        np.testing.assert_array_equal(np.asarray(p["w"]), 6.0)  # every step's parameters came back
+    finally:
+        release.set()
+        timer.cancel()
+        isl.close(final_sync=False)
+    assert isl.learner.book.contributions >= 1 and isl.learner.failure is None
+
+
+def jax_add(tree, x):
+    import jax
+
+    return jax.tree_util.tree_map(lambda a: a + x, tree)
+
+
+@pytest.mark.timeout(120)
+def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(nats_server, monkeypatch):
+    """A new global version is prepared in the island's side thread (learner.swap) while the
+    user's steps go on untouched, then swapped into the next step's parameters: theta + (V - base),
+    the progress since the base kept; the base becomes V."""
+    import asyncio
+
+    from learner import swap
+    from learner.island import Island
+
+    import jax.numpy as jnp
+
+    release = threading.Event()
+    prepare = swap.prepare
+
+    def held(*a, **kw):
+        release.wait(60)
+        return prepare(*a, **kw)
+
+    monkeypatch.setattr(swap, "prepare", held)
+    tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
+    isl = Island(tree, run="swap", nats_url=nats_server.url, learner_id="s", sync_every=1000, num_fragments=1,
+                 join_timeout=60, env={"DILOCO_LOG_LEVEL": "error"})
+    lr = isl.learner
+    try:
+        p, steps = isl.params, 0
+        for _ in range(4):
+            p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1  # theta = 2.0, the base still 0.0
+        v0 = lr.book.frags[0].base_version
+
+        async def arrive():
+            lr.pending[0] = (v0 + 1, np.asarray(lr.base[0]) + np.float32(10.0))
+            lr._queue_swap(0)
+        asyncio.run_coroutine_threadsafe(arrive(), isl._loop).result(10)
+        for _ in range(4):  # prepared meanwhile (held): the steps are the user's alone
+            p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
+        np.testing.assert_array_equal(np.asarray(p["w"]), 4.0)
+        assert lr.book.frags[0].base_version == v0
+        release.set()
+        t_end = time.monotonic() + 20
+        while float(np.asarray(p["w"]).max()) < 10 and time.monotonic() < t_end:
+            p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
+            time.sleep(0.01)
+        lr._side.submit(lambda: None).result(10)  # bases are written in the side thread: let it finish
+        np.testing.assert_array_equal(np.asarray(p["w"]), 0.5 * steps + 10.0)  # the progress kept, V added
+        np.testing.assert_array_equal(lr.base[0], 10.0)
+        assert lr.book.frags[0].base_version == v0 + 1
+    finally:
+        release.set()
         isl.close(final_sync=False)
 
 
