@@ -119,6 +119,7 @@ class IslandCore:
                     # an island: the outer gradient is computed in the side thread from this step's
                     # leaves while the user's next steps run (the user's thread never waits for it:
                     # bench.island's hook_s at a sync step)
+                    self._base_moves[p] += 1  # (queued: a swap prepared before it is prepared again)
                     prepared = self._side.submit(self._prepare, c, self.backend.params.fragment_leaves(p))
                     task = asyncio.create_task(self._publish_prepared(c, prepared))
                 else:
@@ -133,6 +134,8 @@ class IslandCore:
                 await self._sync_wait(waits)
             if not self._fetch_all:
                 self._fetch_candidates()
+        if self._side_error is not None:
+            raise self._side_error
         if cfg.final_sync and not self._halt.is_set():
             await self._final_sync()
         c = self.book.counters()
@@ -212,13 +215,18 @@ class IslandCore:
 
         Without it about H/2 inner steps per fragment of every learner never reach the global model.
         """
+        if self._side is not None:  # an island's outer gradients queued in its side thread, done first
+            await self._in_side(lambda: None)
         await self._drain()  # a publish still in flight would make begin_sync skip its fragment
+        if self._side_error is not None:
+            raise self._side_error
         self._finishing = True  # they say so: a run without a monitor stops waiting for this learner
         tasks = []
         for p in self.book.unsent_fragments():
             c = self.book.begin_sync(p)
             if c is None:
                 continue
+            self._base_moves[p] += 1
             blob, meta = await self._in_side(self._prepare, c)
             tasks.append(asyncio.create_task(self._publish(c, blob, meta)))
         if tasks:
@@ -243,7 +251,6 @@ class IslandCore:
         delta would repeat this one and the aggregator would apply it again and again.
         """
         p, q = c.fragment, self.cfg.quantiser
-        self._base_gen[p] += 1  # the base moves to theta (learner.swap.new_base)
         ef = self.cfg.error_feedback and q != "fp32"
         snap = {} if leaves is None else {"leaves": leaves}
         base, res = self.base[p], self.residual[p]
@@ -366,6 +373,8 @@ class IslandCore:
             merged = await self._swap_in()
         else:
             items, self.pending = self.pending, {}
+            for p in items:
+                self._base_moves[p] += 1
             merged = await self._in_side(self._apply, items)
         for p, v in merged:
             self.book.on_merged(p, v)
@@ -391,21 +400,27 @@ class IslandCore:
         return any(f.done() for f in list(self._swaps.values())) or any(p not in self._swaps for p in list(self.pending))
 
     def _side_submit(self, fn, *args):
-        """Queue ``fn`` on the side thread; a failure is raised by the training loop."""
+        """Queue ``fn`` on the side thread; a failure is raised by the training loop (at its next
+        step, or before the final sync)."""
         fut = self._side.submit(fn, *args)
 
         def done(f) -> None:
-            if f.exception() is not None and self._side_error is None:
+            if not f.cancelled() and f.exception() is not None and self._side_error is None:
                 self._side_error = f.exception()
         fut.add_done_callback(done)
         return fut
 
     def _queue_swap(self, p: int) -> None:
-        """Prepare the swap of fragment p's pending version in the side thread."""
+        """Prepare the swap of fragment p's pending version in the side thread, against the base
+        as it will be once everything queued before has run (``_base_moves`` at this moment: if
+        more base-moving work is queued before the swap lands, it is prepared again)."""
         if not self._swapping() or p not in self.pending:
             return
         v, vec = self.pending[p]
-        fut = self._side.submit(self._prepare_swap, p, v, vec)
+        old = self._swaps.get(p)
+        if old is not None:
+            old.cancel()  # (a replaced version not started yet is not prepared)
+        fut = self._side_submit(self._prepare_swap, p, v, vec, self._base_moves[p])
         self._swaps[p] = fut
         loop = asyncio.get_running_loop()
 
@@ -416,25 +431,28 @@ class IslandCore:
                 pass
         fut.add_done_callback(done)
 
-    def _prepare_swap(self, p: int, v: int, vec: np.ndarray) -> swap.Swap:
+    def _prepare_swap(self, p: int, v: int, vec: np.ndarray, moves: int) -> swap.Swap:
         tp = self.backend.params
-        return swap.prepare(self.plan.fragments[p], v, vec, self.base[p], self._base_gen[p],
+        return swap.prepare(self.plan.fragments[p], v, vec, self.base[p], moves,
                             dict(tp.placement), tp.shapes, tp.dtypes)
 
     def _commit_swap(self, sw: swap.Swap) -> None:
-        """Side thread, after the swap's adds: the base follows (``learner.swap.new_base``)."""
-        p = sw.fragment
-        self.base[p] = swap.new_base(sw, self.base[p], self._base_gen[p])
-        self._base_gen[p] += 1
+        """Side thread: the base follows a swap (queued before the swap's adds are dispatched, so
+        whatever is queued after it sees the new base)."""
+        self.base[sw.fragment] = sw.vector
 
     async def _swap_in(self) -> list[tuple[int, int]]:
         """At a step boundary (an island's deposit taken, not yet served): dispatch the adds of
-        every arrival whose swap is prepared; the others wait for a later step."""
+        every arrival whose swap is prepared against the base it will land on; the others wait for
+        a later step (prepared again if the base was moved by work queued after the preparation:
+        an outer gradient of that fragment, which moves the base to theta_k, so D would carry the
+        progress just sent)."""
         ready: list[swap.Swap] = []
         for p, (v, _) in list(self.pending.items()):
             f = self._swaps.get(p)
-            if f is None or (f.done() and f.result().version != v):
-                self._queue_swap(p)  # (never queued, or prepared for a version replaced since)
+            if f is None or f.cancelled() or (f.done() and (f.exception() is None and (
+                    f.result().version != v or f.result().gen != self._base_moves[p]))):
+                self._queue_swap(p)  # (never queued, replaced since, or the base moved meanwhile)
                 continue
             if not f.done():
                 continue
@@ -446,11 +464,14 @@ class IslandCore:
         plain = {sw.fragment: (sw.version, sw.vector) for sw in ready if sw.parts is None}
         merged = []
         if fast:
-            await self._in_worker(self._add_swaps, fast)
-            for sw in fast:
+            for sw in fast:  # the bases first (in order: a newer version is prepared against it)
+                self._base_moves[sw.fragment] += 1
                 self._side_submit(self._commit_swap, sw)
+            await self._in_worker(self._add_swaps, fast)
             merged += [(sw.fragment, sw.version) for sw in fast]
         if plain:
+            for p in plain:
+                self._base_moves[p] += 1
             merged += await self._in_side(self._apply, plain)
         return merged
 
@@ -473,7 +494,6 @@ class IslandCore:
             else:
                 self.backend.set_fragment(p, mix(self.backend.get_fragment(p), vec, alpha))
             self.base[p] = vec
-            self._base_gen[p] += 1
             merged.append((p, v))
         return merged
 
@@ -494,7 +514,7 @@ class IslandCore:
             await self._in_side(lambda: None)  # the outer gradients in preparation are done with the bases
         await self._in_worker(self.backend.load, vectors)
         self.base = vectors
-        self._base_gen = [g + 1 for g in self._base_gen]
+        self._base_moves = [g + 1 for g in self._base_moves]
         self.residual = [None] * self.P
         self.unsent = [None] * self.P
         self.pending = {p: pv for p, pv in self.pending.items() if pv[0] > versions[p]}

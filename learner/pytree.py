@@ -111,6 +111,8 @@ class TreeParams:
         # is put there ahead of its swap (learner.swap), from another thread
         self.placement: dict[str, Any] = {}
         self.set_tree(tree)
+        if tree is not None:
+            self._flatten()  # the placement of the first tree (an island that created the run loads nothing)
 
     def check(self, tree: Any) -> None:
         """ValueError (one line) unless ``tree`` has the run's structure (cheap: compares treedefs).
@@ -245,22 +247,24 @@ class TreeParams:
     def add_to_slices(self, parts: list[tuple[str, int, Any, Any]]) -> None:
         """``leaf[start:start + n] += d`` for each (path, start, d, compiled add) of an arrival
         prepared by ``learner.swap.prepare``: one dispatch per slice (an accelerator runs the adds
-        after the call returns). A leaf whose sharding changed since is added by the plain
-        ``jax.numpy`` path."""
+        after the call returns). A leaf whose placement changed since the preparation (its sharding,
+        or no longer a JAX array) is added on the host and put back where it is now."""
         import jax
-        import jax.numpy as jnp
 
         leaves = self._flatten()
+        new: dict[int, Any] = {}
         for path, start, d, fn in parts:
             i = self.index[path]
-            x = leaves[i]
-            if getattr(x, "sharding", None) == d.sharding and isinstance(x, jax.Array):
-                leaves[i] = fn(x, d) if d.size == x.size and start == 0 else fn(x, d, np.int32(start))
-            else:
-                flat = jnp.asarray(x).reshape(-1)
-                seg = (flat[start:start + d.size].astype(jnp.float32) + jax.device_put(d, getattr(x, "sharding", None)))
-                new = flat.at[start:start + d.size].set(seg.astype(flat.dtype)).reshape(x.shape)
-                leaves[i] = jax.device_put(new, x.sharding) if isinstance(x, jax.Array) else np.asarray(new)
+            x = new.get(i, leaves[i])
+            if isinstance(x, jax.Array) and x.sharding == d.sharding:
+                new[i] = fn(x, d) if d.size == x.size and start == 0 else fn(x, d, np.int32(start))
+                continue
+            host = np.array(jax.device_get(x), dtype=np.float32)
+            host.reshape(-1)[start:start + d.size] += np.asarray(jax.device_get(d), dtype=np.float32)
+            host = host.astype(np_dtype(self.dtypes[path]))
+            new[i] = jax.device_put(host, x.sharding) if isinstance(x, jax.Array) else host
+        for i, x in new.items():
+            leaves[i] = x
         self._obj = None  # tree() rebuilds it from the leaves
 
     def set_fragment(self, p: int, vector: np.ndarray) -> None:

@@ -154,7 +154,9 @@ class Learner(IslandCore, Presence):
         self._side: concurrent.futures.ThreadPoolExecutor | None = None
         self._side_error: BaseException | None = None
         self._swaps: dict[int, concurrent.futures.Future] = {}  # fragment -> learner.swap.Swap being prepared
-        self._base_gen = [0] * self.P  # moves of each base (learner.swap.new_base)
+        # base-moving work queued in the side thread per fragment (counted in the asyncio thread):
+        # a swap prepared before more was queued is prepared again (learner.core._swap_in)
+        self._base_moves = [0] * self.P
 
     def _new_book(self, start_step: int) -> lp.Bookkeeper:
         cfg = self.cfg

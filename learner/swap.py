@@ -12,11 +12,13 @@ at the next step boundary the island only dispatches one compiled add per slice 
 has run, and on a CPU is one pass over the fragment's values, not the host round trip of every
 touched leaf (get, rebase, cast, put) that the plain path pays.
 
-The base the delta was taken against may have moved before the swap lands (an outer gradient of p
-was prepared meanwhile: ``base_p <- theta_k``). Then ``base_p <- base_p + D_p``
-(:func:`new_base`): the parameters and the base both moved by D_p, so what the next outer gradient
-holds (``base_p - theta_p``) is the progress since step k, as with the plain path. When the base
-did not move the new base is Theta_p itself, bit for bit.
+D_p is taken against the base as it will be when the swap lands: the side thread runs everything
+that moves a base (outer gradients: ``base_p <- theta_k``, swaps, resyncs) in the order it was
+queued, and the learner counts, per fragment, what it queued (``gen``). A swap prepared before more
+base-moving work of its fragment was queued is prepared again (``learner.core._swap_in``): with the
+base moved to theta_k, the old D would add back the progress the outer gradient just sent. So an
+island ends exactly where the plain rebase puts it (up to float32 rounding: ``theta + (Theta -
+base)`` against ``Theta + (theta - base)``), and its base is Theta_p itself, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class Swap:
     ``parts``: (leaf path, start in the flattened leaf, D of that slice on the leaf's device, the
     compiled add), or None when the fragment has a leaf this path cannot serve (a leaf sharded over
     several devices, a numpy leaf, a leaf whose placement is not known yet): then the plain rebase
-    runs at the step boundary. ``gen``: the base's generation D was taken against."""
+    runs at the step boundary. ``gen``: the learner's count of base-moving work queued for this
+    fragment when the preparation was queued."""
 
     fragment: int
     version: int
@@ -119,13 +122,3 @@ def prepare(frag: Fragment, version: int, vector: np.ndarray, base: np.ndarray, 
         pos += s.size
     del d
     return Swap(frag.index, version, vector, gen, parts)
-
-
-def new_base(swap: Swap, base: np.ndarray, gen: int) -> np.ndarray:
-    """The base after ``swap`` landed: the version itself if the base is still the one D was taken
-    against (generation ``gen`` unchanged), else ``base + D`` (see the module's docstring)."""
-    if gen == swap.gen:
-        return swap.vector
-    moved = base if base.flags.writeable and base.dtype == np.float32 else np.array(base, dtype=np.float32)
-    moved += swap.delta()
-    return moved

@@ -365,12 +365,13 @@ def test_an_arrival_after_the_hand_back_reaches_the_users_next_step(nats_server,
             seen.append(float(np.asarray(p["w"]).mean()))
             if seen[-1] == 1.0 and len(seen) >= 6:
                 break
-            if "vec" in injected and not isl.learner.pending and seen[-1] != 1.0:
-                # the arrival is handed to the core's loop thread: on a loaded machine that thread
-                # may not run before the user's next few (instant) steps, served in the user's
-                # thread meanwhile; what is tested is that it reaches the next step once it is there
+            if "vec" in injected and seen[-1] != 1.0:
+                # the arrival is handed to the core's loop thread, and its swap is prepared in the
+                # side thread (learner.swap): on a loaded machine neither may be done before the
+                # user's next few (instant) steps, served in the user's thread meanwhile; what is
+                # tested is that it reaches the next step once it is ready
                 t_end = time.monotonic() + 10
-                while (not isl.learner.pending and not np.array_equal(isl.learner.base[0], injected["vec"])
+                while (not isl.learner.arrivals_ready() and not np.array_equal(isl.learner.base[0], injected["vec"])
                        and time.monotonic() < t_end):
                     time.sleep(0.005)
         assert "vec" in injected
@@ -443,10 +444,12 @@ def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(na
 
     release = threading.Event()
     prepare = swap.prepare
+    prepared = []
 
     def held(*a, **kw):
         release.wait(60)
-        return prepare(*a, **kw)
+        prepared.append(prepare(*a, **kw))
+        return prepared[-1]
 
     monkeypatch.setattr(swap, "prepare", held)
     tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
@@ -476,6 +479,64 @@ def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(na
         np.testing.assert_array_equal(np.asarray(p["w"]), 0.5 * steps + 10.0)  # the progress kept, V added
         np.testing.assert_array_equal(lr.base[0], 10.0)
         assert lr.book.frags[0].base_version == v0 + 1
+        assert [sw.parts is not None for sw in prepared] == [True]  # swapped by the adds, not the plain path
+    finally:
+        release.set()
+        isl.close(final_sync=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_swap_prepared_before_an_outer_gradient_of_its_fragment_is_prepared_again(nats_server, monkeypatch):
+    """An arrival prepared against the base b0, then an outer gradient of that fragment (base <-
+    theta_k, the progress since b0 sent): the swap is prepared again against theta_k, so the island
+    ends where the plain rebase puts it, V + (theta - theta_k), and not V + (theta - b0), which would
+    keep the progress it just sent on top of V."""
+    import asyncio
+
+    from learner import swap
+    from learner.island import Island
+
+    import jax.numpy as jnp
+
+    release = threading.Event()
+    prepare = swap.prepare
+    prepared = []
+
+    def held(*a, **kw):
+        release.wait(60)
+        prepared.append(prepare(*a, **kw))
+        return prepared[-1]
+
+    monkeypatch.setattr(swap, "prepare", held)
+    tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
+    isl = Island(tree, run="moved", nats_url=nats_server.url, learner_id="m", sync_every=6, num_fragments=1,
+                 join_timeout=60, env={"DILOCO_LOG_LEVEL": "error"})
+    lr = isl.learner
+    try:
+        p, steps = isl.step(jax_add(isl.params, 0.5), loss=0.0), 1
+        v0 = lr.book.frags[0].base_version
+        assert lr.book.frags[0].next_round == 0
+
+        async def arrive():
+            lr.pending[0] = (v0 + 1, np.asarray(lr.base[0]) + np.float32(10.0))  # V = b0 + 10 = 10
+            lr._queue_swap(0)
+        asyncio.run_coroutine_threadsafe(arrive(), isl._loop).result(10)
+        t_end = time.monotonic() + 20
+        while lr.book.frags[0].next_round == 0 and time.monotonic() < t_end:  # an outer gradient begins
+            p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
+            time.sleep(0.01)
+        assert lr.book.frags[0].next_round == 1, "no outer gradient began"
+        release.set()
+        while float(np.asarray(p["w"]).max()) < 10 and time.monotonic() < t_end:
+            p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
+            time.sleep(0.01)
+        lr._side.submit(lambda: None).result(10)
+        w = float(np.asarray(p["w"]).max())
+        np.testing.assert_array_equal(lr.base[0], 10.0)
+        assert len(prepared) == 2 and all(sw.parts is not None for sw in prepared)  # prepared again
+        # V + (theta - theta_k): the progress since the sync step k only (k >= 1 steps of 0.5 sent)
+        assert 10.0 <= w <= 10.0 + 0.5 * (steps - 1), (w, steps)
+        np.testing.assert_array_equal(np.asarray(p["w"]), w)
     finally:
         release.set()
         isl.close(final_sync=False)

@@ -60,28 +60,31 @@ def test_a_swap_is_the_plain_rebase_on_slices_and_bfloat16_leaves():
     assert out["h"].dtype.name == "bfloat16" and out["big"].shape == (40, 9) and int(out["n"]) == 3
 
 
-def test_the_base_follows_a_swap_whether_or_not_it_moved_meanwhile():
-    """Not moved: the base becomes the version itself, bit for bit. Moved (an outer gradient of the
-    fragment was prepared after D was taken: base <- theta_k): theta and base both move by D, so
-    what the next outer gradient holds is the progress since step k, exactly as after the plain
-    rebase."""
-    from learner import swap
+def test_a_leaf_whose_placement_changed_since_the_preparation_is_added_on_the_host():
+    """The user's step may hand back a leaf placed elsewhere than when the swap was prepared (here:
+    a numpy array instead of a JAX one): that slice is added on the host and put back as it is now."""
+    import jax.numpy as jnp
 
-    tp = _tree_params(1)
-    theta0 = tp.get_fragment(0)
-    base_b = theta0 - np.float32(0.25)
-    version = base_b + np.float32(0.5)
-    sw = _swap(tp, 0, 7, version, base_b, gen=3)
-    assert swap.new_base(sw, base_b.copy(), 3) is version  # the generation did not move
-
-    theta_k = theta0 + np.float32(0.125)  # a sync at step k sent base_b - theta_k; base <- theta_k
-    tp.set_fragment(0, theta_k + np.float32(0.0625))  # progress since step k, then the swap lands
-    tp.add_to_slices(sw.parts)
-    base = swap.new_base(sw, theta_k.copy(), 4)
-    progress = tp.get_fragment(0) - base
-    bf16 = np.array([s.path == "h" for s in tp.plan.fragments[0].slices for _ in range(s.size)])
-    np.testing.assert_allclose(progress[~bf16], 0.0625, atol=1e-6)
-    np.testing.assert_allclose(progress[bf16], 0.0625, atol=0.05)
+    tp = _tree_params(2)
+    rng = np.random.default_rng(2)
+    before = [tp.get_fragment(p) for p in range(2)]
+    swaps = []
+    for p, frag in enumerate(tp.plan.fragments):
+        d = rng.standard_normal(frag.size).astype(np.float32)
+        swaps.append((_swap(tp, p, 1, before[p] + d, before[p]), d))
+    moved = dict(tp.tree())
+    moved["big"] = np.asarray(moved["big"])  # no longer a JAX array
+    tp.set_tree(moved)
+    for sw, _ in swaps:
+        assert sw.parts is not None
+        tp.add_to_slices(sw.parts)
+    for p, (_, d) in enumerate(swaps):
+        got = tp.get_fragment(p) - before[p]
+        bf16 = np.array([s.path == "h" for s in tp.plan.fragments[p].slices for _ in range(s.size)])
+        np.testing.assert_allclose(got[~bf16], d[~bf16], atol=1e-5)
+        np.testing.assert_allclose(got[bf16], d[bf16], atol=0.05)
+    out = tp.tree()
+    assert isinstance(out["big"], np.ndarray) and out["h"].dtype == jnp.bfloat16
 
 
 def test_a_fragment_it_cannot_place_takes_the_plain_path():
