@@ -43,6 +43,27 @@ class BusyMeter:
         return min(1.0, busy / span)
 
 
+@dataclass
+class PhaseClock:
+    """Where the aggregator's loop spends its wall time: seconds per phase since the start
+    (``poll``: waiting on the server for chunks; ``intake``: decoding and validating them;
+    ``commit``: merge-log records; ``publish``: global versions; ``merge``; ``checkpoint``; ``other``).
+    Each :meth:`lap` books the time since the previous one to a phase. Published in the metrics as
+    ``loop_s``; a watcher takes differences over a window (``bench.scale_synth``'s ``loop_share``)."""
+
+    totals: dict[str, float] = field(default_factory=dict)
+    last: float | None = None
+
+    def lap(self, phase: str, now: float) -> float:
+        if self.last is not None:
+            self.totals[phase] = self.totals.get(phase, 0.0) + max(0.0, now - self.last)
+        self.last = now
+        return now
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.totals.items()}
+
+
 def saturation_change(share: float, saturated: bool, full_window: bool) -> bool | None:
     """The new saturated flag when it changes (True: say ``aggregator_saturated``; False: say it keeps
     up again), or None. Judged only over a whole window, with hysteresis."""

@@ -45,7 +45,7 @@ from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.durability import Durability
 from aggregator.feedback import FeedbackQueue
 from aggregator.intake import Intake, Pending, VectorPool
-from aggregator.load import BusyMeter, saturation_change
+from aggregator.load import BusyMeter, PhaseClock, saturation_change
 from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy, input_clock
 from aggregator.step import FragmentState, MergeSettings
@@ -155,6 +155,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.arrivals = ArrivalStats()
         self.stats = Stats()
         self.load = BusyMeter()  # the share of time spent on intake and merges (aggregator.load)
+        self.loop_clock = PhaseClock()  # where the loop's wall time goes, by phase (metrics: loop_s)
         self.saturated = False
         self._audit: list[tuple[dict, list]] = []  # (rejection event, its messages): published, then terminated
         self.feedback = FeedbackQueue()  # notices to learners of their work rejected or held
@@ -361,7 +362,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                        "buffered": {str(p): len(b) for p, b in self.buffers.items() if b},
                        "held": len(self.hold),
                        "active": len(self.active()), **self.stats.to_metrics(),
-                       "busy": round(busy, 3), "saturated": self.saturated,
+                       "busy": round(busy, 3), "saturated": self.saturated, "loop_s": self.loop_clock.rounded(),
                        "trust": trust_summary([st.trust for st in self.states.values()], self.settings.trust),
                        # per fragment: the typical agreement, and whether the check could judge anew
                        # at its newest merge (not with fewer than 4 learners, or agreement at noise level)
@@ -491,28 +492,33 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.log.info("aggregator_started", fragments=f"{lo}-{hi}",
                       versions={p: s.version for p, s in self.states.items()})
         last_keepalive = time.monotonic()
+        clock = self.loop_clock
+        clock.lap("other", time.monotonic())
         try:
             wake = None
             while not stop.is_set():
                 now = time.monotonic()
                 timeout = 0.2 if wake is None else max(0.01, min(0.2, wake - now))
                 got = await self.consumer.poll(timeout=timeout)
-                t_poll = time.monotonic()  # when they reached us: each one's arrival
+                t_poll = clock.lap("poll", time.monotonic())  # when they reached us: each one's arrival
                 for r in got:
                     t_in = time.monotonic()
                     await self._handle(r, t_poll)
                     self._busy(t_in)
-                self._release_held(time.monotonic())
+                self._release_held(clock.lap("intake", time.monotonic()))
                 for p in list(self.uncommitted):
                     await self._commit(p)
+                clock.lap("commit", time.monotonic())
                 for p in self.owned:
                     if p in self.unpublished:
                         await self._publish_global(p)
+                clock.lap("publish", time.monotonic())
                 await self._probe_store()  # a full store is noticed even with nothing to merge
-                t_m = time.monotonic()
+                t_m = clock.lap("other", time.monotonic())
                 wake = await self._merge_due(input_clock(t_m, self.consumer.drained_at))
                 self._busy(t_m)
-                await self._checkpoints_due(time.monotonic())
+                await self._checkpoints_due(clock.lap("merge", time.monotonic()))
+                clock.lap("checkpoint", time.monotonic())
                 if self._audit:
                     await self._publish_audit()
                 if len(self.feedback):
@@ -520,6 +526,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 if time.monotonic() - last_keepalive > 5:
                     await self._keep_alive_held()
                     last_keepalive = time.monotonic()
+                clock.lap("other", time.monotonic())
             # a clean stop: the queued versions out, and checkpoints so that nothing is left to
             # replay (bounded: a server that is gone must not hold the stop; a replay covers it)
             await self._drain_publishers(10.0)

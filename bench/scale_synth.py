@@ -21,6 +21,8 @@ under 90% of what is published, or its backlog grows by more than 10% of the win
 (plus one contribution per learner: in flight). ``machine_cpu_util`` is every process of the
 machine (/proc/stat, in cores), ``others_cpu_util`` what was not ours: other people's jobs.
 First, ``merge_cpu_ms_per_mvalue``: the CPU of one merge's parts in this process, no broker.
+``loop_share`` (per aggregator): the share of the window's wall time its loop spent in each phase
+(``aggregator.load.PhaseClock``: poll, intake, commit, publish, merge, checkpoint, other).
 ``mvalues_per_agg_cpu_s``: values merged (accepted contributions x fragment size) per aggregator
 CPU-second; ``agg_rss_bytes_per_owned_value``: the aggregators' peak RSS over the parameters.
 
@@ -193,7 +195,10 @@ class Run:
             dacc = (a1.get("accepted") or 0) - (a0.get("accepted") or 0)
             drej = sum((a1.get("rejected") or {}).values()) - sum((a0.get("rejected") or {}).values())
             cpu = (s1["agg_cpu"][a] or 0) - (s0["agg_cpu"][a] or 0)
+            l0, l1 = a0.get("loop_s") or {}, a1.get("loop_s") or {}
+            loop = {k: round((l1.get(k, 0.0) - l0.get(k, 0.0)) / dts, 3) for k in l1}
             per.append({"id": a, "fragments": self.frags[self.aggs.index(a)], "versions_per_s": round(dv / dts, 3),
+                        "loop_share": loop,
                         "accepted_per_s": round(dacc / dts, 3), "cpu_util": round(cpu / dt, 3),
                         "merge_latency_p50": a1.get("merge_latency_p50"), "merge_latency_max": a1.get("merge_latency_max"),
                         "rejected": a1.get("rejected"), "transport_dropped": a1.get("transport_dropped"),
@@ -242,7 +247,8 @@ class Run:
                  f"{out['accepted_per_s']}/s, {out['versions_per_s']} versions/s ({out['contributions_per_merge']} per "
                  f"merge), backlog {out['backlog_start']} -> {out['backlog_end']}, CPU agg {out['agg_cpu_util']} "
                  f"server {out['server_cpu_util']} replay {out['replay_cpu_util']} others {out['others_cpu_util']}, "
-                 f"{out['agg_cpu_s_per_contribution_per_mparam']} s/contribution/M{' BEHIND' if behind else ''}")
+                 f"{out['agg_cpu_s_per_contribution_per_mparam']} s/contribution/M{' BEHIND' if behind else ''}; "
+                 f"loop {[x['loop_share'] for x in per]}")
         return out
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from aggregator.load import KEEPING_UP, SATURATED, BusyMeter, saturation_change
+from aggregator.load import KEEPING_UP, SATURATED, BusyMeter, PhaseClock, saturation_change
 
 
 def test_busy_share_over_a_sliding_window():
@@ -27,3 +27,17 @@ def test_saturation_is_said_once_per_change_with_hysteresis_and_only_over_a_whol
     assert saturation_change(0.8, True, full_window=True) is None  # between the two thresholds: unchanged
     assert saturation_change(KEEPING_UP - 0.01, True, full_window=True) is False
     assert saturation_change(0.5, False, full_window=True) is None
+
+
+def test_the_loop_clock_books_each_lap_to_its_phase():
+    c = PhaseClock()
+    c.lap("other", 10.0)  # the start: nothing booked
+    assert c.totals == {}
+    c.lap("poll", 10.5)
+    c.lap("intake", 10.75)
+    c.lap("poll", 11.0)
+    c.lap("publish", 11.0)  # an empty lap
+    assert c.totals == {"poll": 0.75, "intake": 0.25, "publish": 0.0}
+    assert sum(c.totals.values()) == 1.0  # every second since the start, once
+    c.lap("merge", 10.9)  # a clock that went back books nothing
+    assert c.rounded()["merge"] == 0.0
