@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,6 +60,8 @@ class Durability:
         states: dict[int, FragmentState]
         logpos: dict[int, LogPosition]
         _grad_checked: float
+        _ckpt_tasks: dict[int, asyncio.Task]
+        _logseqs: dict[int, deque]
 
     # -- the log ----------------------------------------------------------------------------------
 
@@ -187,29 +190,64 @@ class Durability:
     def _policy(self) -> CheckpointPolicy:
         return CheckpointPolicy(self.cfg.checkpoint_every, self.cfg.checkpoint_seconds)
 
-    async def _checkpoint(self, p: int) -> bool:
+    def _snapshot(self, p: int) -> tuple[int, int, Any]:
+        """Fragment p's state as checkpoint bytes now (a copy into its reused buffer: the merges
+        change the state in place, so this is taken before the next one): (fragment, version,
+        blob)."""
         st = self.states[p]
-        pos = self.logpos[p]
+        blob = st.to_bytes(self._ckpt_buf.get(p))
+        # reused by the next checkpoint (fresh pages cost more than the copy)
+        self._ckpt_buf[p] = blob.obj if isinstance(blob, memoryview) else blob  # type: ignore[assignment]
+        return p, st.version, blob
+
+    async def _checkpoint(self, p: int) -> bool:
+        """Checkpoint fragment p now and wait until it is stored."""
+        return await self._put_checkpoint(self._snapshot(p))
+
+    def _start_checkpoint(self, p: int) -> bool:
+        """Checkpoint fragment p without holding the loop: the state is copied now, and stored by a
+        task while intake and merges go on (at most one per fragment; the log keeps the merges made
+        meanwhile: its slots hold twice the checkpoint period, ``_log_blocked``). False if one is
+        being stored already. At 4 x 100M the loop spent half its time waiting for checkpoints to be
+        stored (``loop_s``, bench.scale_synth, docs/BENCHMARKS.md)."""
+        task = self._ckpt_tasks.get(p)
+        if task is not None and not task.done():
+            return False
+        self._ckpt_tasks[p] = asyncio.create_task(self._put_checkpoint(self._snapshot(p)))
+        return True
+
+    async def _checkpoints_settled(self) -> None:
+        tasks = [t for t in self._ckpt_tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _put_checkpoint(self, snap: tuple[int, int, Any]) -> bool:
+        p, version, blob = snap
         t0 = time.monotonic()
         try:
-            blob = st.to_bytes(self._ckpt_buf.get(p))
-            # reused by the next checkpoint (fresh pages cost more than the copy)
-            self._ckpt_buf[p] = blob.obj if isinstance(blob, memoryview) else blob  # type: ignore[assignment]
-            await self.sstore.put(p, st.version, blob, {"model": self.model_hash})
+            await self.sstore.put(p, version, blob, {"model": self.model_hash})
         except VersionConflict as e:
-            if e.committed.version < st.version:
-                self.log.error("checkpoint_conflict", fragment=p, version=st.version, committed=e.committed.version)
+            if e.committed.version < version:
+                self.log.error("checkpoint_conflict", fragment=p, version=version, committed=e.committed.version)
                 return False
         except Exception as e:
             if not await self.store_watch.failed(e):  # a full store is said once (store_full)
-                self.log.warning("checkpoint_failed", fragment=p, version=st.version, error=repr(e))
+                self.log.warning("checkpoint_failed", fragment=p, version=version, error=repr(e))
             return False
         else:
             self.stats.checkpoint_bytes += len(blob)
-        self.logpos[p] = LogPosition(st.version, time.monotonic())
+        pos = self.logpos[p]
+        if version > pos.checkpoint_version:
+            # what the log holds beyond this checkpoint: the merges committed since its copy
+            seqs = self._logseqs.setdefault(p, deque())
+            while seqs and seqs[0][0] <= version:
+                seqs.popleft()
+            self.logpos[p] = LogPosition(version, time.monotonic(),
+                                         max(0, pos.versions_since - (version - pos.checkpoint_version)),
+                                         restarts=pos.restarts, oldest_seq=min((q for _, q in seqs), default=None))
         self.stats.checkpoints += 1
         self.stats.checkpoint_s += time.monotonic() - t0
-        self.log.debug("checkpointed", fragment=p, version=st.version, after=pos.versions_since,
+        self.log.debug("checkpointed", fragment=p, version=version, after=pos.versions_since,
                        seconds=round(time.monotonic() - t0, 3))
         return True
 
@@ -231,12 +269,12 @@ class Durability:
                 self.log.warning("grad_stream_info_failed", error=repr(e))
         for p, pos in list(self.logpos.items()):
             if p not in self.uncommitted and (p in overtaken or policy.due(pos.versions_since, now - pos.checkpoint_time)):
-                if p in overtaken:
+                if self._start_checkpoint(p) and p in overtaken:
                     self.stats.checkpoints_early += 1
-                await self._checkpoint(p)
 
     async def _checkpoint_all(self) -> None:
         """At a clean stop: nothing left to replay."""
+        await self._checkpoints_settled()
         for p, pos in list(self.logpos.items()):
             if pos.versions_since > 0 and p not in self.uncommitted:
                 await self._checkpoint(p)

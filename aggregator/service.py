@@ -140,6 +140,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.accum: dict[int, np.ndarray] = {}  # fragment -> the merged outer gradient's buffer, reused
         self.pool = VectorPool()  # decoded contributions' buffers, reused (aggregator.intake)
         self._ckpt_buf: dict[int, bytearray] = {}  # fragment -> its checkpoint's buffer, reused
+        self._ckpt_tasks: dict[int, asyncio.Task] = {}  # fragment -> its checkpoint being stored
+        self._logseqs: dict[int, deque] = {}  # fragment -> (version, oldest GRAD seq) of records committed
         self._grad_checked = 0.0  # when the GRAD stream's first sequence was last looked at
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
@@ -535,9 +537,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
             except asyncio.TimeoutError:
                 self.log.warning("stop_checkpoints_timed_out", hint="the next start replays the merge log")
         finally:
-            for t in tasks:
+            for t in [*tasks, *self._ckpt_tasks.values()]:  # (a checkpoint cut short: the log covers it)
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *self._ckpt_tasks.values(), return_exceptions=True)
             await self.consumer.unsubscribe()
             await self.nc.close()
             self.log.info("aggregator_stopped", versions={p: s.version for p, s in self.states.items()})

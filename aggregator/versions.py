@@ -172,11 +172,12 @@ class VersionMaker:
         seqs = [q for x in items for q in x.seqs]
         if seqs:
             pos.oldest_seq = min(seqs) if pos.oldest_seq is None else min(pos.oldest_seq, *seqs)
+            self._logseqs.setdefault(p, deque()).append((rec.version, min(seqs)))
         for x in items:
             await ack_all(x.tokens)
         self._queue_publish(p)
         if self._policy().due(pos.versions_since, time.monotonic() - pos.checkpoint_time):
-            await self._checkpoint(p)
+            self._start_checkpoint(p)
         self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
         self.stats.merges += 1
         self.stats.merge_latency.append(time.monotonic() - first)

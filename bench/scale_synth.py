@@ -198,7 +198,8 @@ class Run:
             l0, l1 = a0.get("loop_s") or {}, a1.get("loop_s") or {}
             loop = {k: round((l1.get(k, 0.0) - l0.get(k, 0.0)) / dts, 3) for k in l1}
             per.append({"id": a, "fragments": self.frags[self.aggs.index(a)], "versions_per_s": round(dv / dts, 3),
-                        "loop_share": loop,
+                        "loop_share": loop, **{k: round((a1.get(k) or 0) - (a0.get(k) or 0), 3)
+                                              for k in ("checkpoints", "checkpoints_early", "checkpoint_s")},
                         "accepted_per_s": round(dacc / dts, 3), "cpu_util": round(cpu / dt, 3),
                         "merge_latency_p50": a1.get("merge_latency_p50"), "merge_latency_max": a1.get("merge_latency_max"),
                         "rejected": a1.get("rejected"), "transport_dropped": a1.get("transport_dropped"),
