@@ -165,6 +165,8 @@ def test_summary_has_the_promised_keys():
     assert s["total_inner_steps"] == 100
     assert s["dp_equivalent_bytes"] == L.dp_equivalent_bytes(1000, 2, 100) == 200_000
     assert s["broker_bytes"] == 4000 and s["learner_link_bytes"] == 2000
+    assert s["broker_bytes_by_role"] == {"aggregator": {"in_bytes": 1000, "out_bytes": 1000},
+                                         "learner": {"in_bytes": 1100, "out_bytes": 900}}
     assert s["dp_over_broker"] == pytest.approx(50.0)
     assert "held-out loss  5.0000 -> 3.0000" in L.render_summary(s)
 

@@ -62,6 +62,12 @@ def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[st
     agg = state.aggregator or {}
     broker = int(traffic.get("client_bytes", 0))
     learner_link = sum(link_by_learner.values())
+    by_role: dict[str, dict[str, int]] = {}  # what crossed the broker, per kind of process (its name's prefix)
+    for c in traffic.get("connections", []):
+        role = (c.get("name", "") or "unnamed").split("-", 1)[0]
+        r = by_role.setdefault(role, {"in_bytes": 0, "out_bytes": 0})
+        r["in_bytes"] += c["in_bytes"]
+        r["out_bytes"] += c["out_bytes"]
     dp = dp_equivalent_bytes(params, m_count, total_steps)
     return {
         "status": status,
@@ -93,6 +99,7 @@ def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[st
         "broker_bytes": broker,
         "broker_bytes_source": "sum of in_bytes+out_bytes of every client connection (/connz?state=all)",
         "learner_link_bytes": learner_link,
+        "broker_bytes_by_role": dict(sorted(by_role.items())),
         "servers": traffic.get("servers", {}),
         "dp_equivalent_bytes": dp,
         "broker_over_dp": (broker / dp) if dp else None,
