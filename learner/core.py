@@ -365,7 +365,9 @@ class IslandCore:
             self.applied_in.pop(key, None)
             self._awaiting.discard(key)
         self.blocked_s += time.monotonic() - t0
-        if self.pending:
+        # an island's parameters were handed back already: the merged version is rebased into the
+        # user's next deposit (the hook path of _train), not into parameters that deposit replaces
+        if self.pending and not getattr(self.backend, "serves_early", False):
             await self._apply_pending()
 
     async def _apply_pending(self) -> None:

@@ -542,6 +542,46 @@ def test_a_swap_prepared_before_an_outer_gradient_of_its_fragment_is_prepared_ag
         isl.close(final_sync=False)
 
 
+@pytest.mark.timeout(180)
+def test_a_lock_step_island_s_user_gets_each_merged_version(nats_server):
+    """DILOCO_MODE=sync on an island, one island and a real aggregator: every sync waits for its
+    merge, and the merged version reaches the user's next parameters (rebased: the steps since the
+    sync kept). It used to be mixed in after the hand-back, into parameters the user's next deposit
+    replaced, while the base moved to the version: the user never saw a merged version, and the
+    next outer gradient carried minus the global update."""
+    from learner.island import Island
+
+    import jax.numpy as jnp
+
+    run = "lock"
+    agg = subprocess.Popen([PY, "-m", "aggregator"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           env=_env(nats_server.url, run, DILOCO_MODEL="run", DILOCO_REQUIRE_MEMBERSHIP="false",
+                                    DILOCO_MODE="sync"))
+    try:
+        isl = Island({"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}, run=run, nats_url=nats_server.url,
+                     learner_id="l", sync_every=2, num_fragments=1, join_timeout=60, max_inner_lr=1.0,
+                     env={"DILOCO_MODE": "sync", "DILOCO_LOG_LEVEL": "error", "DILOCO_SYNC_TIMEOUT": "5"})
+        lr = isl.learner
+        try:
+            p, own = isl.params, 0.0
+            seen = []
+            for _ in range(12):  # the user's own trajectory: +0.5 a step, from 0
+                own += 0.5
+                p = isl.step(jax_add(p, 0.5), loss=0.0)
+                seen.append(float(np.asarray(p["w"]).mean()) - own)
+            assert lr.book.frags[0].base_version >= 3, (lr.book.frags[0].base_version, isl.stats)  # merges happened
+            assert any(abs(d) > 1e-3 for d in seen), seen  # and the user got them
+        finally:
+            isl.close(final_sync=False)
+        lr._side.shutdown(wait=True)  # what it was given is done (bases are written there)
+        # what the island holds beyond its base is its steps since the last sync, nothing else
+        progress = isl._tree.get_fragment(0) - lr.base[0]
+        np.testing.assert_allclose(progress, 0.5 * lr.book.frags[0].steps, atol=1e-4)
+    finally:
+        agg.terminate()
+        agg.wait(30)
+
+
 @pytest.mark.timeout(120)
 async def test_a_claim_left_by_a_dead_creator_is_taken_over(nats_server, js):
     """A creator that died after its claim and before the manifest would leave the run unusable:

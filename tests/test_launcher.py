@@ -146,7 +146,8 @@ def test_summary_has_the_promised_keys():
     st = L.RunState(run="r", t0=0.0)
     st.on_metrics(_metrics("evaluator", eval_loss=5.0, version=0, ts=1.0, versions={"0": 0}))
     st.on_metrics(_metrics("evaluator", eval_loss=3.0, version=4, ts=9.0, versions={"0": 4}))
-    st.on_metrics(_metrics("aggregator", versions={"0": 4}, merges=4, contributions={"us-0": 3, "eu-0": 2}))
+    st.on_metrics(_metrics("aggregator", versions={"0": 4}, merges=4, contributions={"us-0": 3, "eu-0": 2},
+                           log_bytes=900, checkpoint_bytes=5000, checkpoints=2))
     for lid in ("us-0", "eu-0"):
         st.on_metrics(_metrics("learner", learner=lid, step=50, loss=2.0, contributions=3, incarnation="i"))
     specs = L.plan_processes(L.base_env({}, "tiny", 50, quick=False), 2, ["us", "eu"])
@@ -165,6 +166,7 @@ def test_summary_has_the_promised_keys():
     assert s["total_inner_steps"] == 100
     assert s["dp_equivalent_bytes"] == L.dp_equivalent_bytes(1000, 2, 100) == 200_000
     assert s["broker_bytes"] == 4000 and s["learner_link_bytes"] == 2000
+    assert s["aggregator_durability_bytes"] == {"log_bytes": 900, "checkpoint_bytes": 5000, "checkpoints": 2}
     assert s["broker_bytes_by_role"] == {"aggregator": {"in_bytes": 1000, "out_bytes": 1000},
                                          "learner": {"in_bytes": 1100, "out_bytes": 900}}
     assert s["dp_over_broker"] == pytest.approx(50.0)

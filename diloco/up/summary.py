@@ -100,6 +100,8 @@ def build_summary(*, state: RunState, specs: list[ProcSpec], exit_codes: dict[st
         "broker_bytes_source": "sum of in_bytes+out_bytes of every client connection (/connz?state=all)",
         "learner_link_bytes": learner_link,
         "broker_bytes_by_role": dict(sorted(by_role.items())),
+        # of the aggregator's outgoing bytes, what its durability wrote (merge records, checkpoints)
+        "aggregator_durability_bytes": {k: agg.get(k) for k in ("log_bytes", "checkpoint_bytes", "checkpoints")},
         "servers": traffic.get("servers", {}),
         "dp_equivalent_bytes": dp,
         "broker_over_dp": (broker / dp) if dp else None,
