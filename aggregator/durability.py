@@ -190,18 +190,22 @@ class Durability:
     def _policy(self) -> CheckpointPolicy:
         return CheckpointPolicy(self.cfg.checkpoint_every, self.cfg.checkpoint_seconds)
 
-    def _snapshot(self, p: int) -> tuple[int, int, Any]:
+    def _snapshot(self, p: int) -> tuple[int, int, Any, float]:
         """Fragment p's state as checkpoint bytes now (a copy into its reused buffer: the merges
         change the state in place, so this is taken before the next one): (fragment, version,
-        blob)."""
+        blob, when)."""
         st = self.states[p]
         blob = st.to_bytes(self._ckpt_buf.get(p))
         # reused by the next checkpoint (fresh pages cost more than the copy)
         self._ckpt_buf[p] = blob.obj if isinstance(blob, memoryview) else blob  # type: ignore[assignment]
-        return p, st.version, blob
+        return p, st.version, blob, time.monotonic()
 
     async def _checkpoint(self, p: int) -> bool:
-        """Checkpoint fragment p now and wait until it is stored."""
+        """Checkpoint fragment p now and wait until it is stored (after the one being stored, whose
+        buffer the new copy reuses)."""
+        task = self._ckpt_tasks.get(p)
+        if task is not None and not task.done():
+            await asyncio.gather(task, return_exceptions=True)
         return await self._put_checkpoint(self._snapshot(p))
 
     def _start_checkpoint(self, p: int) -> bool:
@@ -213,16 +217,22 @@ class Durability:
         task = self._ckpt_tasks.get(p)
         if task is not None and not task.done():
             return False
-        self._ckpt_tasks[p] = asyncio.create_task(self._put_checkpoint(self._snapshot(p)))
+        task = self._ckpt_tasks[p] = asyncio.create_task(self._put_checkpoint(self._snapshot(p)))
+        task.add_done_callback(self._checkpoint_done)
         return True
+
+    def _checkpoint_done(self, task: asyncio.Task) -> None:
+        """A checkpoint task that raised past its own handling (a bug): said, not lost."""
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("checkpoint_task_failed", error=repr(task.exception()))
 
     async def _checkpoints_settled(self) -> None:
         tasks = [t for t in self._ckpt_tasks.values() if not t.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _put_checkpoint(self, snap: tuple[int, int, Any]) -> bool:
-        p, version, blob = snap
+    async def _put_checkpoint(self, snap: tuple[int, int, Any, float]) -> bool:
+        p, version, blob, taken = snap
         t0 = time.monotonic()
         try:
             await self.sstore.put(p, version, blob, {"model": self.model_hash})
@@ -242,12 +252,16 @@ class Durability:
             seqs = self._logseqs.setdefault(p, deque())
             while seqs and seqs[0][0] <= version:
                 seqs.popleft()
-            self.logpos[p] = LogPosition(version, time.monotonic(),
+            # (its time is the copy's: the log's age bound, DILOCO_CHECKPOINT_SECONDS, counts from there;
+            # the outlier-reference restarts not yet logged stay: one made before the copy is then
+            # both in the checkpoint and in the next record, and replays the same, since
+            # NormHistory.restart replaces the fragment's norms outright)
+            self.logpos[p] = LogPosition(version, taken,
                                          max(0, pos.versions_since - (version - pos.checkpoint_version)),
                                          restarts=pos.restarts, oldest_seq=min((q for _, q in seqs), default=None))
         self.stats.checkpoints += 1
         self.stats.checkpoint_s += time.monotonic() - t0
-        self.log.debug("checkpointed", fragment=p, version=version, after=pos.versions_since,
+        self.log.debug("checkpointed", fragment=p, version=version, log_after=self.logpos[p].versions_since,
                        seconds=round(time.monotonic() - t0, 3))
         return True
 

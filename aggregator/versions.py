@@ -176,6 +176,7 @@ class VersionMaker:
         for x in items:
             await ack_all(x.tokens)
         self._queue_publish(p)
+        pos = self.logpos[p]  # (a checkpoint stored during the acks moved it)
         if self._policy().due(pos.versions_since, time.monotonic() - pos.checkpoint_time):
             self._start_checkpoint(p)
         self.arrivals = self.arrivals.observe_sync(time.monotonic() - t0)
