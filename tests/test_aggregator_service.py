@@ -330,6 +330,41 @@ async def test_a_record_stored_despite_a_failed_publish_is_retried_as_it_is(nats
         await asyncio.wait_for(task2, 15)
 
 
+async def test_merges_go_on_while_a_checkpoint_is_stored_and_a_crash_then_replays_them(nats_server, js):
+    """A checkpoint is stored by a task while merging goes on: with its put held, the aggregator
+    keeps merging (it used to wait for the put in its loop: at 4 x 100M half its time), and a crash
+    while the put is still held replays from the previous checkpoint to the same state, bit for bit."""
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
+                                   grace_seconds=0.05, max_staleness=100, checkpoint_every=3)
+    real, held, started = svc.sstore.put, asyncio.Event(), []
+
+    async def put(p, version, blob, meta):
+        started.append((p, version))
+        await held.wait()  # never set: the checkpoint is still being stored at the crash
+        return await real(p, version, blob, meta)
+
+    svc.sstore.put = put
+    try:
+        learner = FakeLearner(js, RUN, "a", 1)
+        for r in range(5):  # (merges would wait at 2 x checkpoint_every = 6 versions past the stored one)
+            await learner.send(0, base=r)
+            assert await _until(lambda: svc.published.get(0) == r + 1, 15), (r, started)
+        assert started == [(0, 3)]  # due at version 3, held; merges went on to 5
+        assert svc.states[0].version == 5 and svc.logpos[0].checkpoint_version == 0
+        live = svc.states[0]
+    finally:
+        task.cancel()  # a crash: no clean stop, the held checkpoint never stored
+        await asyncio.gather(task, return_exceptions=True)
+        await svc.nc.close()
+    svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1)
+    try:
+        assert svc2.states[0].version == 5 and svc2.stats.replayed == 5 and svc2.stats.replay_lost == 0
+        assert svc2.states[0].to_bytes() == live.to_bytes()
+    finally:
+        stop2.set()
+        await asyncio.wait_for(task2, 15)
+
+
 async def test_a_rejection_is_settled_only_once_its_audit_event_is_stored(nats_server, js):
     """The contribution of a rejection is terminated after its event is in JetStream: while the
     event cannot be stored it stays unsettled (a crash then redelivers it, to be judged again),
