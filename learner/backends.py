@@ -138,7 +138,16 @@ class HookBackend(_TreeBackend):
                 self._parked = False
             if self._taken is not None:  # the user's thread took the step and served it (exchange)
                 loss, self._taken = self._taken, None
-                return _as_float(loss)
+                early = True
+            else:
+                early = False
+        if early:
+            # the parameters that step replaced are freed now, while the user's next step is being
+            # dispatched, rather than after the core has counted this one (then the user's step had
+            # mostly allocated its outputs first: three parameter sets alive, 2.9x in bench.island)
+            self._free_previous()
+            return _as_float(loss)
+        with self._cv:
             if self._deposit is None:
                 return NO_STEP
             tree, loss = self._deposit
