@@ -375,9 +375,7 @@ class IslandCore:
             merged = await self._swap_in()
         else:
             items, self.pending = self.pending, {}
-            for p in items:
-                self._base_moves[p] += 1
-            merged = await self._in_side(self._apply, items)
+            merged = await self._apply_plain(items)
         for p, v in merged:
             self.book.on_merged(p, v)
         if merged:
@@ -452,11 +450,11 @@ class IslandCore:
         ready: list[swap.Swap] = []
         for p, (v, _) in list(self.pending.items()):
             f = self._swaps.get(p)
-            if f is None or f.cancelled() or (f.done() and (f.exception() is None and (
-                    f.result().version != v or f.result().gen != self._base_moves[p]))):
-                self._queue_swap(p)  # (never queued, replaced since, or the base moved meanwhile)
+            if f is not None and not f.done():
                 continue
-            if not f.done():
+            if f is None or f.cancelled() or (f.exception() is None and (
+                    f.result().version != v or f.result().gen != self._base_moves[p])):
+                self._queue_swap(p)  # (never queued, replaced since, or the base moved meanwhile)
                 continue
             sw = f.result()  # a failed preparation is raised here
             del self.pending[p], self._swaps[p]
@@ -472,10 +470,14 @@ class IslandCore:
             await self._in_worker(self._add_swaps, fast)
             merged += [(sw.fragment, sw.version) for sw in fast]
         if plain:
-            for p in plain:
-                self._base_moves[p] += 1
-            merged += await self._in_side(self._apply, plain)
+            merged += await self._apply_plain(plain)
         return merged
+
+    async def _apply_plain(self, items: dict[int, tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
+        """The plain rebase (or mix) of ``items``, where bases are written (``_in_side``)."""
+        for p in items:
+            self._base_moves[p] += 1
+        return await self._in_side(self._apply, items)
 
     def _add_swaps(self, swaps: list[swap.Swap]) -> None:
         for sw in swaps:

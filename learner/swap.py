@@ -49,14 +49,6 @@ class Swap:
     gen: int
     parts: list[tuple[str, int, Any, Any]] | None
 
-    def delta(self) -> np.ndarray:
-        """D_p on the host, float32 (from the device parts)."""
-        import jax
-
-        assert self.parts is not None
-        return np.concatenate([np.asarray(jax.device_get(d), dtype=np.float32).reshape(-1)
-                               for _, _, d, _ in self.parts]) if self.parts else np.zeros(0, np.float32)
-
 
 _compiled: dict[tuple, Any] = {}
 _lock = threading.Lock()

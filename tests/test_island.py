@@ -430,21 +430,11 @@ def jax_add(tree, x):
     return jax.tree_util.tree_map(lambda a: a + x, tree)
 
 
-@pytest.mark.timeout(120)
-def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(nats_server, monkeypatch):
-    """A new global version is prepared in the island's side thread (learner.swap) while the
-    user's steps go on untouched, then swapped into the next step's parameters: theta + (V - base),
-    the progress since the base kept; the base becomes V."""
-    import asyncio
-
+def _hold_swap_preparation(monkeypatch) -> tuple[threading.Event, list]:
+    """``learner.swap.prepare`` held until the returned event is set; the swaps it made, in order."""
     from learner import swap
-    from learner.island import Island
 
-    import jax.numpy as jnp
-
-    release = threading.Event()
-    prepare = swap.prepare
-    prepared = []
+    release, prepared, prepare = threading.Event(), [], swap.prepare
 
     def held(*a, **kw):
         release.wait(60)
@@ -452,6 +442,30 @@ def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(na
         return prepared[-1]
 
     monkeypatch.setattr(swap, "prepare", held)
+    return release, prepared
+
+
+def _arrive(isl, version: int, offset: float) -> None:
+    """Fragment 0's ``version`` (the island's base plus ``offset``) handed to its core as its
+    download would: pending, its swap queued."""
+    lr = isl.learner
+
+    async def arrive():
+        lr.pending[0] = (version, np.asarray(lr.base[0]) + np.float32(offset))
+        lr._queue_swap(0)
+    asyncio.run_coroutine_threadsafe(arrive(), isl._loop).result(10)
+
+
+@pytest.mark.timeout(120)
+def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(nats_server, monkeypatch):
+    """A new global version is prepared in the island's side thread (learner.swap) while the
+    user's steps go on untouched, then swapped into the next step's parameters: theta + (V - base),
+    the progress since the base kept; the base becomes V."""
+    from learner.island import Island
+
+    import jax.numpy as jnp
+
+    release, prepared = _hold_swap_preparation(monkeypatch)
     tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
     isl = Island(tree, run="swap", nats_url=nats_server.url, learner_id="s", sync_every=1000, num_fragments=1,
                  join_timeout=60, env={"DILOCO_LOG_LEVEL": "error"})
@@ -462,10 +476,7 @@ def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(na
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1  # theta = 2.0, the base still 0.0
         v0 = lr.book.frags[0].base_version
 
-        async def arrive():
-            lr.pending[0] = (v0 + 1, np.asarray(lr.base[0]) + np.float32(10.0))
-            lr._queue_swap(0)
-        asyncio.run_coroutine_threadsafe(arrive(), isl._loop).result(10)
+        _arrive(isl, v0 + 1, 10.0)
         for _ in range(4):  # prepared meanwhile (held): the steps are the user's alone
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
         np.testing.assert_array_equal(np.asarray(p["w"]), 4.0)
@@ -491,23 +502,11 @@ def test_a_swap_prepared_before_an_outer_gradient_of_its_fragment_is_prepared_ag
     theta_k, the progress since b0 sent): the swap is prepared again against theta_k, so the island
     ends where the plain rebase puts it, V + (theta - theta_k), and not V + (theta - b0), which would
     keep the progress it just sent on top of V."""
-    import asyncio
-
-    from learner import swap
     from learner.island import Island
 
     import jax.numpy as jnp
 
-    release = threading.Event()
-    prepare = swap.prepare
-    prepared = []
-
-    def held(*a, **kw):
-        release.wait(60)
-        prepared.append(prepare(*a, **kw))
-        return prepared[-1]
-
-    monkeypatch.setattr(swap, "prepare", held)
+    release, prepared = _hold_swap_preparation(monkeypatch)
     tree = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
     isl = Island(tree, run="moved", nats_url=nats_server.url, learner_id="m", sync_every=6, num_fragments=1,
                  join_timeout=60, env={"DILOCO_LOG_LEVEL": "error"})
@@ -517,10 +516,7 @@ def test_a_swap_prepared_before_an_outer_gradient_of_its_fragment_is_prepared_ag
         v0 = lr.book.frags[0].base_version
         assert lr.book.frags[0].next_round == 0
 
-        async def arrive():
-            lr.pending[0] = (v0 + 1, np.asarray(lr.base[0]) + np.float32(10.0))  # V = b0 + 10 = 10
-            lr._queue_swap(0)
-        asyncio.run_coroutine_threadsafe(arrive(), isl._loop).result(10)
+        _arrive(isl, v0 + 1, 10.0)  # V = b0 + 10 = 10
         t_end = time.monotonic() + 20
         while lr.book.frags[0].next_round == 0 and time.monotonic() < t_end:  # an outer gradient begins
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
