@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aggregator.quorum import AUTO
+from aggregator.shard_plan import AUTO as AUTO_SHARDS, SHARD_VALUES
 from bus import codec, sparse
 from bus.config import boolean, choice, integer, number, register, token, var
 
@@ -33,6 +34,20 @@ def parse_fragments(spec: str, num_fragments: int) -> range:
     return range(lo, hi + 1)
 
 
+def shards_value(s: str) -> int:
+    """'auto' (AUTO_SHARDS) or an integer N >= 1."""
+    if s.strip().lower() == "auto":
+        return AUTO_SHARDS
+    try:
+        return integer(1, 4096)(s)
+    except ValueError:
+        raise ValueError("expected 'auto' or an integer N with 1 <= N <= 4096") from None
+
+
+def shards_text(n: int) -> str:
+    return "auto" if n == AUTO_SHARDS else str(n)
+
+
 def quorum_text(k: int) -> str:
     """The setting of quorum ``k`` as DILOCO_QUORUM reads it (:func:`quorum_value`'s inverse)."""
     return "auto" if k == AUTO else str(k or "all")
@@ -59,6 +74,12 @@ class AggregatorConfig:
                                  "for the leader lease with any other monitor): a run of an aggregator and islands "
                                  "needs no third process (false: run `diloco monitor` yourself)")
     agg_fragments: str = var("all", fragment_range, "fragments this process owns: all, N or A-B (disjoint per process)")
+    agg_shards: int = var(AUTO_SHARDS, shards_value,
+                          "shard workers of `diloco aggregator` (with DILOCO_AGG_FRAGMENTS=all): auto = one process per "
+                          f"{SHARD_VALUES // 1_000_000}M parameters of the run, at most the usable cores less one and the "
+                          "fragments, each owning whole fragments (one: the aggregator runs in its own process); N: "
+                          "N processes (see docs/aggregator.md)",
+                          show=shards_text)
     quorum: int = var(AUTO, quorum_value, "auto: rounds close on time (every active learner expected within half the "
                       "fastest contributor's sync period, at the pace it reports, is waited for, then the round "
                       "merges: one merge per round at equal speeds, no fast learner held back by a slow one); all: "

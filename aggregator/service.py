@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import sys
 import time
 from collections import Counter, deque
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from bus.runs import RunMismatch, read_manifest, run_tree
+from bus.runs import RunMismatch, run_tree
 from aggregator.admission import AdmissionHold
 from aggregator.config import AggregatorConfig, parse_fragments
 from aggregator.durability import Durability
@@ -48,6 +49,8 @@ from aggregator.intake import Intake, Pending, VectorPool
 from aggregator.load import BusyMeter, PhaseClock, saturation_change
 from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy, input_clock
+from aggregator.shard_plan import fragments_text
+from aggregator.shards import Shards, plan_from_run, wait_for_manifest
 from aggregator.step import FragmentState, MergeSettings
 from aggregator.trust import summary as trust_summary
 from aggregator.validate import OutlierWatch
@@ -85,6 +88,7 @@ class Stats:
     checkpoint_bytes: int = 0
     checkpoint_s: float = 0.0
     checkpoints_early: int = 0  # forced: the GRAD stream was about to drop what a replay needs
+    checkpoints_early_skipped: int = 0  # ... not written: it would keep fewer bytes replayable than it writes
     replayed: int = 0  # merges replayed from the log at start
     replay_lost: int = 0  # logged merges whose contributions the GRAD stream no longer held
     recovery_s: float = 0.0
@@ -105,7 +109,8 @@ class Stats:
             "downweighted": dict(self.downweighted), "distrusted": dict(self.distrusted),
             "round_holds": self.round_holds, "round_holds_expired": self.round_holds_expired,
             "log_bytes": self.log_bytes, "checkpoints": self.checkpoints, "checkpoint_bytes": self.checkpoint_bytes,
-            "checkpoint_s": round(self.checkpoint_s, 3), "checkpoints_early": self.checkpoints_early, "replayed": self.replayed, "replay_lost": self.replay_lost,
+            "checkpoint_s": round(self.checkpoint_s, 3), "checkpoints_early": self.checkpoints_early,
+            "checkpoints_early_skipped": self.checkpoints_early_skipped, "replayed": self.replayed, "replay_lost": self.replay_lost,
             "recovery_s": round(self.recovery_s, 3),
         }
 
@@ -175,25 +180,13 @@ class AggregatorService(Intake, VersionMaker, Durability):
     async def _model_from_run(self, js, stop: asyncio.Event) -> None:
         """Wait for the run's manifest (its creator: a learner, an island, ``diloco run create``,
         ``diloco up``) and merge the tree it describes, whatever the model."""
-        logged = False
-        while not stop.is_set():
-            try:
-                m = await read_manifest(js, self.common.run)
-            except Exception as e:  # the server restarting: try again
-                self.log.warning("manifest_read_failed", error=repr(e))
-                m = None
-            if m is not None:
-                tree, plan = run_tree(m)
-                self.manifest = m
-                self._use(m.model_hash, plan)
-                self.log.info("model_from_run", params=tree.num_params, fragments=plan.num_fragments,
-                              kind=m.spec.get("kind", "builtin"))
-                return
-            if not logged:
-                self.log.info("waiting_for_manifest", run=self.common.run,
-                              hint="create the run: `diloco run create`, or start a learner or island")
-                logged = True
-            await asyncio.sleep(0.5)
+        m = await wait_for_manifest(js, self.common.run, stop, self.log)
+        if m is not None:
+            tree, plan = run_tree(m)
+            self.manifest = m
+            self._use(m.model_hash, plan)
+            self.log.info("model_from_run", params=tree.num_params, fragments=plan.num_fragments,
+                          kind=m.spec.get("kind", "builtin"))
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -359,7 +352,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
             busy = self._note_load(time.monotonic())
             try:
                 msg = {"role": "aggregator", "run": self.common.run, "ts": time.time(),
-                       "id": self.cfg.aggregator_id,
+                       "id": self.cfg.aggregator_id, "fragments": fragments_text(self.owned), "pid": os.getpid(),
                        "versions": {str(p): st.version for p, st in self.states.items()},
                        "buffered": {str(p): len(b) for p, b in self.buffers.items() if b},
                        "held": len(self.hold),
@@ -566,12 +559,20 @@ def main(argv: list[str] | None = None, companions: Sequence[Callable[..., Await
         except Exception as e:
             svc.log.error("companion_failed", companion=getattr(c, "__name__", repr(c)), error=repr(e))
 
-    async def go() -> None:
+    async def go() -> int:
         stop = asyncio.Event()
         install_stop(stop)
         extra = [asyncio.create_task(companion(c, stop)) for c in companions]
         try:
-            await svc.run(stop)
+            # sized from the run: one process, or shard workers each owning whole fragments (aggregator.shards)
+            plan = None
+            if cfg.agg_fragments == "all" and cfg.agg_shards != 1:
+                plan = await plan_from_run(common, cfg, stop, svc.log)
+            if plan is not None and len(plan) > 1:
+                return await Shards(cfg, plan, svc.log).run(stop)
+            if not stop.is_set():
+                await svc.run(stop)
+            return 0
         finally:
             stop.set()
             if extra:
@@ -580,7 +581,7 @@ def main(argv: list[str] | None = None, companions: Sequence[Callable[..., Await
                     t.cancel()
 
     try:
-        asyncio.run(go())
+        code = asyncio.run(go())
     except RunMismatch as e:
         print(f"diloco aggregator: {e}", file=sys.stderr)
         return 3
@@ -590,4 +591,4 @@ def main(argv: list[str] | None = None, companions: Sequence[Callable[..., Await
     except ConnectFailed as e:  # the server not reachable at start
         print(f"diloco aggregator: {e}", file=sys.stderr)
         return 4  # bus.entry.EXIT_UNAVAILABLE, as every command
-    return 0
+    return code

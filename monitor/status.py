@@ -87,6 +87,7 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
     leader_heard = asyncio.Event()
     aggregator_heard = asyncio.Event()
     trust_by_agg: dict[str, dict] = {}  # aggregator id -> its metrics' per-learner trust (aggregator.trust)
+    aggregators: dict[str, dict] = {}  # aggregator id (a shard worker's) -> aggregator_summary
     sub = agg_sub = None
     if seen_wait > 0:
         async def on_monitor(m) -> None:
@@ -99,7 +100,7 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
             if isinstance(msg, dict) and msg.get("leader") is True:
                 leader_heard.set()
 
-        on_aggregator = trust_listener(trust_by_agg, aggregator_heard)
+        on_aggregator = trust_listener(trust_by_agg, aggregator_heard, aggregators)
 
         try:
             sub = await nc.subscribe(f"{s.prefix}.metrics.monitor.*", cb=on_monitor)
@@ -155,6 +156,16 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         out["membership"] = {"error": _describe(e)}
     out["progress"] = await read_progress(js, s)
+    manifest = None
+    try:
+        rkv = await js.key_value(s.bucket("run"))
+        entry = await rkv.get(MANIFEST_KEY)
+        manifest = Manifest.from_dict(loads_json(entry.value))  # type: ignore[arg-type]
+        out["manifest"] = manifest.to_dict()
+    except (BucketNotFoundError, KeyNotFoundError):
+        out["manifest"] = None
+    except Exception as e:  # noqa: BLE001 - CodecError, malformed manifest
+        out["manifest"] = {"error": _describe(e)}
     if sub is not None:
         if isinstance(out["membership"], dict) and out["membership"].get("members"):
             try:
@@ -162,12 +173,18 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
             except asyncio.TimeoutError:
                 pass
             out["membership"]["members"] = freshen_seen(out["membership"]["members"], heard)
+        if manifest is not None or (isinstance(out["membership"], dict) and out["membership"].get("members")):
             try:
                 await asyncio.wait_for(aggregator_heard.wait(), timeout=max(0.0, seen_wait - (time.time() - now)))
             except asyncio.TimeoutError:
                 pass
+            # every aggregator process (shard workers each own some fragments), as long as the wait allows
+            want = manifest.num_fragments if manifest is not None else 0
+            while fragments_covered(aggregators.values()) < want and time.time() - now < seen_wait:
+                await asyncio.sleep(0.05)
             out["ts"] = now = time.time()
         out["trust"] = merge_trust(trust_by_agg) if trust_by_agg else None
+        out["aggregators"] = [aggregators[k] for k in sorted(aggregators)]
         for x in (sub, agg_sub):
             try:
                 if x is not None:
@@ -184,17 +201,6 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
         out["leader"] = None
     except Exception as e:  # noqa: BLE001
         out["leader"] = {"error": _describe(e)}
-
-    manifest = None
-    try:
-        rkv = await js.key_value(s.bucket("run"))
-        entry = await rkv.get(MANIFEST_KEY)
-        manifest = Manifest.from_dict(loads_json(entry.value))  # type: ignore[arg-type]
-        out["manifest"] = manifest.to_dict()
-    except (BucketNotFoundError, KeyNotFoundError):
-        out["manifest"] = None
-    except Exception as e:  # noqa: BLE001 - CodecError, malformed manifest
-        out["manifest"] = {"error": _describe(e)}
 
     if manifest is not None:
         store = VersionedStore(js, run, GLOBAL)
@@ -216,9 +222,10 @@ async def gather_status(nc, run: str, seen_wait: float = 0.0) -> dict[str, Any]:
     return out
 
 
-def trust_listener(by_aggregator: dict[str, dict], heard: asyncio.Event):
+def trust_listener(by_aggregator: dict[str, dict], heard: asyncio.Event, summaries: dict[str, dict] | None = None):
     """A callback for aggregators' metrics messages: each one's per-learner trust records into
-    ``by_aggregator`` (by aggregator id), ``heard`` set at the first."""
+    ``by_aggregator`` (by aggregator id), ``heard`` set at the first; with ``summaries``, each
+    one's :func:`aggregator_summary` too (its shard workers: one entry each)."""
 
     async def on_aggregator(m) -> None:
         try:
@@ -227,9 +234,37 @@ def trust_listener(by_aggregator: dict[str, dict], heard: asyncio.Event):
             return
         if isinstance(msg, dict) and isinstance(msg.get("trust"), dict):
             by_aggregator[str(msg.get("id"))] = msg["trust"]
+            if summaries is not None:
+                summaries[str(msg.get("id"))] = aggregator_summary(msg)
             heard.set()
 
     return on_aggregator
+
+
+def fragments_covered(summaries) -> int:
+    """Fragments owned by the aggregators of ``summaries`` (their ``fragments``: all, N or A-B)."""
+    owned: set[int] = set()
+    for x in summaries:
+        f = str(x.get("fragments") or "")
+        a, _, b = f.partition("-")
+        if f == "all":
+            return 1 << 30
+        if a.isdigit() and (b == "" or b.isdigit()):
+            owned.update(range(int(a), int(b or a) + 1))
+    return len(owned)
+
+
+def aggregator_summary(msg: dict) -> dict:
+    """What ``diloco status`` shows of one aggregator process (a shard worker of ``diloco
+    aggregator``, or an aggregator started with its own DILOCO_AGG_FRAGMENTS) from its metrics."""
+    versions = [v for v in (msg.get("versions") or {}).values() if isinstance(v, int)]
+    rejected = msg.get("rejected") or {}
+    return {"id": str(msg.get("id")), "fragments": msg.get("fragments"), "ts": msg.get("ts"),
+            "versions": [min(versions), max(versions)] if versions else None,
+            "busy": msg.get("busy"), "saturated": bool(msg.get("saturated")), "accepted": msg.get("accepted"),
+            "rejected": sum(v for v in rejected.values() if isinstance(v, int)) if isinstance(rejected, dict) else None,
+            "buffered": sum((msg.get("buffered") or {}).values()), "replayed": msg.get("replayed"),
+            "replay_lost": msg.get("replay_lost")}
 
 
 async def gather_trust(nc, run: str, wait: float) -> dict[str, dict] | None:
@@ -329,6 +364,26 @@ def restarts_cell(rec: dict[str, Any] | None) -> str:
     return f"{rec['restarts']} ({rec.get('lost', 0)} lost)" if rec["restarts"] else "0"
 
 
+def aggregator_lines(aggs: list[dict] | None, now: float, width: int) -> list[str]:
+    """The aggregator processes heard (one row per shard worker), or nothing if none was."""
+    if not aggs:
+        return []
+    lines = [f"aggregators {len(aggs)} heard"]
+    rows = [("ID", "FRAGMENTS", "VERSIONS", "BUSY", "ACCEPTED", "REJECTED", "BUFFERED", "REPLAYED", "HEARD")]
+    for a in aggs:
+        v = a.get("versions")
+        busy = a.get("busy")
+        rows.append((a["id"], str(a.get("fragments") or "?"), f"v{v[0]}..v{v[1]}" if v else "-",
+                     (f"{busy:.2f}" if isinstance(busy, (int, float)) else "-") + (" SATURATED" if a.get("saturated") else ""),
+                     str(a.get("accepted", "-")), str(a.get("rejected", "-")), str(a.get("buffered", "-")),
+                     f"{a.get('replayed') or 0}" + (f" ({a['replay_lost']} lost)" if a.get("replay_lost") else ""),
+                     fmt_age(now - a["ts"]) + " ago" if isinstance(a.get("ts"), (int, float)) else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append(("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths))).rstrip()[:width])
+    return lines
+
+
 def render_status(st: dict[str, Any], width: int = 120) -> str:
     """Text form of :func:`gather_status` output (deterministic given ``st``)."""
     now = st.get("ts") or 0.0
@@ -360,6 +415,8 @@ def render_status(st: dict[str, Any], width: int = 120) -> str:
         lines.append(f"leader     {leader['id']} (lease valid for {fmt_age(leader['until'] - now)})")
     else:
         lines.append(f"leader     {leader['id'] or '?'} (lease EXPIRED {fmt_age(now - leader['until'])} ago)")
+
+    lines += aggregator_lines(st.get("aggregators"), now, width)
 
     ms = st.get("membership")
     if ms is None:

@@ -66,3 +66,87 @@ async def set_members(js, run: str, states: dict[str, str]) -> None:
 
 
 PY = sys.executable
+
+
+# -- a run whose merges a test replays bit for bit (the crash loop, a killed shard worker) ---------
+
+#: aggregator settings with no membership, one contribution per merge, and every contribution
+#: accepted: a test sends what it likes and replays what was merged
+REPLAY_AGG = {"DILOCO_REQUIRE_MEMBERSHIP": "false", "DILOCO_QUORUM": "1", "DILOCO_GRACE": "fixed",
+              "DILOCO_GRACE_SECONDS": "0.05", "DILOCO_MAX_STALENESS": "100000",
+              "DILOCO_NORM_OUTLIER_FACTOR": "1000000", "DILOCO_MERGE": "rda", "DILOCO_LOG_LEVEL": "warning",
+              "DILOCO_ACK_WAIT": "3", "DILOCO_EMBEDDED_MONITOR": "false"}  # no membership: nothing for a monitor to do
+
+
+def replay_settings():
+    """``REPLAY_AGG``'s merge settings, with the manifest's max_inner_lr, as the aggregator has them."""
+    import dataclasses
+
+    from aggregator.config import AggregatorConfig
+    from aggregator.step import MergeSettings
+
+    cfg = AggregatorConfig(require_membership=False, quorum=1, grace="fixed", grace_seconds=0.05,
+                           max_staleness=100000, norm_outlier_factor=1e6, merge="rda")
+    return dataclasses.replace(MergeSettings.from_config(cfg), max_inner_lr=MODEL.max_inner_lr)
+
+
+async def merge_events(js, run: str, sent, timeout: float = 90.0) -> dict:
+    """Every merge event of ``run``, (fragment, version) -> (applied keys, scale, per_round), read
+    until every key of ``sent`` is applied (or ``timeout``); two different merges recorded for one
+    version fail the test."""
+    import asyncio
+    import time
+
+    from nats.js.api import DeliverPolicy
+
+    events: dict[tuple[int, int], tuple] = {}
+    sub = await js.subscribe(Subjects(run).event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    t_end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < t_end:
+            try:
+                m = await sub.next_msg(timeout=0.5)
+            except (asyncio.TimeoutError, Exception):
+                applied = {tuple(k) for keys, _, _ in events.values() for k in keys}
+                if set(sent) <= applied:
+                    break
+                continue
+            e = orjson.loads(m.data)
+            key = (e["fragment"], e["version"])
+            rec = ([tuple(k) for k in e["applied"]], e["scale"], e["per_round"])
+            assert events.setdefault(key, rec) == rec, "two different merges recorded for the same version"
+    finally:
+        await sub.unsubscribe()
+    return events
+
+
+async def assert_replay_matches(js, run: str, events: dict, sent: dict) -> None:
+    """Nothing sent lost or applied twice, and the global parameters of every fragment equal the
+    pure merge step replaying exactly the recorded merges (``sent``: key -> (vector, base))."""
+    from aggregator.contribution import Contribution
+    from aggregator.step import FragmentState, merge_step
+    from bus.fragments import gather
+    from bus.subjects import GLOBAL
+    from bus.transport import VersionedStore
+    from learner.spec import init_params
+
+    applied_lists = [k for keys, _, _ in events.values() for k in keys]
+    assert len(applied_lists) == len(set(applied_lists)), "a contribution was applied twice"
+    lost = set(sent) - set(applied_lists)
+    assert not lost, f"lost: {len(lost)} contributions {sorted(lost)[:5]}"
+    assert set(applied_lists) <= set(sent)
+    settings = replay_settings()
+    store = VersionedStore(js, run, GLOBAL)
+    params0 = init_params(SPEC, MODEL.seed)
+    for p in range(PLAN.num_fragments):
+        st = FragmentState.initial(p, 0, gather(PLAN, params0, p), settings)
+        versions = sorted(v for (f, v) in events if f == p)
+        assert versions == list(range(1, len(versions) + 1)), "merge events are not contiguous"
+        for v in versions:
+            keys, scale, per_round = events[(p, v)]
+            contribs = [Contribution(run, HASH, lrn, inc, frag, rnd, sent[(lrn, inc, frag, rnd)][1], 10, 640,
+                                     sent[(lrn, inc, frag, rnd)][0]) for (lrn, inc, frag, rnd) in keys]
+            st = merge_step(st, contribs, settings, scale=scale, per_round=per_round)
+        head, blob = await store.get(p)
+        assert head.version == st.version
+        assert np.array_equal(codec.decode_array(blob), st.params), f"fragment {p} differs from its replay"

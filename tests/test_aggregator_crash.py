@@ -5,37 +5,22 @@ Kills fall between merges and their checkpoints (every DILOCO_CHECKPOINT_EVERY =
 default): each restart loads the newest checkpoint and replays the merge log from the GRAD stream."""
 
 import asyncio
-import dataclasses
 import random
 import signal
 import subprocess
-import time
 
 import numpy as np
 import orjson
 import pytest
 from nats.js.api import DeliverPolicy
 
-from aggregator.config import AggregatorConfig
-from aggregator.contribution import Contribution
-from aggregator.step import FragmentState, MergeSettings, merge_step
-from bus import codec
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
-from bus.fragments import gather
-from learner.spec import init_params
-from tests.agg_helpers import HASH, MODEL, PLAN, PY, SPEC, FakeLearner, env
+from tests.agg_helpers import PLAN, PY, REPLAY_AGG, FakeLearner, assert_replay_matches, env, merge_events
 
 RUN = "crash"
 S = Subjects(RUN)
-AGG = {"DILOCO_REQUIRE_MEMBERSHIP": "false", "DILOCO_QUORUM": "1", "DILOCO_GRACE": "fixed",
-       "DILOCO_GRACE_SECONDS": "0.05", "DILOCO_MAX_STALENESS": "100000", "DILOCO_NORM_OUTLIER_FACTOR": "1000000",
-       "DILOCO_MERGE": "rda", "DILOCO_LOG_LEVEL": "warning", "DILOCO_ACK_WAIT": "3",
-       "DILOCO_EMBEDDED_MONITOR": "false"}  # no membership here: nothing for a monitor to do
-SETTINGS = dataclasses.replace(  # with the manifest's max_inner_lr, as the aggregator has it
-    MergeSettings.from_config(AggregatorConfig(require_membership=False, quorum=1, grace="fixed", grace_seconds=0.05,
-                                               max_staleness=100000, norm_outlier_factor=1e6, merge="rda")),
-    max_inner_lr=MODEL.max_inner_lr)
+AGG = REPLAY_AGG
 
 
 def _spawn(url):
@@ -120,30 +105,14 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
     stop.set()
     await asyncio.gather(*tasks[:2])
     # the last aggregator drains everything that was acknowledged by the bus
-    events: dict[tuple[int, int], list] = {}
-    sub = await js.subscribe(S.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    t_end = time.monotonic() + 90  # exits as soon as every sent contribution is recorded
-    while time.monotonic() < t_end:
-        try:
-            m = await sub.next_msg(timeout=0.5)
-        except Exception:
-            applied = {tuple(k) for keys, _, _ in events.values() for k in keys}
-            if set(sent) <= applied:
-                break
-            continue
-        e = orjson.loads(m.data)
-        key = (e["fragment"], e["version"])
-        rec = ([tuple(k) for k in e["applied"]], e["scale"], e["per_round"])
-        assert events.setdefault(key, rec) == rec, "two different merges recorded for the same version"
+    events = await merge_events(js, RUN, sent)
     agg.send_signal(signal.SIGTERM)
     assert agg.wait(20) in (0, -signal.SIGTERM)
     tasks[2].cancel()
 
-    applied_lists = [k for keys, _, _ in events.values() for k in keys]
-    assert len(applied_lists) == len(set(applied_lists)), "a contribution was applied twice"
-    lost = set(sent) - set(applied_lists)
+    applied = {k for keys, _, _ in events.values() for k in keys}
+    lost = set(sent) - applied
     assert not lost, f"lost: {len(lost)} contributions {sorted(lost)[:5]}; " + await _rejections(js, lost)
-    assert set(applied_lists) <= set(sent)
     # versions monotonic per fragment, as every head publication was seen live
     last = {}
     for f, v in heads_seen:
@@ -156,21 +125,7 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
         assert set(range(1, last[f] + 1)) <= seen, f"fragment {f}: versions never published: " \
             f"{sorted(set(range(1, last[f] + 1)) - seen)[:10]}"
     # replay exactly the recorded merges with the pure merge step: same parameters, bit for bit
-    params0 = init_params(SPEC, MODEL.seed)
-    for p in range(PLAN.num_fragments):
-        st = FragmentState.initial(p, 0, gather(PLAN, params0, p), SETTINGS)
-        versions = sorted(v for (f, v) in events if f == p)
-        assert versions == list(range(1, len(versions) + 1)), "merge events are not contiguous"
-        for v in versions:
-            contribs = []
-            keys, scale, per_round = events[(p, v)]
-            for (lrn, inc, frag, rnd) in keys:
-                vec, base = sent[(lrn, inc, frag, rnd)]
-                contribs.append(Contribution(RUN, HASH, lrn, inc, frag, rnd, base, 10, 640, vec))
-            st = merge_step(st, contribs, SETTINGS, scale=scale, per_round=per_round)
-        head, blob = await store.get(p)
-        assert head.version == st.version
-        assert np.array_equal(codec.decode_array(blob), st.params)
+    await assert_replay_matches(js, RUN, events, sent)
     assert len(sent) > 100 and sum(len(k) for k, _, _ in events.values()) == len(sent)
     # the kills fell between merges and their checkpoints: restarts replayed the merge log (the
     # bit-exact check above covers those replays), and none lost a contribution

@@ -142,6 +142,21 @@ def test_run_state_folds_metrics_and_events():
     assert st.snapshot.applied == 5 and st.snapshot.skipped == {"stale": 1, "other_run": 1}
 
 
+def test_the_shard_workers_of_one_aggregator_are_shown_as_one_aggregator():
+    st = L.RunState(run="r", t0=0.0)
+    st.on_metrics(_metrics("aggregator", id="agg-0-s0", versions={"0": 4, "1": 5}, merges=9, ts=2.0,
+                           contributions={"us-0": 5, "eu-0": 4}, rejected={"too_stale": 1}, checkpoints=1))
+    st.on_metrics(_metrics("aggregator", id="agg-0-s1", versions={"2": 3}, merges=3, ts=3.0,
+                           contributions={"us-0": 2}, rejected={"too_stale": 2, "duplicate": 1}, checkpoints=2))
+    st.on_metrics(_metrics("aggregator", id="agg-0-s0", versions={"0": 3, "1": 4}, merges=7, ts=1.0))  # older
+    assert st.versions() == {"0": 4, "1": 5, "2": 3}
+    assert st.contributions() == {"us-0": 7, "eu-0": 4}
+    agg = st.aggregator
+    assert (agg["merges"], agg["checkpoints"], agg["rejected"], agg["ts"]) == (
+        12, 3, {"too_stale": 3, "duplicate": 1}, 2.0)  # ts: every worker has reported since
+    assert st.merge_history[-1][1] == 12
+
+
 def test_summary_has_the_promised_keys():
     st = L.RunState(run="r", t0=0.0)
     st.on_metrics(_metrics("evaluator", eval_loss=5.0, version=0, ts=1.0, versions={"0": 0}))

@@ -15,6 +15,37 @@ from typing import Any
 
 # -- live state from the metrics subjects (pure folding) --------------------------------------------
 
+#: counts an aggregator's processes (the shard workers of ``diloco aggregator``) each report for
+#: the fragments they own: summed
+_SUMMED = ("merges", "accepted", "log_bytes", "checkpoint_bytes", "checkpoints")
+#: per-fragment or per-learner maps: merged (fragments are disjoint; learners' counts add up)
+_MAPS = ("versions", "buffered")
+_COUNTERS = ("rejected", "contributions")
+
+
+def combine_aggregators(msgs: list[dict]) -> dict:
+    """One aggregator's metrics from those of its processes (one, or a shard worker per range of
+    fragments): counts summed, per-fragment maps joined, ``ts`` the oldest (every process has
+    reported since then)."""
+    if len(msgs) == 1:
+        return msgs[0]
+    out: dict = {"role": "aggregator", "ts": min(float(m.get("ts", 0)) for m in msgs)}
+    for k in _SUMMED:
+        vals = [m.get(k) for m in msgs if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)]
+        if vals:
+            out[k] = sum(vals)
+    for k in _MAPS:
+        out[k] = {f: v for m in msgs for f, v in (m.get(k) or {}).items()}
+    for k in _COUNTERS:
+        total: dict = {}
+        for m in msgs:
+            for x, n in (m.get(k) or {}).items():
+                if isinstance(n, (int, float)):
+                    total[x] = total.get(x, 0) + n
+        out[k] = total
+    return out
+
+
 
 @dataclass
 class RunState:
@@ -22,7 +53,7 @@ class RunState:
 
     run: str
     learners: dict[str, dict] = field(default_factory=dict)  # id -> last learner metrics
-    aggregator: dict | None = None
+    aggregators: dict[str, dict] = field(default_factory=dict)  # id (shard workers each have one) -> last metrics
     monitor: dict | None = None
     evals: list[dict] = field(default_factory=list)  # evaluator records, in arrival order
     membership: list[dict] = field(default_factory=list)
@@ -55,9 +86,11 @@ class RunState:
                 if not hist or hist[-1][1] != step:
                     hist.append((float(msg.get("ts", time.time())), step, float(loss)))
         elif role == "aggregator":
-            if self.aggregator is None or float(msg.get("ts", 0)) >= float(self.aggregator.get("ts", 0)):
-                self.aggregator = msg
-                merges = msg.get("merges")
+            ident = str(msg.get("id"))
+            old = self.aggregators.get(ident)
+            if old is None or float(msg.get("ts", 0)) >= float(old.get("ts", 0)):
+                self.aggregators[ident] = msg
+                merges = (self.aggregator or {}).get("merges")
                 if isinstance(merges, int) and not isinstance(merges, bool) and \
                         (not self.merge_history or self.merge_history[-1][1] != merges):
                     self.merge_history.append((float(msg.get("ts", time.time())), merges))
@@ -66,6 +99,11 @@ class RunState:
         elif (role == "evaluator" and isinstance(msg.get("eval_loss"), (int, float))
               and "evaluated_at" not in msg):  # a repeat of the last evaluation is not a new point
             self.evals.append(msg)
+
+    @property
+    def aggregator(self) -> dict | None:
+        """The aggregator's newest metrics, its shard workers' combined (:func:`combine_aggregators`)."""
+        return combine_aggregators(list(self.aggregators.values())) if self.aggregators else None
 
     def on_event(self, msg: Any) -> None:
         """A membership transition; a republished one (same learner, states and time) counts once."""
