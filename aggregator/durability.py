@@ -32,11 +32,12 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from aggregator.contribution import from_grad_message
-from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay, log_slots,
-                             replay_one, stream_overtaking)
+from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay,
+                             early_checkpoint_pays, log_slots, replay_one, stream_overtaking)
 from aggregator.step import FragmentState
 from bus import codec
 from bus.runs import RunMismatch
+from bus.streams import STATE_ARRAYS
 from bus.streams import ensure_run
 from bus.transport import TransportError, VersionConflict, fetch_object
 
@@ -60,6 +61,7 @@ class Durability:
         states: dict[int, FragmentState]
         logpos: dict[int, LogPosition]
         _grad_checked: float
+        _grad_limit: int
         _ckpt_tasks: dict[int, asyncio.Task]
         _logseqs: dict[int, deque]
 
@@ -249,7 +251,7 @@ class Durability:
         pos = self.logpos[p]
         if version > pos.checkpoint_version:
             # what the log holds beyond this checkpoint: the merges committed since its copy
-            seqs = self._logseqs.setdefault(p, deque())
+            seqs = self._logseqs.setdefault(p, deque())  # (version, oldest GRAD seq, bytes) per record
             while seqs and seqs[0][0] <= version:
                 seqs.popleft()
             # (its time is the copy's: the log's age bound, DILOCO_CHECKPOINT_SECONDS, counts from there;
@@ -258,7 +260,8 @@ class Durability:
             # NormHistory.restart replaces the fragment's norms outright)
             self.logpos[p] = LogPosition(version, taken,
                                          max(0, pos.versions_since - (version - pos.checkpoint_version)),
-                                         restarts=pos.restarts, oldest_seq=min((q for _, q in seqs), default=None))
+                                         restarts=pos.restarts, oldest_seq=min((q for _, q, _ in seqs), default=None),
+                                         bytes_since=sum(b for _, _, b in seqs))
         self.stats.checkpoints += 1
         self.stats.checkpoint_s += time.monotonic() - t0
         self.log.debug("checkpointed", fragment=p, version=version, log_after=self.logpos[p].versions_since,
@@ -277,14 +280,26 @@ class Durability:
             try:
                 info = await self.js.stream_info(self.s.stream("grad"))
                 st, limit = info.state, info.config.max_bytes or 0
+                self._grad_limit = limit
                 overtaken = {p for p, pos in self.logpos.items()
                              if stream_overtaking(pos.oldest_seq, st.first_seq, st.last_seq, st.bytes, limit)}
             except Exception as e:
                 self.log.warning("grad_stream_info_failed", error=repr(e))
         for p, pos in list(self.logpos.items()):
-            if p not in self.uncommitted and (p in overtaken or policy.due(pos.versions_since, now - pos.checkpoint_time)):
-                if self._start_checkpoint(p) and p in overtaken:
-                    self.stats.checkpoints_early += 1
+            if p in self.uncommitted:
+                continue
+            due = policy.due(pos.versions_since, now - pos.checkpoint_time)
+            if not due and p in overtaken and not early_checkpoint_pays(pos.bytes_since, self._checkpoint_bytes(p),
+                                                                        self._grad_limit, self.plan.num_fragments):
+                self.stats.checkpoints_early_skipped += 1
+                continue
+            if (due or p in overtaken) and self._start_checkpoint(p) and not due:
+                self.stats.checkpoints_early += 1
+
+    def _checkpoint_bytes(self, p: int) -> int:
+        """Bytes a checkpoint of fragment p writes: its last one's, or three arrays of its values."""
+        buf = self._ckpt_buf.get(p)
+        return len(buf) if buf is not None else STATE_ARRAYS * 4 * int(self.plan.sizes[p])
 
     async def _checkpoint_all(self) -> None:
         """At a clean stop: nothing left to replay."""
@@ -317,7 +332,7 @@ class Durability:
         ckpt = st.version
         records = await self._read_log(p)
         t0 = time.monotonic()
-        replayed = lost = 0
+        replayed = lost = nbytes = 0
         oldest: int | None = None
         v = st.version + 1
         while v in records:
@@ -336,6 +351,7 @@ class Durability:
                 if published is not None and st.version >= published and not await self._republish(p, st, published):
                     published = None  # the rest waits for the main loop (``unpublished``: the newest version)
             seqs = [q for lc in rec.contribs for q in lc.seqs]
+            nbytes += sum(lc.nbytes for lc in rec.contribs)
             if seqs:
                 oldest = min(seqs) if oldest is None else min(oldest, *seqs)
             v += 1
@@ -343,7 +359,7 @@ class Durability:
         if later:  # a gap in the log: cannot happen while the slots outnumber the versions a checkpoint lags
             raise RunMismatch(f"fragment {p}: the merge log misses version {v} (checkpoint {ckpt}, records up to "
                               f"{later[-1]}): was DILOCO_CHECKPOINT_EVERY lowered while records were pending?")
-        self.logpos[p] = LogPosition(ckpt, time.monotonic(), st.version - ckpt, oldest_seq=oldest)
+        self.logpos[p] = LogPosition(ckpt, time.monotonic(), st.version - ckpt, oldest_seq=oldest, bytes_since=nbytes)
         self.stats.replayed += replayed
         self.stats.replay_lost += lost
         self.stats.recovery_s += time.monotonic() - t0

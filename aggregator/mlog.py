@@ -193,6 +193,31 @@ class LogPosition:
     versions_since: int = 0
     restarts: list = field(default_factory=list)  # outlier-reference restarts since the newest merge
     oldest_seq: int | None = None  # the oldest GRAD sequence the log since the checkpoint points to
+    bytes_since: int = 0  # GRAD payload bytes of the contributions merged since the checkpoint
+
+
+#: an early checkpoint is written once the contributions merged since the last hold this many
+#: times its bytes (the STATE writes it adds are then at most a quarter of the GRAD bytes merged,
+#: what ``bus.streams`` sizes the replay window for), or half the fragment's share of the stream
+EARLY_CHECKPOINT_RATIO = 4
+
+
+def early_checkpoint_pays(bytes_since: int, checkpoint_bytes: int, stream_bytes: int, fragments: int) -> bool:
+    """An early checkpoint (the GRAD stream about to drop what the log points to) is written only
+    when the contributions merged since the last one hold ``EARLY_CHECKPOINT_RATIO`` times the bytes
+    it writes, or half the fragment's share of the stream's byte limit, whichever is less.
+
+    While the aggregator keeps up, the stream holds merged contributions: the log of a fragment
+    reaches the old end of the stream when it spans about 3/4 of the stream, more than half its
+    share of it, and the checkpoint is written: a restart replays every merge. While it is behind,
+    the stream is full of contributions not merged yet, and the log of every fragment is always at
+    its old end after one or two merges: each fragment was checkpointed again as soon as its last
+    checkpoint was stored (at 4 x 100M, 16-22 checkpoints of 100 MB per 20 s, the broker's disk and
+    CPU taken from the merges, and the aggregator never caught up; docs/BENCHMARKS.md). What the
+    bound costs: a crash while the aggregator is behind may find up to that many bytes of merged
+    contributions gone from the stream (``replay_lost``, said and counted)."""
+    share = stream_bytes // max(1, 2 * fragments) if stream_bytes > 0 else bytes_since
+    return bytes_since >= min(EARLY_CHECKPOINT_RATIO * checkpoint_bytes, share)
 
 
 def stream_overtaking(oldest_seq: int | None, first_seq: int, last_seq: int, stored_bytes: int, max_bytes: int,

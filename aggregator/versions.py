@@ -170,9 +170,11 @@ class VersionMaker:
         pos = self.logpos[p]
         pos.versions_since += 1
         seqs = [q for x in items for q in x.seqs]
+        nbytes = sum(x.nbytes for x in items)
+        pos.bytes_since += nbytes
         if seqs:
             pos.oldest_seq = min(seqs) if pos.oldest_seq is None else min(pos.oldest_seq, *seqs)
-            self._logseqs.setdefault(p, deque()).append((rec.version, min(seqs)))
+            self._logseqs.setdefault(p, deque()).append((rec.version, min(seqs), nbytes))
         for x in items:
             await ack_all(x.tokens)
         self._queue_publish(p)

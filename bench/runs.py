@@ -62,6 +62,20 @@ def model_config(env: dict):
     return ModelConfig(**kw)
 
 
+def hwm_mib(pid: int | None) -> float | None:
+    """VmHWM (peak RSS) of a process, MiB (None if gone)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 class Cluster:
     """One run on its own embedded server. ``async with Cluster(run, env) as c: ...``.
 
@@ -182,14 +196,7 @@ class Cluster:
         p = self.procs.get(name)
         if p is None or p.poll() is not None:
             return None
-        try:
-            with open(f"/proc/{p.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
+        return hwm_mib(p.pid)
 
     # -- metrics -----------------------------------------------------------------------------------
 

@@ -56,10 +56,11 @@ from pathlib import Path
 import orjson
 
 from bench.common import finish, parser, progress
-from bench.runs import PY, Cluster, model_config
+from bench.runs import PY, Cluster, hwm_mib, model_config
 from bench.scale import mem_available_mib
 from bus.config import CommonConfig
 from bus.procs import popen
+from monitor.status import fragments_covered
 from learner.builtin import create_builtin_run
 from learner.spec import count_params, make_plan
 
@@ -106,11 +107,13 @@ def machine_busy_s() -> float:
 
 
 class Run:
-    """One cluster: a model, a monitor, ``n_aggs`` aggregators, replay processes added in stages."""
+    """One cluster: a model, a monitor, ``n_aggs`` aggregator commands, replay processes added in
+    stages. Each command may run shard workers (``aggregator.shards``): figures are per process,
+    by the ids the aggregators' metrics carry (``agg-0``, or ``agg-0-s0``, ``agg-0-s1``, ...)."""
 
     def __init__(self, c: Cluster, model: str, n_aggs: int):
         self.c, self.model = c, model
-        self.aggs = [f"agg-{i}" for i in range(n_aggs)]
+        self.cmds = [f"agg-{i}" for i in range(n_aggs)]
         self.frags = split_fragments(n_aggs)
         self.learners: list[str] = []
         self.replays: list[str] = []
@@ -126,10 +129,18 @@ class Run:
                                  model_config(model_env(self.model)))
         progress(f"  run of {self.params / 1e6:.1f}M created in {time.monotonic() - t:.1f} s")
         c.start("monitor", "monitor", **MONITOR)
-        for a, f in zip(self.aggs, self.frags):
-            c.start(a, "aggregator", DILOCO_AGGREGATOR_ID=a, DILOCO_AGG_FRAGMENTS=f, **AGG)
-        if not await c.wait_for(lambda: all(c.metrics("aggregator", a) for a in self.aggs), 300, 0.5):
-            raise RuntimeError("aggregators did not start:\n" + c.log_tail(self.aggs[0]))
+        self.start_aggregators()
+        if not await c.wait_for(lambda: fragments_covered(self.c.role_metrics("aggregator").values()) >= P, 300, 0.5):
+            raise RuntimeError("aggregators did not start:\n" + c.log_tail(self.cmds[0]))
+
+    def start_aggregators(self) -> None:
+        for a, f in zip(self.cmds, self.frags):
+            self.c.start(a, "aggregator", DILOCO_AGGREGATOR_ID=a, DILOCO_AGG_FRAGMENTS=f, **AGG)
+
+    @property
+    def aggs(self) -> list[str]:
+        """The aggregator processes heard (shard workers included), by id."""
+        return sorted(self.c.role_metrics("aggregator"))
 
     async def add_learners(self, m: int) -> None:
         """Start a replay process for learners ``learner-<len>`` .. ``learner-<m-1>``; wait until
@@ -156,16 +167,17 @@ class Run:
         c = self.c
         js = c.nc.jetstream(timeout=10)
         backlog = 0
-        for f in self.frags:
-            lo, hi = (0, P - 1) if f == "all" else map(int, f.split("-"))
+        am = {a: dict(c.metrics("aggregator", a)) for a in self.aggs}
+        for f in (str(m.get("fragments") or "all") for m in am.values()):
+            lo, hi = (0, P - 1) if f == "all" else (int(f.partition("-")[0]), int(f.partition("-")[2] or f))
             try:
                 ci = await js.consumer_info(c.s.stream("grad"), f"agg_{lo}_{hi}")
                 backlog += (ci.num_pending or 0) + (ci.num_ack_pending or 0)
             except Exception:
                 pass
-        am = {a: dict(c.metrics("aggregator", a)) for a in self.aggs}
         rm = [dict(c.metrics("replay", r)) for r in self.replays]
-        return {"t": time.monotonic(), "busy": machine_busy_s(), "mon_cpu": cpu_s(c.procs["monitor"].pid), "agg": am, "agg_cpu": {a: cpu_s(c.procs[a].pid) for a in self.aggs},
+        return {"t": time.monotonic(), "busy": machine_busy_s(), "mon_cpu": cpu_s(c.procs["monitor"].pid), "agg": am,
+                "agg_cpu": {a: cpu_s(m.get("pid")) for a, m in am.items()},
                 "srv_cpu": cpu_s(c.srv.proc.pid), "replay_cpu": sum(m.get("cpu_s") or 0 for m in rm),
                 "published": sum(m.get("published") or 0 for m in rm),
                 "skipped": sum(m.get("skipped") or 0 for m in rm), "failed": sum(m.get("failed") or 0 for m in rm),
@@ -188,7 +200,7 @@ class Run:
         frag_m = self.params / P / 1e6  # mean fragment, millions of values
         per, tot_v = [], 0.0
         tot = {"accepted": 0.0, "cpu": 0.0, "versions": 0, "accepted_n": 0, "rejected": 0}
-        for a in self.aggs:
+        for a in sorted(set(s0["agg"]) & set(s1["agg"])):
             a0, a1 = s0["agg"][a], s1["agg"][a]
             dts = max(1e-6, (a1.get("ts") or 0) - (a0.get("ts") or 0))
             dv = sum((a1.get("versions") or {}).values()) - sum((a0.get("versions") or {}).values())
@@ -197,13 +209,13 @@ class Run:
             cpu = (s1["agg_cpu"][a] or 0) - (s0["agg_cpu"][a] or 0)
             l0, l1 = a0.get("loop_s") or {}, a1.get("loop_s") or {}
             loop = {k: round((l1.get(k, 0.0) - l0.get(k, 0.0)) / dts, 3) for k in l1}
-            per.append({"id": a, "fragments": self.frags[self.aggs.index(a)], "versions_per_s": round(dv / dts, 3),
+            per.append({"id": a, "fragments": a1.get("fragments"), "versions_per_s": round(dv / dts, 3),
                         "loop_share": loop, **{k: round((a1.get(k) or 0) - (a0.get(k) or 0), 3)
-                                              for k in ("checkpoints", "checkpoints_early", "checkpoint_s")},
+                                              for k in ("checkpoints", "checkpoints_early", "checkpoints_early_skipped", "checkpoint_s")},
                         "accepted_per_s": round(dacc / dts, 3), "cpu_util": round(cpu / dt, 3),
                         "merge_latency_p50": a1.get("merge_latency_p50"), "merge_latency_max": a1.get("merge_latency_max"),
                         "rejected": a1.get("rejected"), "transport_dropped": a1.get("transport_dropped"),
-                        "peak_rss_mib": self.c.pid_hwm_mib(a)})
+                        "peak_rss_mib": hwm_mib(a1.get("pid"))})
             tot_v += dv / dts
             tot["accepted"] += dacc / dts
             tot["cpu"] += cpu
@@ -214,7 +226,8 @@ class Run:
         growth = (s1["backlog_chunks"] - s0["backlog_chunks"]) / self.chunks_per_contribution
         behind = tot["accepted"] < 0.9 * published or growth > 0.1 * published * dt + m  # m: one in flight each
         out = {
-            "model": self.model, "params": self.params, "learners": m, "aggregators": len(self.aggs),
+            "model": self.model, "params": self.params, "learners": m, "aggregators": len(per),
+            "aggregator_commands": len(self.cmds), "shards": AGG.get("DILOCO_AGG_SHARDS", "auto"),
             "window_s": round(dt, 1), "offered_per_s": round(m * P / (H * STEP), 2),
             "published_per_s": round(published, 2), "accepted_per_s": round(tot["accepted"], 2),
             "versions_per_s": round(tot_v, 2),
@@ -261,11 +274,10 @@ class Run:
         js = c.nc.jetstream(timeout=10)
         sub = await js.subscribe(c.s.event("recovered"), ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
         before = {a: sum((c.metrics("aggregator", a).get("versions") or {}).values()) for a in self.aggs}
-        for a in self.aggs:
+        for a in self.cmds:  # (shard workers die with their supervisor: bus.procs)
             c.kill(a)
         t0 = time.monotonic()
-        for a, f in zip(self.aggs, self.frags):
-            c.start(a, "aggregator", DILOCO_AGGREGATOR_ID=a, DILOCO_AGG_FRAGMENTS=f, **AGG)
+        self.start_aggregators()
         events = []
         while len(events) < P and time.monotonic() - t0 < timeout:
             try:
@@ -400,9 +412,13 @@ def main() -> None:
     p.add_argument("--stages", default=None, help="learner counts of the sweep (4,8,16; quick 4,8)")
     p.add_argument("--quorum", default=None, help="DILOCO_QUORUM of the aggregators (default: the role's, auto)")
     p.add_argument("--recovery", action="store_true", help="kill -9 and time the recovery after each sweep model")
+    p.add_argument("--shards", default=None, help="DILOCO_AGG_SHARDS of the aggregators (default: the role's, auto; "
+                                                  "1: one process, the old shape)")
     a = p.parse_args()
     if a.quorum:
         AGG["DILOCO_QUORUM"] = a.quorum
+    if a.shards:
+        AGG["DILOCO_AGG_SHARDS"] = a.shards
     q = a.quick
     a.window = a.window or (6.0 if q else 30.0)
     a.warm = a.warm if a.warm is not None else (2.0 if q else 5.0)

@@ -164,3 +164,19 @@ def test_a_checkpoint_is_forced_only_when_the_grad_stream_is_about_to_drop_what_
     assert stream_overtaking(10, 1, 100, 800, 1000)  # full, and the log points into its oldest quarter
     assert not stream_overtaking(60, 1, 100, 800, 1000)  # full, but the log's chunks are recent
     assert stream_overtaking(5, 9, 100, 10, 10**9)  # already dropped (age or bytes): at once
+
+
+def test_an_early_checkpoint_pays_once_enough_was_merged_since_the_last():
+    from aggregator.mlog import early_checkpoint_pays
+
+    big = 10**9  # a stream of 1 GB: fragments' shares far above the checkpoints
+    assert not early_checkpoint_pays(0, 1200, big, 8)
+    assert not early_checkpoint_pays(12 * 100 + 64, 1200, big, 8)  # twelve int8 contributions of 100 values
+    assert early_checkpoint_pays(4 * 1200, 1200, big, 8)  # STATE writes at most a quarter of the GRAD bytes merged
+    # a stream that holds little of each fragment (a big model under the stream cap): half the
+    # fragment's share is enough, so a log that spans most of the stream (the aggregator keeping up)
+    # is checkpointed and a restart replays every merge; one or two merges (a stream full of work not
+    # merged yet) are not
+    assert not early_checkpoint_pays(2 * 164, 1200, 16 * 1200, 8)  # two merges of a 100-value fragment
+    assert early_checkpoint_pays(1200, 1200, 16 * 1200, 8)  # half its share of the stream (2,400 bytes)
+    assert early_checkpoint_pays(1, 1200, 0, 8)  # no byte limit known: the old rule

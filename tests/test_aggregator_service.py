@@ -365,6 +365,53 @@ async def test_merges_go_on_while_a_checkpoint_is_stored_and_a_crash_then_replay
         await asyncio.wait_for(task2, 15)
 
 
+async def test_an_early_checkpoint_is_written_only_once_enough_was_merged_since_the_last(
+        nats_server, js):
+    """A GRAD stream that keeps dropping what the log points to (an aggregator behind its learners:
+    the stream full of work not merged yet) forced a checkpoint after every merge or two: at 4 x
+    100M, 16-22 checkpoints of 100 MB per 20 s. Now one is written once the contributions merged
+    since the last hold EARLY_CHECKPOINT_RATIO times a checkpoint's bytes (or half the fragment's
+    share of the stream, if less); the ones before are counted as skipped."""
+    from types import SimpleNamespace
+
+    from aggregator.mlog import EARLY_CHECKPOINT_RATIO
+
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
+                                   grace_seconds=0.05, max_staleness=100, checkpoint_every=1000,
+                                   checkpoint_seconds=900)
+    real_info = svc.js.stream_info
+    grad = Subjects(RUN).stream("grad")
+
+    async def stream_info(name, *a, **kw):
+        if name != grad:
+            return await real_info(name, *a, **kw)
+        # everything the log points to is gone already (dropped at the stream's byte limit)
+        return SimpleNamespace(state=SimpleNamespace(first_seq=10**9, last_seq=10**9 + 100, bytes=10**6),
+                               config=SimpleNamespace(max_bytes=10**6))
+
+    svc.js.stream_info = stream_info
+    try:
+        # (the fake stream's 1 MB over 2 fragments: half a share is 250 kB, more than 4 tiny checkpoints)
+        ckpt = min(EARLY_CHECKPOINT_RATIO * svc._checkpoint_bytes(0), 10**6 // 4)
+        learner = FakeLearner(js, RUN, "a", 1)
+        r = 0
+        while svc.logpos[0].bytes_since < ckpt:
+            await learner.send(0, base=r)
+            r += 1
+            assert await _until(lambda: svc.published.get(0) == r, 15)
+            if svc.logpos[0].bytes_since < ckpt:  # a look at the stream (every 2 s) finds it overtaken: skipped
+                skipped = svc.stats.checkpoints_early_skipped
+                assert await _until(lambda: svc.stats.checkpoints_early_skipped > skipped, 10)
+                assert svc.stats.checkpoints_early == 0 and svc.logpos[0].checkpoint_version == 0
+        assert r >= 8  # one fp32 contribution holds a third of a checkpoint's bytes
+        assert await _until(lambda: svc.stats.checkpoints_early == 1, 10)
+        assert await _until(lambda: svc.logpos[0].checkpoint_version == r, 10)
+        assert svc.logpos[0].bytes_since == 0 and svc.logpos[0].versions_since == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
 async def test_a_rejection_is_settled_only_once_its_audit_event_is_stored(nats_server, js):
     """The contribution of a rejection is terminated after its event is in JetStream: while the
     event cannot be stored it stays unsettled (a crash then redelivers it, to be judged again),
