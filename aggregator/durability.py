@@ -33,7 +33,8 @@ from nats.js.errors import NotFoundError
 
 from aggregator.contribution import from_grad_message
 from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay,
-                             early_checkpoint_pays, log_slots, replay_one, stream_overtaking)
+                             early_checkpoint_pays, grad_backlog_behind, log_slots, replay_one,
+                             stream_overtaking)
 from aggregator.step import FragmentState
 from bus import codec
 from bus.runs import RunMismatch
@@ -62,6 +63,7 @@ class Durability:
         logpos: dict[int, LogPosition]
         _grad_checked: float
         _grad_limit: int
+        _grad_behind: bool
         _ckpt_tasks: dict[int, asyncio.Task]
         _logseqs: dict[int, deque]
 
@@ -283,14 +285,19 @@ class Durability:
                 self._grad_limit = limit
                 overtaken = {p for p, pos in self.logpos.items()
                              if stream_overtaking(pos.oldest_seq, st.first_seq, st.last_seq, st.bytes, limit)}
+                if overtaken:
+                    ci = await self.js.consumer_info(self.s.stream("grad"), self.consumer.durable)
+                    self._grad_behind = grad_backlog_behind(ci.num_pending or 0, st.messages, len(self.owned),
+                                                            self.plan.num_fragments)
             except Exception as e:
                 self.log.warning("grad_stream_info_failed", error=repr(e))
         for p, pos in list(self.logpos.items()):
             if p in self.uncommitted:
                 continue
             due = policy.due(pos.versions_since, now - pos.checkpoint_time)
-            if not due and p in overtaken and not early_checkpoint_pays(pos.bytes_since, self._checkpoint_bytes(p),
-                                                                        self._grad_limit, self.plan.num_fragments):
+            if not due and p in overtaken and not early_checkpoint_pays(
+                    pos.bytes_since, self._checkpoint_bytes(p), self._grad_limit, self.plan.num_fragments,
+                    self._grad_behind):
                 self.stats.checkpoints_early_skipped += 1
                 continue
             if (due or p in overtaken) and self._start_checkpoint(p) and not due:

@@ -196,28 +196,43 @@ class LogPosition:
     bytes_since: int = 0  # GRAD payload bytes of the contributions merged since the checkpoint
 
 
-#: an early checkpoint is written once the contributions merged since the last hold this many
-#: times its bytes (the STATE writes it adds are then at most a quarter of the GRAD bytes merged,
-#: what ``bus.streams`` sizes the replay window for), or half the fragment's share of the stream
+#: an early checkpoint of an aggregator behind its learners is written once the contributions
+#: merged since the last hold this many times its bytes: the STATE writes it adds are then at most a
+#: quarter of the GRAD bytes merged (what ``bus.streams`` sizes the replay window for)
 EARLY_CHECKPOINT_RATIO = 4
+#: behind: the contributions not yet delivered to the aggregator are more than this share of its
+#: part of the GRAD stream (the stream then drops work nobody merged)
+BEHIND_SHARE = 0.25
 
 
-def early_checkpoint_pays(bytes_since: int, checkpoint_bytes: int, stream_bytes: int, fragments: int) -> bool:
+def grad_backlog_behind(undelivered: int, stream_messages: int, owned: int, fragments: int) -> bool:
+    """The GRAD stream holds mostly work the aggregator has not read: ``undelivered`` messages of
+    its durable consumer against its fragments' share of the stream's messages."""
+    return undelivered > BEHIND_SHARE * stream_messages * owned / max(1, fragments)
+
+
+def early_checkpoint_pays(bytes_since: int, checkpoint_bytes: int, stream_bytes: int, fragments: int,
+                          behind: bool) -> bool:
     """An early checkpoint (the GRAD stream about to drop what the log points to) is written only
-    when the contributions merged since the last one hold ``EARLY_CHECKPOINT_RATIO`` times the bytes
-    it writes, or half the fragment's share of the stream's byte limit, whichever is less.
+    once the contributions merged since the last one hold enough bytes.
 
-    While the aggregator keeps up, the stream holds merged contributions: the log of a fragment
-    reaches the old end of the stream when it spans about 3/4 of the stream, more than half its
-    share of it, and the checkpoint is written: a restart replays every merge. While it is behind,
-    the stream is full of contributions not merged yet, and the log of every fragment is always at
-    its old end after one or two merges: each fragment was checkpointed again as soon as its last
-    checkpoint was stored (at 4 x 100M, 16-22 checkpoints of 100 MB per 20 s, the broker's disk and
-    CPU taken from the merges, and the aggregator never caught up; docs/BENCHMARKS.md). What the
-    bound costs: a crash while the aggregator is behind may find up to that many bytes of merged
-    contributions gone from the stream (``replay_lost``, said and counted)."""
-    share = stream_bytes // max(1, 2 * fragments) if stream_bytes > 0 else bytes_since
-    return bytes_since >= min(EARLY_CHECKPOINT_RATIO * checkpoint_bytes, share)
+    * Keeping up: a quarter of the fragment's share of the stream's byte limit (or
+      ``EARLY_CHECKPOINT_RATIO`` checkpoints, if less). The stream then holds merged contributions,
+      and the log of a fragment reaches the old end of the stream when it spans about half the
+      stream or more: well past that, so the checkpoint is written and a restart replays every
+      merge, as before.
+    * Behind (:func:`grad_backlog_behind`): ``EARLY_CHECKPOINT_RATIO`` checkpoints' bytes. The
+      stream is then full of contributions not merged yet, and the log of every fragment is always
+      at its old end after one or two merges: each fragment was checkpointed again as soon as its
+      last checkpoint was stored (at 4 x 100M, 16-22 checkpoints of 100 MB per 20 s, the broker's
+      disk and CPU taken from the merges, and the aggregator never caught up; docs/BENCHMARKS.md).
+      What that costs: a crash while the aggregator is behind may find up to that many bytes of
+      merged contributions gone from the stream (``replay_lost``, said and counted), while the
+      stream drops work nobody merged anyway."""
+    ratio = EARLY_CHECKPOINT_RATIO * checkpoint_bytes
+    if behind or stream_bytes <= 0:
+        return bytes_since >= (ratio if behind else 1)
+    return bytes_since >= min(ratio, stream_bytes // max(1, 4 * fragments))
 
 
 def stream_overtaking(oldest_seq: int | None, first_seq: int, last_seq: int, stored_bytes: int, max_bytes: int,

@@ -149,6 +149,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self._logseqs: dict[int, deque] = {}  # fragment -> (version, oldest GRAD seq) of records committed
         self._grad_checked = 0.0  # when the GRAD stream's first sequence was last looked at
         self._grad_limit = 0  # ... and its byte limit then
+        self._grad_behind = False  # ... and whether it held mostly work not read yet (aggregator.mlog)
         self.members: dict[str, str] = {}  # learner -> membership state
         self.seen: set[str] = set()
         # without a monitor: learner -> incarnation whose final sync came (it sends nothing more, and

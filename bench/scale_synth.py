@@ -215,6 +215,10 @@ class Run:
                         "accepted_per_s": round(dacc / dts, 3), "cpu_util": round(cpu / dt, 3),
                         "merge_latency_p50": a1.get("merge_latency_p50"), "merge_latency_max": a1.get("merge_latency_max"),
                         "rejected": a1.get("rejected"), "transport_dropped": a1.get("transport_dropped"),
+                        # versions behind of the contributions merged in the window (their staleness)
+                        "staleness_hist": {k: v - (a0.get("staleness_hist") or {}).get(k, 0)
+                                           for k, v in (a1.get("staleness_hist") or {}).items()
+                                           if v - (a0.get("staleness_hist") or {}).get(k, 0)},
                         "peak_rss_mib": hwm_mib(a1.get("pid"))})
             tot_v += dv / dts
             tot["accepted"] += dacc / dts
