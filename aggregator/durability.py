@@ -287,8 +287,8 @@ class Durability:
                              if stream_overtaking(pos.oldest_seq, st.first_seq, st.last_seq, st.bytes, limit)}
                 if overtaken:
                     ci = await self.js.consumer_info(self.s.stream("grad"), self.consumer.durable)
-                    self._grad_behind = grad_backlog_behind(ci.num_pending or 0, st.messages, len(self.owned),
-                                                            self.plan.num_fragments)
+                    self._note_behind(grad_backlog_behind(ci.num_pending or 0, st.messages, len(self.owned),
+                                                          self.plan.num_fragments), ci.num_pending or 0, st.messages)
             except Exception as e:
                 self.log.warning("grad_stream_info_failed", error=repr(e))
         for p, pos in list(self.logpos.items()):
@@ -302,6 +302,20 @@ class Durability:
                 continue
             if (due or p in overtaken) and self._start_checkpoint(p) and not due:
                 self.stats.checkpoints_early += 1
+
+    def _note_behind(self, behind: bool, undelivered: int, messages: int) -> None:
+        """Say once per change that the GRAD stream holds mostly work not read yet: early checkpoints
+        are then bounded (aggregator.mlog.early_checkpoint_pays), and a crash meanwhile loses merges."""
+        if behind and not self._grad_behind:
+            self.log.warning("grad_stream_behind", undelivered=undelivered, stream_messages=messages,
+                             message="the GRAD stream holds mostly contributions not read yet: the oldest are "
+                                     "dropped unmerged, early checkpoints are bounded to a quarter of the bytes "
+                                     "merged, and a crash now loses the merges the stream no longer holds "
+                                     "(replay_lost); give the aggregator more CPU (DILOCO_AGG_SHARDS) or the "
+                                     "learners a longer DILOCO_SYNC_EVERY")
+        elif not behind and self._grad_behind:
+            self.log.info("grad_stream_caught_up", undelivered=undelivered, stream_messages=messages)
+        self._grad_behind = behind
 
     def _checkpoint_bytes(self, p: int) -> int:
         """Bytes a checkpoint of fragment p writes: its last one's, or three arrays of its values."""

@@ -412,6 +412,7 @@ async def test_an_early_checkpoint_is_written_only_once_enough_was_merged_since_
                 assert await _until(lambda: svc.stats.checkpoints_early_skipped > skipped, 10)
                 assert svc.stats.checkpoints_early == 0 and svc.logpos[0].checkpoint_version == 0
         assert r >= 8  # one fp32 contribution holds a third of a checkpoint's bytes
+        assert svc._grad_behind  # (said once: grad_stream_behind)
         assert await _until(lambda: svc.stats.checkpoints_early == 1, 10)
         assert await _until(lambda: svc.logpos[0].checkpoint_version == r, 10)
         assert svc.logpos[0].bytes_since == 0 and svc.logpos[0].versions_since == 0
