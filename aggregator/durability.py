@@ -48,6 +48,9 @@ PUBLISH_QUEUE = 2
 #: seconds without a stored write after which the aggregator writes its ``state_probe``: an
 #: aggregator with nothing to merge learns of a full store too (and says so)
 STORE_IDLE_PROBE = 10.0
+#: checkpoints copied and being stored at once (each holds a copy of its fragment's state): the
+#: others wait for a later pass of the loop
+CHECKPOINTS_IN_FLIGHT = 2
 #: bytes of that probe: as much as a chunk of a small fragment, more than a filesystem block, so
 #: that it does not fit in the unused end of a block the stream has already written (a tiny write
 #: is stored there on a full disk: measured on tmpfs, docs/RELIABILITY.md)
@@ -65,6 +68,8 @@ class Durability:
         _grad_limit: int
         _grad_behind: bool
         _ckpt_tasks: dict[int, asyncio.Task]
+        _ckpt_free: list[bytearray]
+        _ckpt_size: dict[int, int]
         _logseqs: dict[int, deque]
 
     # -- the log ----------------------------------------------------------------------------------
@@ -195,14 +200,21 @@ class Durability:
         return CheckpointPolicy(self.cfg.checkpoint_every, self.cfg.checkpoint_seconds)
 
     def _snapshot(self, p: int) -> tuple[int, int, Any, float]:
-        """Fragment p's state as checkpoint bytes now (a copy into its reused buffer: the merges
+        """Fragment p's state as checkpoint bytes now (a copy into a reused buffer: the merges
         change the state in place, so this is taken before the next one): (fragment, version,
-        blob, when)."""
+        blob, when). The buffer goes back to ``_ckpt_free`` once the blob is stored."""
         st = self.states[p]
-        blob = st.to_bytes(self._ckpt_buf.get(p))
-        # reused by the next checkpoint (fresh pages cost more than the copy)
-        self._ckpt_buf[p] = blob.obj if isinstance(blob, memoryview) else blob  # type: ignore[assignment]
+        blob = st.to_bytes(self._ckpt_free.pop() if self._ckpt_free else None)
+        self._ckpt_size[p] = len(blob)
         return p, st.version, blob, time.monotonic()
+
+    def _release(self, blob: Any) -> None:
+        """A stored checkpoint's buffer, kept for the next (fresh pages cost more than the copy), at
+        most ``CHECKPOINTS_IN_FLIGHT`` of them: one per fragment kept 8-12 bytes per value of the
+        model resident for ever."""
+        buf = blob.obj if isinstance(blob, memoryview) else blob
+        if isinstance(buf, bytearray) and len(self._ckpt_free) < CHECKPOINTS_IN_FLIGHT:
+            self._ckpt_free.append(buf)
 
     async def _checkpoint(self, p: int) -> bool:
         """Checkpoint fragment p now and wait until it is stored (after the one being stored, whose
@@ -216,11 +228,14 @@ class Durability:
         """Checkpoint fragment p without holding the loop: the state is copied now, and stored by a
         task while intake and merges go on (at most one per fragment; the log keeps the merges made
         meanwhile: its slots hold twice the checkpoint period, ``_log_blocked``). False if one is
-        being stored already. At 4 x 100M the loop spent half its time waiting for checkpoints to be
-        stored (``loop_s``, bench.scale_synth, docs/BENCHMARKS.md)."""
+        being stored already, or ``CHECKPOINTS_IN_FLIGHT`` fragments' are (each holds a copy of its
+        fragment's state until stored). At 4 x 100M the loop spent half its time waiting for
+        checkpoints to be stored (``loop_s``, bench.scale_synth, docs/BENCHMARKS.md)."""
         task = self._ckpt_tasks.get(p)
         if task is not None and not task.done():
             return False
+        if sum(not t.done() for t in self._ckpt_tasks.values()) >= CHECKPOINTS_IN_FLIGHT:
+            return False  # (its turn comes at a later pass: the log holds its merges meanwhile)
         task = self._ckpt_tasks[p] = asyncio.create_task(self._put_checkpoint(self._snapshot(p)))
         task.add_done_callback(self._checkpoint_done)
         return True
@@ -236,6 +251,12 @@ class Durability:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _put_checkpoint(self, snap: tuple[int, int, Any, float]) -> bool:
+        try:
+            return await self._store_checkpoint(snap)
+        finally:
+            self._release(snap[2])
+
+    async def _store_checkpoint(self, snap: tuple[int, int, Any, float]) -> bool:
         p, version, blob, taken = snap
         t0 = time.monotonic()
         try:
@@ -319,8 +340,7 @@ class Durability:
 
     def _checkpoint_bytes(self, p: int) -> int:
         """Bytes a checkpoint of fragment p writes: its last one's, or three arrays of its values."""
-        buf = self._ckpt_buf.get(p)
-        return len(buf) if buf is not None else STATE_ARRAYS * 4 * int(self.plan.sizes[p])
+        return self._ckpt_size.get(p) or STATE_ARRAYS * 4 * int(self.plan.sizes[p])
 
     async def _checkpoint_all(self) -> None:
         """At a clean stop: nothing left to replay."""

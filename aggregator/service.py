@@ -142,9 +142,13 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.pubq: dict[int, deque] = {}  # fragment -> versions encoded, waiting for its publisher
         self.publishers: dict[int, asyncio.Task] = {}
         self.published: dict[int, int] = {}  # fragment -> newest version whose head and merge event are out
-        self.accum: dict[int, np.ndarray] = {}  # fragment -> the merged outer gradient's buffer, reused
+        # fragment size -> the merged outer gradient's buffer, reused (one merge at a time: the
+        # fragments of a size share it)
+        self.accum: dict[int, np.ndarray] = {}
         self.pool = VectorPool()  # decoded contributions' buffers, reused (aggregator.intake)
-        self._ckpt_buf: dict[int, bytearray] = {}  # fragment -> its checkpoint's buffer, reused
+        # checkpoint buffers, reused: at most CHECKPOINTS_IN_FLIGHT are copied and stored at once
+        self._ckpt_free: list[bytearray] = []
+        self._ckpt_size: dict[int, int] = {}  # fragment -> bytes of its newest checkpoint
         self._ckpt_tasks: dict[int, asyncio.Task] = {}  # fragment -> its checkpoint being stored
         self._logseqs: dict[int, deque] = {}  # fragment -> (version, oldest GRAD seq) of records committed
         self._grad_checked = 0.0  # when the GRAD stream's first sequence was last looked at
