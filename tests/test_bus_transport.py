@@ -327,6 +327,15 @@ async def test_prompt_fetch_takes_what_is_pending_and_no_more_than_the_batch(js)
     assert [int(m.data) for m in await prompt_fetch(sub, 32, 2.0)] == [40]  # one pending: no drain
 
 
+def test_an_earlier_requests_expiry_is_not_taken_for_the_answer_to_a_drain():
+    from bus.transport import DRAIN_EXPIRES_S, stale_status
+
+    assert stale_status("408", 0.001)  # ours cannot have expired yet: an earlier fetch's
+    assert not stale_status("408", DRAIN_EXPIRES_S)  # ours, held by the server's timer
+    assert not stale_status("404", 0.001)  # no messages: the answer to a no_wait request, at once
+    assert not stale_status("409", 0.001)
+
+
 async def test_a_poll_says_when_it_last_read_everything_the_server_held(js):
     """``ChunkConsumer.drained_at`` (what the aggregator judges deadlines by): a poll that leaves
     messages on the server (more than its batch) does not move it; one that takes the rest does, and
