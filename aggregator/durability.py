@@ -229,12 +229,15 @@ class Durability:
         task while intake and merges go on (at most one per fragment; the log keeps the merges made
         meanwhile: its slots hold twice the checkpoint period, ``_log_blocked``). False if one is
         being stored already, or ``CHECKPOINTS_IN_FLIGHT`` fragments' are (each holds a copy of its
-        fragment's state until stored). At 4 x 100M the loop spent half its time waiting for
+        fragment's state until stored), unless this fragment's log is full (its merges wait for this
+        checkpoint: it never waits for a slot). At 4 x 100M the loop spent half its time waiting for
         checkpoints to be stored (``loop_s``, bench.scale_synth, docs/BENCHMARKS.md)."""
         task = self._ckpt_tasks.get(p)
         if task is not None and not task.done():
             return False
-        if sum(not t.done() for t in self._ckpt_tasks.values()) >= CHECKPOINTS_IN_FLIGHT:
+        pos = self.logpos.get(p)
+        full = pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every  # merges wait for it
+        if not full and sum(not t.done() for t in self._ckpt_tasks.values()) >= CHECKPOINTS_IN_FLIGHT:
             return False  # (its turn comes at a later pass: the log holds its merges meanwhile)
         task = self._ckpt_tasks[p] = asyncio.create_task(self._put_checkpoint(self._snapshot(p)))
         task.add_done_callback(self._checkpoint_done)
@@ -312,13 +315,14 @@ class Durability:
                                                           self.plan.num_fragments), ci.num_pending or 0, st.messages)
             except Exception as e:
                 self.log.warning("grad_stream_info_failed", error=repr(e))
-        for p, pos in list(self.logpos.items()):
+        # the fragments furthest from their checkpoint first: they take the copies in flight
+        for p, pos in sorted(self.logpos.items(), key=lambda kv: -kv[1].versions_since):
             if p in self.uncommitted:
                 continue
             due = policy.due(pos.versions_since, now - pos.checkpoint_time)
+            share = self._grad_limit * int(self.plan.sizes[p]) // max(1, sum(int(n) for n in self.plan.sizes))
             if not due and p in overtaken and not early_checkpoint_pays(
-                    pos.bytes_since, self._checkpoint_bytes(p), self._grad_limit, self.plan.num_fragments,
-                    self._grad_behind):
+                    pos.bytes_since, self._checkpoint_bytes(p), share, self._grad_behind):
                 self.stats.checkpoints_early_skipped += 1
                 continue
             if (due or p in overtaken) and self._start_checkpoint(p) and not due:

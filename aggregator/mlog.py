@@ -211,12 +211,13 @@ def grad_backlog_behind(undelivered: int, stream_messages: int, owned: int, frag
     return undelivered > BEHIND_SHARE * stream_messages * owned / max(1, fragments)
 
 
-def early_checkpoint_pays(bytes_since: int, checkpoint_bytes: int, stream_bytes: int, fragments: int,
-                          behind: bool) -> bool:
+def early_checkpoint_pays(bytes_since: int, checkpoint_bytes: int, share_bytes: int, behind: bool) -> bool:
     """An early checkpoint (the GRAD stream about to drop what the log points to) is written only
     once the contributions merged since the last one hold enough bytes.
 
-    * Keeping up: a quarter of the fragment's share of the stream's byte limit (or
+    * Keeping up: a quarter of ``share_bytes``, the fragment's share of the stream's byte limit
+      (the limit x its values / every fragment's values: a small fragment's contributions are a
+      small part of what the stream holds) (or
       ``EARLY_CHECKPOINT_RATIO`` checkpoints, if less). The stream then holds merged contributions,
       and the log of a fragment reaches the old end of the stream when it spans about half the
       stream or more: well past that, so the checkpoint is written and a restart replays every
@@ -230,9 +231,9 @@ def early_checkpoint_pays(bytes_since: int, checkpoint_bytes: int, stream_bytes:
       merged contributions gone from the stream (``replay_lost``, said and counted), while the
       stream drops work nobody merged anyway."""
     ratio = EARLY_CHECKPOINT_RATIO * checkpoint_bytes
-    if behind or stream_bytes <= 0:
+    if behind or share_bytes <= 0:
         return bytes_since >= (ratio if behind else 1)
-    return bytes_since >= min(ratio, stream_bytes // max(1, 4 * fragments))
+    return bytes_since >= min(ratio, share_bytes // 4)
 
 
 def stream_overtaking(oldest_seq: int | None, first_seq: int, last_seq: int, stored_bytes: int, max_bytes: int,

@@ -29,6 +29,7 @@ supervisor never finds the previous one's workers still owning its fragments.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -49,11 +50,21 @@ STOP_WAIT = 45.0
 RESTART_FIRST, RESTART_MAX, RESTART_RESET = 1.0, 30.0, 60.0
 
 
-def usable_cores() -> int:
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, and a container's CPU quota (cgroup v2
+    ``cpu.max``: ``--cpus=2`` on a 64-core host is 2), whichever is fewer."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 async def wait_for_manifest(js, run: str, stop: asyncio.Event, log):
@@ -113,28 +124,36 @@ class ShardWorker:
         cannot mend (``FATAL``), None once stopped."""
         delay = RESTART_FIRST
         while not stop.is_set():
-            self.proc = await acreate_subprocess_exec(*self.argv, env=self.env())
             started = time.monotonic()
-            self.log.info("shard_started", pid=self.proc.pid, restarts=self.restarts)
-            waiter = asyncio.create_task(self.proc.wait())
-            stopper = asyncio.create_task(stop.wait())
             try:
-                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stopper.cancel()
-            if not waiter.done():  # stopping: the worker checkpoints and exits
-                await self._stop(waiter)
-                return None
-            code = self.proc.returncode
-            if code in FATAL:
-                self.log.error("shard_failed", exit_code=code, hint="its error is the line above; the aggregator stops")
-                return code
+                self.proc = await acreate_subprocess_exec(*self.argv, env=self.env())
+            except OSError as e:  # no process now (EAGAIN, ENOMEM): as a worker that died at once
+                self.proc, how = None, f"not started: {e!r}"
+            else:
+                self.log.info("shard_started", pid=self.proc.pid, restarts=self.restarts)
+                waiter = asyncio.create_task(self.proc.wait())
+                stopper = asyncio.create_task(stop.wait())
+                try:
+                    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                except asyncio.CancelledError:  # the supervisor cancelled: the worker stops as at a stop
+                    await asyncio.shield(self._stop(waiter))
+                    raise
+                finally:
+                    stopper.cancel()
+                if not waiter.done():  # stopping: the worker checkpoints and exits
+                    await self._stop(waiter)
+                    return None
+                code = self.proc.returncode
+                if code in FATAL:
+                    self.log.error("shard_failed", exit_code=code,
+                                   hint="its error is the line above; the aggregator stops")
+                    return code
+                how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             if stop.is_set():
                 return None
             if time.monotonic() - started >= RESTART_RESET:
                 delay = RESTART_FIRST
             self.restarts += 1
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             self.log.error("shard_died", exit=how, restart_in_s=delay, restarts=self.restarts,
                            hint="the other shards go on; it recovers its fragments from their checkpoints and merge "
                                 "log, and the learners' contributions wait for it in the GRAD stream")
@@ -147,6 +166,8 @@ class ShardWorker:
 
     async def _stop(self, waiter: asyncio.Task) -> None:
         assert self.proc is not None
+        if waiter.done():
+            return
         try:
             self.proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:

@@ -112,7 +112,8 @@ class MetricsSnapshot:
 
     run: str | None = None
     learners: Mapping[str, LearnerRow] = field(default_factory=dict)
-    aggregator: AggregatorRow | None = None
+    #: per aggregator process (the shard workers of one `diloco aggregator` each have an id)
+    aggregators: Mapping[str, AggregatorRow] = field(default_factory=dict)
     monitor: MonitorRow | None = None
     evaluator: EvaluatorRow | None = None
     applied: int = 0
@@ -120,6 +121,26 @@ class MetricsSnapshot:
     skipped: Mapping[str, int] = field(default_factory=dict)
     last_ts: float | None = None
     max_learners: int = 1024
+
+    @property
+    def aggregator(self) -> AggregatorRow | None:
+        """The aggregator: its processes' rows combined (each owns some fragments: versions joined,
+        counts summed), so a counter never goes back when another shard worker reports."""
+        rows = list(self.aggregators.values())
+        if len(rows) <= 1:
+            return rows[0] if rows else None
+        rejected: dict[str, int] = {}
+        for r in rows:
+            for k, n in r.rejected:
+                rejected[k] = rejected.get(k, 0) + n
+
+        def total(name: str) -> int | None:
+            vals = [getattr(r, name) for r in rows if getattr(r, name) is not None]
+            return sum(vals) if vals else None
+
+        return AggregatorRow(versions=tuple(sorted(v for r in rows for v in r.versions)), merges=total("merges"),
+                             accepted=total("accepted"), rejected=tuple(sorted(rejected.items())),
+                             ts=max(r.ts for r in rows))
 
     @property
     def malformed_total(self) -> int:
@@ -285,11 +306,12 @@ def _fold_aggregator(snap: MetricsSnapshot, msg: Mapping[str, Any], ts: float) -
         "accepted": _count(msg, "accepted"),
         "rejected": _str_count_map(msg, "rejected"),
     }
-    old = snap.aggregator or AggregatorRow()
-    if snap.aggregator is not None and ts < old.ts:
+    ident = str(msg.get("id", ""))
+    have = snap.aggregators.get(ident)
+    if have is not None and ts < have.ts:
         return "stale"
-    row = replace(old, ts=ts, **{k: v for k, v in update.items() if v is not None})
-    return replace(snap, aggregator=row)
+    row = replace(have or AggregatorRow(), ts=ts, **{k: v for k, v in update.items() if v is not None})
+    return replace(snap, aggregators={**snap.aggregators, ident: row})
 
 
 def _fold_monitor(snap: MetricsSnapshot, msg: Mapping[str, Any], ts: float) -> MetricsSnapshot | str:

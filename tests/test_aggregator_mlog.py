@@ -169,17 +169,19 @@ def test_a_checkpoint_is_forced_only_when_the_grad_stream_is_about_to_drop_what_
 def test_an_early_checkpoint_pays_once_enough_was_merged_since_the_last():
     from aggregator.mlog import early_checkpoint_pays, grad_backlog_behind
 
-    # keeping up: a quarter of the fragment's share of the stream (16 x 1,200 bytes over 8 fragments:
-    # 600), so a log that spans half the stream or more is checkpointed and a restart replays it all
-    assert not early_checkpoint_pays(2 * 164, 1200, 16 * 1200, 8, behind=False)  # two merges of 100 values
-    assert early_checkpoint_pays(600, 1200, 16 * 1200, 8, behind=False)
-    assert early_checkpoint_pays(4 * 1200, 1200, 10**9, 8, behind=False)  # a big stream: 4 checkpoints' bytes
+    # keeping up: a quarter of the fragment's share of the stream (16 x 1,200 bytes over 8 equal
+    # fragments: a share of 2,400, so 600), so a log that spans half the stream or more is
+    # checkpointed and a restart replays it all
+    share = 16 * 1200 // 8
+    assert not early_checkpoint_pays(2 * 164, 1200, share, behind=False)  # two merges of 100 values
+    assert early_checkpoint_pays(600, 1200, share, behind=False)
+    assert early_checkpoint_pays(4 * 1200, 1200, 10**9, behind=False)  # a big stream: 4 checkpoints' bytes
     # behind: the stream is full of work not read, every log is at its old end after a merge or two;
     # 4 checkpoints' bytes (STATE writes at most a quarter of the GRAD bytes merged)
-    assert not early_checkpoint_pays(1200, 1200, 16 * 1200, 8, behind=True)
-    assert not early_checkpoint_pays(4 * 1200 - 1, 1200, 16 * 1200, 8, behind=True)
-    assert early_checkpoint_pays(4 * 1200, 1200, 16 * 1200, 8, behind=True)
-    assert early_checkpoint_pays(1, 1200, 0, 8, behind=False)  # no byte limit known: the old rule
+    assert not early_checkpoint_pays(1200, 1200, share, behind=True)
+    assert not early_checkpoint_pays(4 * 1200 - 1, 1200, share, behind=True)
+    assert early_checkpoint_pays(4 * 1200, 1200, share, behind=True)
+    assert early_checkpoint_pays(1, 1200, 0, behind=False)  # no byte limit known: the old rule
     # behind: a quarter of the aggregator's part of the stream not delivered yet
     assert grad_backlog_behind(101, 800, 4, 8) and not grad_backlog_behind(100, 800, 4, 8)
     assert not grad_backlog_behind(0, 0, 8, 8)

@@ -199,3 +199,36 @@ async def test_a_shard_worker_killed_with_sigkill_is_replayed_bit_for_bit_while_
         if agg.poll() is None:
             agg.kill()
             agg.wait()
+
+
+def test_the_cores_are_the_affinity_or_a_containers_cpu_quota_whichever_is_fewer(tmp_path):
+    from aggregator.shards import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    f = tmp_path / "cpu.max"
+    f.write_text("max 100000\n")
+    assert usable_cores(str(f)) == affinity
+    f.write_text("150000 100000\n")  # --cpus=1.5
+    assert usable_cores(str(f)) == min(affinity, 2)
+    f.write_text("50000 100000\n")
+    assert usable_cores(str(f)) == 1
+    assert usable_cores(str(tmp_path / "none")) == affinity  # no cgroup v2 file: the affinity
+
+
+async def test_a_worker_that_cannot_be_started_is_tried_again_until_the_stop(tmp_path):
+    shards = Shards(AggregatorConfig(aggregator_id="agg-x"), [range(0, 1), range(1, 2)], get_logger(),
+                    argv=(str(tmp_path / "no-such-program"),))
+    stop = asyncio.Event()
+    task = asyncio.create_task(shards.run(stop))
+    await _until(lambda: all(w.restarts >= 1 for w in shards.workers), 10)
+    stop.set()
+    assert await asyncio.wait_for(task, 10) == 0
+
+
+async def test_a_cancelled_supervisor_stops_its_workers(tmp_path):
+    path, shards = _shards(tmp_path)
+    task = asyncio.create_task(shards.run(asyncio.Event()))
+    await _until(lambda: len(_started(path)) == 2)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert not any(_alive(pid) for _, pid, _, _ in _started(path))

@@ -59,6 +59,22 @@ def test_fold_builds_rows_per_role():
     assert snap.evaluator == EvaluatorRow(eval_loss=2.25, version=17, ts=T + 3)
 
 
+def test_the_shard_workers_of_an_aggregator_fold_into_one_row_whose_counts_never_go_back():
+    def agg(ident, ts, versions, merges, rejected):
+        return {"role": "aggregator", "run": "r1", "ts": ts, "id": ident, "versions": versions, "merges": merges,
+                "accepted": merges, "rejected": rejected}
+
+    snap = fold_all(MetricsSnapshot(run="r1"), [
+        agg("agg-0-s0", T, {"0": 7, "1": 9}, 16, {"stale": 2}),
+        agg("agg-0-s1", T + 1, {"2": 4}, 4, {"stale": 1, "evicted": 1}),
+        agg("agg-0-s0", T + 2, {"0": 8, "1": 9}, 17, {"stale": 2}),
+        agg("agg-0-s0", T + 0.5, {"0": 7, "1": 8}, 15, {}),  # older than what it shows: stale
+    ])
+    assert snap.aggregator == AggregatorRow(versions=((0, 8), (1, 9), (2, 4)), merges=21, accepted=21,
+                                            rejected=(("evicted", 1), ("stale", 3)), ts=T + 2)
+    assert snap.skipped == {"stale": 1}
+
+
 def test_fold_is_pure():
     empty = MetricsSnapshot()
     one = fold(empty, RUN[0])
