@@ -154,6 +154,7 @@ class VersionMaker:
         before, rec, items, first, reason, t0 = self.uncommitted[p]
         if self.store_watch.faulted and not self.store_watch.may_write():
             return  # the store is full: one write every few seconds
+        other = None
         try:
             other = await self._log_put(rec)
             if other is not None:
@@ -168,10 +169,11 @@ class VersionMaker:
         del self.uncommitted[p]
         new = self.states[p]
         pos = self.logpos[p]
-        pos.versions_since += 1
         seqs = [q for x in items for q in x.seqs]
         nbytes = sum(x.nbytes for x in items)
-        pos.bytes_since += nbytes
+        if other is None:  # (an adopted record is in the log position the recovery rebuilt)
+            pos.versions_since += 1
+            pos.bytes_since += nbytes
         if seqs:
             pos.oldest_seq = min(seqs) if pos.oldest_seq is None else min(pos.oldest_seq, *seqs)
             self._logseqs.setdefault(p, deque()).append((rec.version, min(seqs), nbytes))

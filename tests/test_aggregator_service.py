@@ -267,6 +267,9 @@ async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritt
         assert svc.states[0].applied.is_duplicate(c1)
         head = await VersionedStore(js, RUN, GLOBAL).head(0)
         assert head.version == 2
+        # the log since the checkpoint counts each version once (the adopted one was counted twice)
+        pos = svc.logpos[0]
+        assert pos.versions_since == svc.states[0].version - pos.checkpoint_version
         # version 1 is the committed one (its merge event says so), version 2 holds round 2 only
         sub = await js.subscribe(S.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         events = {}
