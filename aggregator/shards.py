@@ -48,6 +48,8 @@ FATAL = (2, 3)
 #: waits up to 10 s for its publishers and 20 s for its checkpoints)
 STOP_WAIT = 45.0
 RESTART_FIRST, RESTART_MAX, RESTART_RESET = 1.0, 30.0, 60.0
+#: a shard worker: the aggregator alone, for the range its environment names
+WORKER_ARGV = (sys.executable, "-m", "aggregator")
 
 
 def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
@@ -107,8 +109,7 @@ async def plan_from_run(common: CommonConfig, cfg: AggregatorConfig, stop: async
 class ShardWorker:
     """One shard worker process, started again whenever it dies until the supervisor stops."""
 
-    def __init__(self, index: int, fragments: range, aggregator_id: str, log,
-                 argv: tuple[str, ...] = (sys.executable, "-m", "aggregator")):
+    def __init__(self, index: int, fragments: range, aggregator_id: str, log, argv: tuple[str, ...] = WORKER_ARGV):
         self.index, self.fragments, self.argv = index, fragments, argv
         self.id = shard_id(aggregator_id, index)
         self.log = log.bind(shard=self.id, fragments=fragments_text(fragments))
@@ -186,9 +187,10 @@ class ShardWorker:
 class Shards:
     """The shard workers of one aggregator: started together, each restarted alone, stopped together."""
 
-    def __init__(self, cfg: AggregatorConfig, plan: list[range], log, **worker: object):
+    def __init__(self, cfg: AggregatorConfig, plan: list[range], log, argv: tuple[str, ...] = WORKER_ARGV):
+        """``argv``: the worker's command (tests start stand-ins)."""
         self.log = log
-        self.workers = [ShardWorker(i, r, cfg.aggregator_id, log, **worker) for i, r in enumerate(plan)]  # type: ignore[arg-type]
+        self.workers = [ShardWorker(i, r, cfg.aggregator_id, log, argv) for i, r in enumerate(plan)]
 
     async def run(self, stop: asyncio.Event) -> int:
         """Until ``stop`` (0), or until a worker fails beyond mending (its exit code)."""

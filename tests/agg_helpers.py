@@ -150,3 +150,33 @@ async def assert_replay_matches(js, run: str, events: dict, sent: dict) -> None:
         head, blob = await store.get(p)
         assert head.version == st.version
         assert np.array_equal(codec.decode_array(blob), st.params), f"fragment {p} differs from its replay"
+
+
+def sending_learners(js, run: str, store, stop, sent: dict, pick) -> list:
+    """Two learners ("l1", "l2") sending small random outer gradients every 20 ms until ``stop``,
+    each against the newest version of its fragment seen (a task follows the global heads of
+    ``store``), the fragment of their i-th send ``pick(rng, i)``; every key sent goes into ``sent``
+    with (vector, base). Returns the three tasks (the learners first)."""
+    import asyncio
+    import random
+
+    known = {p: 0 for p in range(PLAN.num_fragments)}
+
+    async def learner(name: str, seed: int) -> None:
+        fl = FakeLearner(js, run, name, seed)
+        rng = random.Random(seed)
+        i = 0
+        while not stop.is_set():
+            p = pick(rng, i)
+            i += 1
+            vec = (fl.rng.standard_normal(PLAN.sizes[p]) * 1e-3).astype(np.float32)
+            base = known[p]
+            sent[await fl.send(p, base=base, vector=vec)] = (vec, base)
+            await asyncio.sleep(0.02)
+
+    async def follow() -> None:
+        async for h in store.watch(stop):
+            known[h.fragment] = max(known[h.fragment], h.version)
+
+    return [asyncio.create_task(learner("l1", 1)), asyncio.create_task(learner("l2", 2)),
+            asyncio.create_task(follow())]

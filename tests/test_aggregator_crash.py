@@ -16,7 +16,7 @@ from nats.js.api import DeliverPolicy
 
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
-from tests.agg_helpers import PLAN, PY, REPLAY_AGG, FakeLearner, assert_replay_matches, env, merge_events
+from tests.agg_helpers import PLAN, PY, REPLAY_AGG, assert_replay_matches, env, merge_events, sending_learners
 
 RUN = "crash"
 S = Subjects(RUN)
@@ -64,25 +64,8 @@ async def test_kill_dash_nine_loop_loses_nothing_and_applies_nothing_twice(nats_
         await asyncio.sleep(0.1)
     sent: dict[tuple, tuple[np.ndarray, int]] = {}
     stop = asyncio.Event()
-    known = {p: 0 for p in range(PLAN.num_fragments)}
-
-    async def learner(name, seed):
-        fl = FakeLearner(js, RUN, name, seed)
-        rng = random.Random(seed)
-        while not stop.is_set():
-            p = rng.randrange(PLAN.num_fragments)
-            vec = (fl.rng.standard_normal(PLAN.sizes[p]) * 1e-3).astype(np.float32)
-            base = known[p]
-            key = await fl.send(p, base=base, vector=vec)
-            sent[key] = (vec, base)
-            await asyncio.sleep(0.02)
-
-    async def follow():
-        async for h in store.watch(stop):
-            known[h.fragment] = max(known[h.fragment], h.version)
-
-    tasks = [asyncio.create_task(learner("l1", 1)), asyncio.create_task(learner("l2", 2)),
-             asyncio.create_task(follow())]
+    # fragments at random
+    tasks = sending_learners(js, RUN, store, stop, sent, lambda rng, i: rng.randrange(PLAN.num_fragments))
     rng = random.Random(7)
     trials = 20
     started = asyncio.Queue()  # recovered events, live: an aggregator that finished its start

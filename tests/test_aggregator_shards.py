@@ -17,7 +17,7 @@ from aggregator.shards import Shards
 from bus.log import get_logger
 from bus.subjects import GLOBAL, Subjects
 from bus.transport import VersionedStore
-from tests.agg_helpers import PLAN, PY, REPLAY_AGG, FakeLearner, assert_replay_matches, env, merge_events
+from tests.agg_helpers import PLAN, PY, REPLAY_AGG, assert_replay_matches, env, merge_events, sending_learners
 
 # a stand-in worker: says which fragments it owns and its pid, then lives until stopped, or exits
 # with the code named for its fragments
@@ -148,26 +148,9 @@ async def test_a_shard_worker_killed_with_sigkill_is_replayed_bit_for_bit_while_
             assert time.monotonic() < t and agg.poll() is None, "the run was not created"
             await asyncio.sleep(0.1)
         sent: dict[tuple, tuple[np.ndarray, int]] = {}
-        known = {p: 0 for p in range(PLAN.num_fragments)}
         stop = asyncio.Event()
-
-        async def learner(name, seed):
-            fl = FakeLearner(js, run, name, seed)
-            i = 0
-            while not stop.is_set():
-                p = i % PLAN.num_fragments
-                i += 1
-                vec = (fl.rng.standard_normal(PLAN.sizes[p]) * 1e-3).astype(np.float32)
-                base = known[p]
-                sent[await fl.send(p, base=base, vector=vec)] = (vec, base)
-                await asyncio.sleep(0.02)
-
-        async def follow():
-            async for h in store.watch(stop):
-                known[h.fragment] = max(known[h.fragment], h.version)
-
-        tasks = [asyncio.create_task(learner("l1", 1)), asyncio.create_task(learner("l2", 2)),
-                 asyncio.create_task(follow())]
+        # each learner's sends alternate between the two fragments (the two workers)
+        tasks = sending_learners(js, run, store, stop, sent, lambda rng, i: i % PLAN.num_fragments)
         await _until(lambda: all(sum(1 for f, *_ in heads if f == p) >= 5 for p in range(2)), 60)
         # diloco status shows each shard worker with the fragments it owns
         st = await gather_status(nc, run, seen_wait=5.0)
