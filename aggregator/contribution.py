@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aggregator.int8vec import Vector
+
 ContributionKey = tuple[str, str, int, int]
 """(learner, incarnation, fragment, round)."""
 
@@ -42,7 +44,7 @@ class Contribution:
     base_version: int
     inner_steps: int
     tokens: int
-    vector: np.ndarray
+    vector: Vector  # an int8 uplink is an Int8Vector, decoded block by block where it is read
     period: int = 0  # the learner's sync period when it sent this (0: not declared)
     lockstep: bool = False  # from a synchronous learner: its round's fragments merge together
     step_s: float = 0.0  # the learner's mean seconds per inner step of this contribution (0: not reported)
@@ -70,12 +72,20 @@ class Contribution:
 def from_grad_message(meta: dict, blob, out=None) -> Contribution:
     """The contribution of a gradient object (its chunk metadata and assembled blob), as intake and
     a replay of the merge log both build it. Raises ValueError (malformed metadata) or
-    ``bus.codec.CodecError`` (a blob that does not decode). ``out``: as in ``bus.codec.decode_array``."""
+    ``bus.codec.CodecError`` (a blob that does not decode). ``out``: as in ``bus.codec.decode_array``.
+
+    A flat int8 blob of whole blocks (the default uplink) is not decoded: its vector is an
+    :class:`aggregator.int8vec.Int8Vector` on the blob, decoded block by block where it is read."""
+    import math
+
+    from aggregator.int8vec import from_parts
     from bus import codec
     from bus.protocol import parse_grad_meta
 
     meta = parse_grad_meta(meta)
-    vec = np.asarray(codec.decode_array(blob, out))  # its shape is checked, never mended
+    h, shape, parts = codec.decode_parts(blob)
+    lazy = from_parts(parts, math.prod(shape), h["b"]) if h["q"] == "int8" and len(shape) == 1 else None
+    vec = lazy if lazy is not None else np.asarray(codec.decode_array(blob, out))  # its shape is checked, never mended
     return Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,

@@ -38,9 +38,11 @@ from typing import Literal, Union
 import numpy as np
 
 from aggregator.influence import cap_scales
+from aggregator.int8vec import Int8Vector, is_vector, read
 
 Vectors = Union[Sequence[np.ndarray], np.ndarray]
-"""A sequence of M flat float32 vectors of equal length, or an (M, n) float32 matrix."""
+"""A sequence of M flat float32 vectors of equal length (arrays or :class:`aggregator.int8vec.Int8Vector`
+s, decoded block by block as they are read), or an (M, n) float32 matrix."""
 
 DEFAULT_BLOCK = 1 << 18
 """Elements per block for the streaming kernels (1 MiB of float32: fits in L2/L3 with ``out``)."""
@@ -63,20 +65,29 @@ def block_slices(n: int, block: int = DEFAULT_BLOCK) -> Iterator[slice]:
         yield slice(start, min(start + block, n))
 
 
-def l2_norm(v: np.ndarray) -> float:
-    """|v| in one read pass (BLAS dot, float32 accumulation).
+def l2_norm(v) -> float:
+    """|v| in one read pass: a BLAS dot (float32 accumulation) per block of ``DEFAULT_BLOCK`` values,
+    the blocks summed in float64. ``v``: a flat float32 array or an Int8Vector (decoded block by
+    block: the same blocks, so the same norm bit for bit as its decoded array's).
 
     If the float32 sum of squares overflows (values above ~1e19), underflows towards subnormals
     (norms below ~1e-15) or the vector holds inf/nan, the norm is recomputed blockwise in
     float64, so the result is accurate, and inf or nan only if it truly is.
     """
+    if isinstance(v, Int8Vector):
+        scratch = np.empty(min(DEFAULT_BLOCK, max(v.size, 1)), dtype=np.float32)
+    else:
+        v, scratch = np.asarray(v).reshape(-1), None
+    s = 0.0
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        s = float(np.dot(v, v))
+        for sl in block_slices(v.size, DEFAULT_BLOCK):
+            blk = read(v, sl, scratch)
+            s += float(np.dot(blk, blk))
     if 1e-30 < s < math.inf:
         return math.sqrt(s)
     total = 0.0
     for sl in block_slices(v.size, 1 << 16):
-        blk = v[sl].astype(np.float64)
+        blk = read(v, sl, scratch).astype(np.float64)
         total += float(np.dot(blk, blk))
     return math.sqrt(total)
 
@@ -96,7 +107,7 @@ def _as_rows(vectors: Vectors) -> tuple[Sequence[np.ndarray], int]:
         raise ValueError("cannot merge zero vectors")
     n = rows[0].shape[-1] if rows[0].ndim else -1
     for i, v in enumerate(rows):
-        if not isinstance(v, np.ndarray) or v.ndim != 1:
+        if not is_vector(v) or v.ndim != 1:
             raise ValueError(f"vector {i} is not a flat 1-D array")
         if v.dtype != np.float32:
             raise ValueError(f"vector {i} has dtype {v.dtype}, expected float32")
@@ -124,7 +135,7 @@ def _out_buffer(out: np.ndarray | None, n: int, rows: Sequence[np.ndarray]) -> n
     if out.dtype != np.float32 or out.shape != (n,) or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous float32 array of shape ({n},)")
     overlaps = (np.may_share_memory(out, rows) if isinstance(rows, np.ndarray)
-                else any(np.may_share_memory(out, v) for v in rows))
+                else any(np.may_share_memory(out, v.codes if isinstance(v, Int8Vector) else v) for v in rows))
     if overlaps:
         raise ValueError("out must not overlap the input vectors")
     return out
@@ -154,9 +165,9 @@ def _combine(rows: Vectors, coeffs: np.ndarray, out: np.ndarray, block: int) -> 
             o = out[sl]
             s = scratch[: o.size]
             v0, c0 = terms[0]
-            np.multiply(v0[sl], c0, out=o)
+            np.multiply(read(v0, sl, o), c0, out=o)  # an Int8Vector's block is decoded into o itself
             for v, c in terms[1:]:
-                np.multiply(v[sl], c, out=s)
+                np.multiply(read(v, sl, s), c, out=s)
                 np.add(o, s, out=o)
             sq += float(np.dot(o, o))
     if not 1e-30 < sq < math.inf:  # float32 over/underflow inside a block: recompute exactly
@@ -306,7 +317,10 @@ def trimmed_mean(
         size = sl.stop - sl.start
         s = stack[:, :size]
         for i, v in enumerate(rows):
-            s[i] = v[sl]
+            if isinstance(v, Int8Vector):
+                v.read(sl, s[i])
+            else:
+                s[i] = v[sl]
         if equal:
             s.sort(axis=0)
             np.mean(s[k : m - k], axis=0, out=buf[sl])

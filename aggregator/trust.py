@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aggregator.int8vec import Int8Vector
+
 SAMPLE = 1 << 16  # coordinates of a fragment the agreement is measured on (strided)
 OWN = 4096  # values of a learner's newest sample kept (float16) to compare its next contribution with
 HASHES_KEPT = 64  # digests of a learner's newest contributions to a fragment, to recognise a replay
@@ -229,13 +231,19 @@ def samples(vectors: list[np.ndarray]) -> np.ndarray:
     """The float32 samples of ``vectors`` (one row each, the coordinates of :func:`sample_index`),
     read through a strided view: no index array, no gather, a sixteenth of the fragment's cache
     lines (issue 37: the trust check was most of a small fragment's merge time)."""
-    n = int(np.asarray(vectors[0]).size)
+    n = int(vectors[0].size)
     if n <= SAMPLE:
         return np.stack([np.asarray(v, dtype=np.float32).reshape(-1) for v in vectors])
     stride = sample_stride(n)
     runs = (n - RUN) // stride + 1
     X = np.empty((len(vectors), runs, RUN), dtype=np.float32)
     for i, v in enumerate(vectors):
+        if isinstance(v, Int8Vector):  # its codes read the same way, times each value's block scale
+            codes = np.lib.stride_tricks.as_strided(v.codes, shape=(runs, RUN), strides=(stride, 1), writeable=False)
+            first = np.arange(runs) * stride
+            X[i] = codes
+            X[i] *= v.scales[(first[:, None] + np.arange(RUN)[None, :]) // v.qblock]
+            continue
         flat = np.asarray(v, dtype=np.float32).reshape(-1)
         view = np.lib.stride_tricks.as_strided(flat, shape=(runs, RUN), strides=(stride * flat.strides[0], flat.strides[0]),
                                                writeable=False)

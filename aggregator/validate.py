@@ -49,6 +49,7 @@ import numpy as np
 
 from aggregator.contribution import Contribution, ContributionKey
 from aggregator.influence import norm_bound, outlier_steps
+from aggregator.int8vec import all_finite, is_vector
 from aggregator.merge import l2_norm
 
 
@@ -433,13 +434,13 @@ def validate(
     if c.key in ctx.pending or ctx.applied.is_duplicate(c):
         return Reason.duplicate
     v = c.vector
-    if not isinstance(v, np.ndarray) or v.dtype != np.float32:
+    if not is_vector(v) or v.dtype != np.float32:
         return Reason.wrong_dtype
     if v.ndim != 1 or v.size != ctx.fragment_sizes[c.fragment]:
         return Reason.wrong_shape
     nrm = l2_norm(v) if norm is None else float(norm)
     # A finite sum of squares proves every value finite; otherwise look (rare path).
-    if not math.isfinite(nrm) and not bool(np.isfinite(v).all()):
+    if not math.isfinite(nrm) and not all_finite(v):
         return Reason.non_finite
     if ctx.max_inner_lr is not None and nrm > norm_bound(ctx.max_inner_lr, v.size, c.inner_steps):
         return Reason.norm_bound

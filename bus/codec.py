@@ -287,12 +287,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> tuple[dict, int]:
     return h, 4 + hl
 
 
-def decode_array(buf: bytes | bytearray | memoryview, out=None) -> np.ndarray:
-    """The float32 array of a blob, with its shape. fp32 blobs decode to a view on ``buf``.
-
-    ``out(n)``: a callable giving a float32 buffer of n values to decode an int8 or sparse blob into (or
-    None): the aggregator reuses its buffers, since a fresh array of a fragment's size costs page
-    faults that took longer than the decode itself."""
+def decode_parts(buf: bytes | bytearray | memoryview) -> tuple[dict, tuple[int, ...], list[np.ndarray]]:
+    """(header, shape, the wire parts as read-only views on ``buf``): a blob checked, not decoded.
+    Raises :class:`CodecError` on anything malformed."""
     h, off = decode_header(buf)
     shape = tuple(h["sh"])
     n = math.prod(shape)
@@ -306,7 +303,18 @@ def decode_array(buf: bytes | bytearray | memoryview, out=None) -> np.ndarray:
     for d, c in specs:
         parts.append(np.frombuffer(mv, dtype=d, count=c, offset=off))
         off += d.itemsize * c
-    if sparse_codec:
+    return h, shape, parts
+
+
+def decode_array(buf: bytes | bytearray | memoryview, out=None) -> np.ndarray:
+    """The float32 array of a blob, with its shape. fp32 blobs decode to a view on ``buf``.
+
+    ``out(n)``: a callable giving a float32 buffer of n values to decode an int8 or sparse blob into (or
+    None): the aggregator reuses its buffers, since a fresh array of a fragment's size costs page
+    faults that took longer than the decode itself."""
+    h, shape, parts = decode_parts(buf)
+    n = math.prod(shape)
+    if h["q"] in sparse.SPARSE:
         try:
             idx, vals = sparse.decode_parts(parts, h["q"], n, h["b"], h["k"])
         except sparse.SparseError as e:
