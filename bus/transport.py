@@ -370,6 +370,10 @@ class ChunkConsumer:
             except ValueError as e:
                 out.append(Dropped("?", "bad_header", str(e), [m]))
                 continue
+            # the handle is kept until the object is acknowledged (after its merge), its bytes only
+            # until the object is assembled: the chunk holds them, the blob after (issue 41: a held
+            # contribution kept its bytes twice)
+            m.data = b""
             r = self.assembler.add(c, now)
             if r is not None:
                 out.append(r)
