@@ -220,22 +220,30 @@ class DelayedNesterov:
         return p, DelayedNesterovState(t, buf if big_n > 1 else state.buffer, count)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RoundNesterovState:
-    """Momentum trace t, the outer gradients of the round so far (None while they are zero: after
-    every completed round, so a run whose merges each complete a round, K = all, holds no buffer),
-    and the share of a round they hold."""
+    """The momentum trace and the share of a round the merges since the last completed round hold.
+
+    ``momentum`` is the trace t after the last completed round while ``folded`` is False; once a
+    round has begun (``folded``) it holds ``beta * t + B``, the trace with the round's outer
+    gradients so far (B) already added: what t becomes when the round completes. One array of the
+    fragment's size, where t and B took two (issue 41: the aggregator's memory per value).
+    ``buffer``: B held apart, as checkpoints written before that change have it (None otherwise);
+    the next step folds it in."""
 
     momentum: np.ndarray
     buffer: np.ndarray | None
     progress: float = 0.0
     count: int = 0
+    folded: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": "round_nesterov", "momentum": self.momentum,
                              "progress": float(self.progress), "count": self.count}
         if self.buffer is not None:
             d["buffer"] = self.buffer
+        if self.folded:
+            d["folded"] = True
         return d
 
     @classmethod
@@ -245,7 +253,7 @@ class RoundNesterovState:
         buf = data.get("buffer")
         return cls(np.asarray(data["momentum"], dtype=np.float32).copy(),
                    None if buf is None else np.asarray(buf, dtype=np.float32).copy(), float(data["progress"]),
-                   int(data["count"]))
+                   int(data["count"]), bool(data.get("folded", False)))
 
 
 ROUND_TOL = 1e-9
@@ -304,7 +312,15 @@ class RoundNesterov:
              momentum_grad: np.ndarray | float | None = None) -> tuple[np.ndarray, RoundNesterovState]:
         """One merge. ``momentum_grad``: what of ``outer_grad`` feeds the momentum buffer: None (all
         of it), a factor f (f x outer_grad; 0: none) or an array; ``work``: the share of a round it
-        holds (see the class docstring)."""
+        holds (see the class docstring).
+
+        The buffer B is not held apart: the first merge of a round folds it into the trace
+        (``momentum`` becomes beta * t, :class:`RoundNesterovState`) and each merge adds its part to
+        it, so the milestone's ``t <- beta * t + B`` is already done when the round completes. The
+        one case this cannot give exactly: a merge that completes several rounds at once (w >= 2)
+        after part of a round was merged. The mean is then taken of that merge's part only (the
+        earlier part counts whole): the momentum takes at most the partial round more than one
+        round's worth, where a fresh round's backlog merge takes exactly one."""
         _check_float32("params", params)
         n = params.size
         _check_float32("outer_grad", outer_grad, n)
@@ -328,58 +344,40 @@ class RoundNesterov:
         t = state.momentum if inplace else state.momentum.copy()
         progress = state.progress + float(work)
         milestone = progress >= 1.0 - ROUND_TOL
-        if state.buffer is not None:
-            buf: np.ndarray | None = state.buffer if inplace else state.buffer.copy()
-        else:  # B is zero: a merge that completes the round needs none (B + m = m, applied at once)
-            buf = None if milestone else np.zeros_like(p)
         # a milestone that completes several rounds at once takes their mean (class docstring)
         per_round = np.float32(1.0 / max(1.0, math.floor(progress + ROUND_TOL)))
+        fold = not state.folded  # the round begins: t <- beta * t (+ a checkpoint's buffer B)
         beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
         scratch = np.empty((2, min(self.block, max(n, 1))), dtype=np.float32)
         for sl in block_slices(n, self.block):
             g, tb, pb = outer_grad[sl], t[sl], p[sl]
             s = scratch[0, : pb.size]
-            if buf is None:  # milestone with B = 0: B + m is m itself (or f x g), no buffer
-                if marr is not None:
-                    bb = marr[sl]
-                elif mfac == 1.0:
-                    bb = g
-                else:
-                    bb = scratch[1, : pb.size]
-                    np.multiply(g, mfac, out=bb)
-                np.multiply(g, neg_lr, out=s)
-                np.add(pb, s, out=pb)             # theta = theta - lr * g
-                np.multiply(tb, beta, out=tb)
-                if per_round != 1.0:
-                    np.multiply(bb, per_round, out=s)
-                    np.add(tb, s, out=tb)         # t = beta * t + m / w
-                else:
-                    np.add(tb, bb, out=tb)        # t = beta * t + m
-                np.multiply(tb, beta * neg_lr, out=s)
-                np.add(pb, s, out=pb)             # theta = theta - lr * beta * t
-                continue
-            bb = buf[sl]
-            if marr is not None:
-                np.add(bb, marr[sl], out=bb)      # B = B + m
-            elif mfac == 1.0:
-                np.add(bb, g, out=bb)             # B = B + g
-            elif mfac != 0.0:
-                np.multiply(g, mfac, out=s)
-                np.add(bb, s, out=bb)             # B = B + f * g
             np.multiply(g, neg_lr, out=s)
             np.add(pb, s, out=pb)                 # theta = theta - lr * g
-            if milestone:
-                np.multiply(tb, beta, out=tb)
+            if fold:
+                np.multiply(tb, beta, out=tb)     # T = beta * t
+                if state.buffer is not None:
+                    np.add(tb, state.buffer[sl], out=tb)  # + B of a checkpoint that held it apart
+            if marr is not None:
+                mb = marr[sl]
+            elif mfac == 1.0:
+                mb = g
+            elif mfac != 0.0:
+                mb = scratch[1, : pb.size]
+                np.multiply(g, mfac, out=mb)
+            else:
+                mb = None
+            if mb is not None:
                 if per_round != 1.0:
-                    np.multiply(bb, per_round, out=bb)
-                np.add(tb, bb, out=tb)            # t = beta * t + B / w
-                bb[...] = 0.0                     # B = 0
+                    np.multiply(mb, per_round, out=s)
+                    mb = s
+                np.add(tb, mb, out=tb)            # T = T + m (/ w)
+            if milestone:
                 np.multiply(tb, beta * neg_lr, out=s)
-                np.add(pb, s, out=pb)             # theta = theta - lr * beta * t
+                np.add(pb, s, out=pb)             # theta = theta - lr * beta * t, t = T
         if milestone:
             progress = max(0.0, progress - math.floor(progress + ROUND_TOL))
-            buf = None  # zero after every completed round
-        return p, RoundNesterovState(t, buf, progress, state.count + 1)
+        return p, RoundNesterovState(t, None, progress, state.count + 1, folded=not milestone)
 
 
 def make_outer_optimizer(

@@ -255,13 +255,17 @@ def test_round_nesterov_state_round_trips_and_carries_a_partial_round():
     p = np.ones(4, np.float32)
     s = opt.init(p)
     p, s = opt.step(p, np.full(4, 0.1, np.float32), s, work=2 / 3)
-    assert s.progress == pytest.approx(2 / 3) and s.buffer[0] == pytest.approx(0.1)
-    assert not s.momentum.any()  # no round completed yet: plain step only
+    # no round completed yet: a plain step only, the round's work so far folded into the trace
+    # (beta * 0 + 0.1), no buffer held apart
+    assert s.progress == pytest.approx(2 / 3) and s.folded and s.buffer is None
+    np.testing.assert_allclose(s.momentum, 0.1)
     np.testing.assert_allclose(p, 1 - 0.5 * 0.1)
     s2 = RoundNesterovState.from_dict(s.to_dict())
-    assert s2.progress == s.progress and np.array_equal(s2.buffer, s.buffer)
-    _, s3 = opt.step(p, np.full(4, 0.1, np.float32), s2, work=2 / 3)
-    assert s3.progress == pytest.approx(1 / 3) and s3.buffer is None  # round done, the rest carried
+    assert s2.progress == s.progress and s2.folded and np.array_equal(s2.momentum, s.momentum)
+    p3, s3 = opt.step(p, np.full(4, 0.1, np.float32), s2, work=2 / 3)
+    assert s3.progress == pytest.approx(1 / 3) and not s3.folded  # round done, the rest carried
+    np.testing.assert_allclose(s3.momentum, 0.2)  # t = 0.9 * 0 + (0.1 + 0.1)
+    np.testing.assert_allclose(p3, p - 0.5 * 0.1 - 0.5 * 0.9 * 0.2, rtol=1e-6)
     with pytest.raises(ValueError):
         opt.step(p, np.zeros(4, np.float32), s, work=float("nan"))
 
@@ -305,7 +309,20 @@ def test_round_nesterov_without_a_buffer_is_the_same_step_as_with_a_zero_one(mom
     np.testing.assert_array_equal(p1, p2)
     np.testing.assert_array_equal(s1.momentum, s2.momentum)
     assert s1.progress == s2.progress
-    if work >= 1.0:
-        assert s1.buffer is None and s2.buffer is None
-    else:
-        np.testing.assert_array_equal(s1.buffer, s2.buffer)
+    # a checkpoint's buffer (written before the trace held it) is folded in: none is held after
+    assert s1.buffer is None and s2.buffer is None
+    assert s1.folded == s2.folded == (work < 1.0)
+
+
+def test_round_nesterov_folds_a_checkpoints_partial_round_as_it_would_have_been_applied():
+    """A state written before the buffer was folded into the trace (t and B apart) completes its
+    round exactly as the old step did: t <- beta * t + B + m, theta <- theta - lr * (g + beta * t)."""
+    rng = np.random.default_rng(5)
+    p, g, t, b = (rng.standard_normal(300).astype(np.float32) for _ in range(4))
+    old = RoundNesterovState.from_dict({"kind": "round_nesterov", "momentum": t, "buffer": b, "progress": 0.5,
+                                        "count": 7})
+    p1, s1 = RoundNesterov(0.7, 0.9, block=128).step(p, g, old, work=0.5)
+    t_ref = 0.9 * t.astype(np.float64) + b + g
+    np.testing.assert_allclose(s1.momentum, t_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p1, p - 0.7 * g - 0.7 * 0.9 * t_ref, rtol=1e-5, atol=1e-5)
+    assert s1.progress == pytest.approx(0.0) and not s1.folded and s1.buffer is None and s1.count == 8
