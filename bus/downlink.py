@@ -52,7 +52,7 @@ def encode_version(params: np.ndarray, version: int, key: Keyframe | None, quant
     """(blob, meta, new keyframe or None) of global version ``version`` with ``params``.
 
     fp32: the whole parameters, no meta, no keyframes. Otherwise a keyframe when due (whole fp32,
-    ``{"key": version}``; the returned Keyframe holds a copy), else ``Q(params - key.params)`` with
+    ``{"key": version}``; the returned Keyframe's values are the blob's: a copy of ``params``), else ``Q(params - key.params)`` with
     ``{"ref": key.version}``.
     """
     if key_every < 1:
@@ -61,7 +61,10 @@ def encode_version(params: np.ndarray, version: int, key: Keyframe | None, quant
     if quantiser == "fp32":
         return codec.encode_array(p), {}, None
     if is_keyframe_due(version, key, key_every):
-        return codec.encode_array(p), {"key": int(version)}, Keyframe(int(version), p.copy())
+        blob = codec.encode_array(p)
+        # the keyframe is the blob's own values (an fp32 blob decodes to a view on it): one copy of
+        # the parameters, not two, while it is published (the blob must not be written to after)
+        return blob, {"key": int(version)}, Keyframe(int(version), codec.decode_array(blob).reshape(-1))
     if key.params.shape != p.shape:
         raise ValueError(f"keyframe has {key.params.size} values, the parameters {p.size}")
     return codec.encode_delta(p, key.params, quantiser), {"ref": key.version}, None
