@@ -67,7 +67,8 @@ from learner.spec import count_params, make_plan
 ROOT = str(Path(__file__).resolve().parent.parent)
 P, H, STEP = 8, 24, 0.1
 MODELS = {"5M": (256, 6, 1024), "12M": (384, 7, 1536), "25M": (512, 8, 2048), "50M": (512, 16, 2048),
-          "100M": (512, 32, 2048)}
+          "100M": (512, 32, 2048), "1B": (1024, 80, 4096)}
+SWEEP = "5M,12M,25M,50M,100M"  # the default sweep; 1B only when asked for (--models 1B: about 20 GB of memory)
 AGG = {"DILOCO_DOWNLINK_QUANTISER": "int8"}  # plus DILOCO_QUORUM from --quorum (default: the role's)
 MONITOR = {"DILOCO_SUSPECT_AFTER": "5", "DILOCO_EVICT_AFTER": "10"}  # a saturated machine delays heartbeats
 TICK = os.sysconf("SC_CLK_TCK")
@@ -325,19 +326,21 @@ async def cluster_run(tag: str, model: str, n_aggs: int, stages: list[int], wind
 def breakdown(n: int, reps: int = 3) -> dict:
     """CPU milliseconds per million values of one merge of one int8 contribution into a fragment of
     ``n`` values, in this process (no broker): what the aggregator computes per contribution and per
-    version, as ``aggregator.service`` does it (decode, norm, ``merge_step`` in place, the merge
-    record, a checkpoint divided by ``DILOCO_CHECKPOINT_EVERY``, the int8 downlink delta and the crc32
-    of what is sent)."""
+    version, as ``aggregator.service`` does it (the blob's parts read, not decoded: ``unpack``; the
+    norm and ``merge_step`` in place, each decoding block by block as it reads; the merge record, a
+    checkpoint divided by ``DILOCO_CHECKPOINT_EVERY``, the int8 downlink delta and the crc32 of what
+    is sent)."""
     import numpy as np
 
     from aggregator.config import AggregatorConfig
-    from aggregator.contribution import Contribution
+    from aggregator.contribution import Contribution, from_grad_message
     from aggregator.merge import l2_norm
     from aggregator.mlog import LoggedContribution, MergeRecord, settings_to_dict
     from aggregator.step import FragmentState, MergeSettings, merge_step
     from bus import codec
     from bus.chunks import checksum
     from bus.downlink import Keyframe, encode_version
+    from bus.protocol import grad_meta
 
     every = AggregatorConfig().checkpoint_every
     rng = np.random.default_rng(0)
@@ -357,11 +360,13 @@ def breakdown(n: int, reps: int = 3) -> dict:
 
     def step():
         rnd[0] += 1
-        c = Contribution("r", "h", "a", "i", 0, rnd[0], 0, H, H * 2048, got["decode"], H)
+        c = Contribution("r", "h", "a", "i", 0, rnd[0], 0, H, H * 2048, got["unpack"], H)
         return merge_step(got.get("merge_step", st), [c], s, [got["norm"]], 1 / 8, 8, inplace=True, out=acc)
 
-    timed("decode", lambda: np.asarray(codec.decode_array(blob)))
-    timed("norm", lambda: l2_norm(got["decode"]))
+    meta = grad_meta(run="r", model="h", learner="a", incarnation="i", fragment=0, round_=0, base_version=0,
+                     inner_steps=H, tokens=H * 2048, region="x")
+    timed("unpack", lambda: from_grad_message(meta, blob).vector)
+    timed("norm", lambda: l2_norm(got["unpack"]))
     timed("merge_step", step)
     rec = MergeRecord(0, 1, (LoggedContribution("a", "i", 0, 1, 0, (1,), 1.0, len(blob)),), 0.125, 8, settings_to_dict(s))
     timed("merge_record", rec.to_bytes)
@@ -406,6 +411,7 @@ async def main_async(a) -> dict:
 
 
 def main() -> None:
+    global STEP
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--window", type=float, default=None, help="seconds per measurement (30; quick 6)")
     p.add_argument("--warm", type=float, default=None, help="seconds after a stage starts before measuring")
@@ -416,9 +422,11 @@ def main() -> None:
     p.add_argument("--stages", default=None, help="learner counts of the sweep (4,8,16; quick 4,8)")
     p.add_argument("--quorum", default=None, help="DILOCO_QUORUM of the aggregators (default: the role's, auto)")
     p.add_argument("--recovery", action="store_true", help="kill -9 and time the recovery after each sweep model")
+    p.add_argument("--step-time", type=float, default=None, help="seconds per replayed inner step (0.1)")
     p.add_argument("--shards", default=None, help="DILOCO_AGG_SHARDS of the aggregators (default: the role's, auto; "
                                                   "1: one process, the old shape)")
     a = p.parse_args()
+    STEP = a.step_time or STEP
     if a.quorum:
         AGG["DILOCO_QUORUM"] = a.quorum
     if a.shards:
@@ -429,7 +437,7 @@ def main() -> None:
     a.aggregators = [int(x) for x in (a.aggregators or ("1,2" if q else "1,2,4")).split(",") if x != "none"]
     a.agg_model = a.agg_model or ("5M" if q else "25M")
     a.agg_learners = a.agg_learners or (4 if q else 8)
-    a.models = [x for x in (a.models or ("5M" if q else ",".join(MODELS))).split(",") if x != "none"]
+    a.models = [x for x in (a.models or ("5M" if q else SWEEP)).split(",") if x != "none"]
     a.stages = [int(x) for x in (a.stages or ("4,8" if q else "4,8,16")).split(",")]
     bad = [x for x in a.models if x not in MODELS]
     if bad or any(P % n for n in a.aggregators):
