@@ -178,21 +178,32 @@ class Durability:
         return done
 
     async def _read_log(self, p: int) -> dict[int, MergeRecord]:
-        """Every record of fragment p the STATE stream holds, by version (the newest stored copy)."""
-        out: dict[int, MergeRecord] = {}
-        seq = 1
+        """Every record of fragment p the STATE stream holds on its log subjects, by version: the
+        newest message of each slot subject (a fragment's log since its checkpoint never spans more
+        than the slots: ``_log_blocked``), each read by subject, so the time does not grow with the
+        stream. A scan of the stream for the log's subjects (a direct get of the next message
+        matching them, from sequence 1) timed out past the JetStream timeout at 1B parameters, where
+        STATE holds tens of GB of checkpoint chunks, and the restarted aggregator exited."""
         stream = self.s.stream("state")
-        while True:
+        info = await self.js.stream_info(stream, subjects_filter=self.s.merge_log_filter(p))
+        subjects = sorted((info.state.subjects or {}) if info.state else {})
+
+        async def newest(subject: str):
             try:
-                m = await self.js.get_msg(stream, seq=seq, subject=self.s.merge_log_filter(p), next=True, direct=True)
-            except NotFoundError:
-                return out
+                return await self.js.get_last_msg(stream, subject, direct=True)
+            except NotFoundError:  # purged or replaced between the two requests
+                return None
+
+        out: dict[int, MergeRecord] = {}
+        for m in await asyncio.gather(*(newest(x) for x in subjects)):
+            if m is None:
+                continue
             try:
                 rec = MergeRecord.from_bytes(m.data)
                 out[rec.version] = rec
             except Exception as e:
                 self.log.error("bad_merge_record", fragment=p, seq=m.seq, error=repr(e))
-            seq = int(m.seq) + 1
+        return out
 
     # -- checkpoints -------------------------------------------------------------------------------
 
