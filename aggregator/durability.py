@@ -32,9 +32,9 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from aggregator.contribution import from_grad_message
-from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay,
-                             early_checkpoint_pays, grad_backlog_behind, log_slots, replay_one,
-                             stream_overtaking)
+from aggregator.mlog import (CHECKPOINT_BYTES_IN_FLIGHT, CHECKPOINTS_IN_FLIGHT, CheckpointPolicy, LogPosition,
+                             MergeRecord, applied_without_replay, checkpoint_may_start, early_checkpoint_pays,
+                             grad_backlog_behind, log_slots, replay_one, stream_overtaking)
 from aggregator.step import FragmentState
 from bus import codec
 from bus.runs import RunMismatch
@@ -48,9 +48,6 @@ PUBLISH_QUEUE = 2
 #: seconds without a stored write after which the aggregator writes its ``state_probe``: an
 #: aggregator with nothing to merge learns of a full store too (and says so)
 STORE_IDLE_PROBE = 10.0
-#: checkpoints copied and being stored at once (each holds a copy of its fragment's state): the
-#: others wait for a later pass of the loop
-CHECKPOINTS_IN_FLIGHT = 2
 #: bytes of that probe: as much as a chunk of a small fragment, more than a filesystem block, so
 #: that it does not fit in the unused end of a block the stream has already written (a tiny write
 #: is stored there on a full disk: measured on tmpfs, docs/RELIABILITY.md)
@@ -221,10 +218,11 @@ class Durability:
 
     def _release(self, blob: Any) -> None:
         """A stored checkpoint's buffer, kept for the next (fresh pages cost more than the copy), at
-        most ``CHECKPOINTS_IN_FLIGHT`` of them: one per fragment kept 8-12 bytes per value of the
+        most ``CHECKPOINTS_IN_FLIGHT`` of them (and ``CHECKPOINT_BYTES_IN_FLIGHT``, or one): one per fragment kept 8-12 bytes per value of the
         model resident for ever."""
         buf = blob.obj if isinstance(blob, memoryview) else blob
-        if isinstance(buf, bytearray) and len(self._ckpt_free) < CHECKPOINTS_IN_FLIGHT:
+        if isinstance(buf, bytearray) and len(self._ckpt_free) < CHECKPOINTS_IN_FLIGHT and (
+                not self._ckpt_free or sum(map(len, self._ckpt_free)) + len(buf) <= CHECKPOINT_BYTES_IN_FLIGHT):
             self._ckpt_free.append(buf)
 
     async def _checkpoint(self, p: int) -> bool:
@@ -239,8 +237,9 @@ class Durability:
         """Checkpoint fragment p without holding the loop: the state is copied now, and stored by a
         task while intake and merges go on (at most one per fragment; the log keeps the merges made
         meanwhile: its slots hold twice the checkpoint period, ``_log_blocked``). False if one is
-        being stored already, or ``CHECKPOINTS_IN_FLIGHT`` fragments' are (each holds a copy of its
-        fragment's state until stored), unless this fragment's log is full (its merges wait for this
+        being stored already, or ``CHECKPOINTS_IN_FLIGHT`` fragments' are, or the copies being stored
+        and this one would hold more than ``CHECKPOINT_BYTES_IN_FLIGHT`` (each holds a copy of its
+        fragment's state until stored; one may always be), unless this fragment's log is full (its merges wait for this
         checkpoint: it never waits for a slot). At 4 x 100M the loop spent half its time waiting for
         checkpoints to be stored (``loop_s``, bench.scale_synth, docs/BENCHMARKS.md)."""
         task = self._ckpt_tasks.get(p)
@@ -248,7 +247,8 @@ class Durability:
             return False
         pos = self.logpos.get(p)
         full = pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every  # merges wait for it
-        if not full and sum(not t.done() for t in self._ckpt_tasks.values()) >= CHECKPOINTS_IN_FLIGHT:
+        busy = [self._checkpoint_bytes(q) for q, t in self._ckpt_tasks.items() if not t.done()]
+        if not full and not checkpoint_may_start(busy, self._checkpoint_bytes(p)):
             return False  # (its turn comes at a later pass: the log holds its merges meanwhile)
         task = self._ckpt_tasks[p] = asyncio.create_task(self._put_checkpoint(self._snapshot(p)))
         task.add_done_callback(self._checkpoint_done)

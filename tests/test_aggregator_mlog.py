@@ -185,3 +185,14 @@ def test_an_early_checkpoint_pays_once_enough_was_merged_since_the_last():
     # behind: a quarter of the aggregator's part of the stream not delivered yet
     assert grad_backlog_behind(101, 800, 4, 8) and not grad_backlog_behind(100, 800, 4, 8)
     assert not grad_backlog_behind(0, 0, 8, 8)
+
+
+def test_checkpoint_copies_in_flight_are_bounded_in_count_and_bytes():
+    from aggregator.mlog import CHECKPOINT_BYTES_IN_FLIGHT, checkpoint_may_start
+
+    mb = 1 << 20
+    assert checkpoint_may_start([], 4 * CHECKPOINT_BYTES_IN_FLIGHT)  # one always may: 1B's 1 GB fragment
+    assert not checkpoint_may_start([1024 * mb], 1024 * mb)  # a second copy of 1 GB waits
+    assert checkpoint_may_start([100 * mb], 100 * mb)  # 100M in 8 fragments: two of 100 MB at once
+    assert not checkpoint_may_start([10 * mb, 10 * mb], 10 * mb)  # never more than two
+    assert not checkpoint_may_start([200 * mb], 100 * mb)
