@@ -37,6 +37,7 @@ class VersionMaker:
         arrivals: ArrivalStats
         buffers: dict[int, list[Pending]]
         states: dict[int, FragmentState]
+        accum: np.ndarray | None
         unpublished: set[int]
         held_since: dict[int, float]
 
@@ -135,9 +136,10 @@ class VersionMaker:
             self.log.info("trust_cleared", fragment=p, learners=[x for x, _ in cleared], version=st.version + 1)
         # in place: the parameters and optimizer arrays are updated where they are (no copy of the
         # fragment); the record is retried as it is until stored, so the old state is never needed
-        acc = self.accum.get(st.params.size)
-        if acc is None:
-            acc = self.accum[st.params.size] = np.empty(st.params.size, dtype=np.float32)
+        n = st.params.size
+        if self.accum is None or self.accum.size < n:
+            self.accum = np.empty(max([n] + [self.plan.sizes[q] for q in self.owned]), dtype=np.float32)
+        acc = self.accum[:n]
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round,
                          inplace=True, out=acc)
         rec = MergeRecord(p, new.version, tuple(
