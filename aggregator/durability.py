@@ -27,7 +27,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
 from nats.js.errors import NotFoundError
 
@@ -463,7 +462,7 @@ class Durability:
                 if "ref" in gh.meta or "prev" in gh.meta:
                     raise RunMismatch(f"fragment {p}: no aggregator state, and global version {gh.version} is a "
                                       "delta against a keyframe: the state stream was lost")
-                st = FragmentState.initial(p, gh.version, np.array(codec.decode_array(blob)), self.settings)
+                st = FragmentState.initial(p, gh.version, codec.decode_array(blob), self.settings)  # (copied there)
                 await sstore.put(p, st.version, st.to_bytes(), {"model": self.model_hash})
                 self.logpos[p] = LogPosition(st.version, time.monotonic())
                 self.log.info("fragment_initialised", fragment=p, version=st.version)

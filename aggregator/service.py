@@ -328,12 +328,13 @@ class AggregatorService(Intake, VersionMaker, Durability):
         if got is not None:
             head, blob = got
             if head.version <= st.version and st.version - head.version < self.cfg.keyframe_every:
-                self.keys[p] = Keyframe(head.version, np.array(codec.decode_array(blob), dtype=np.float32))
+                # its values are the blob's (an fp32 blob decodes to a view on it): no second copy
+                self.keys[p] = Keyframe(head.version, np.asarray(codec.decode_array(blob), dtype=np.float32).reshape(-1))
                 return
         if st.version == 0:
-            await self.kstore.put(p, 0, codec.encode_array(st.params),
-                                  {"model": self.model_hash, "plan": self.plan.plan_hash(), "key": 0})
-            self.keys[p] = Keyframe(0, np.array(st.params, dtype=np.float32, copy=True))
+            blob = codec.encode_array(st.params)
+            await self.kstore.put(p, 0, blob, {"model": self.model_hash, "plan": self.plan.plan_hash(), "key": 0})
+            self.keys[p] = Keyframe(0, codec.decode_array(blob).reshape(-1))  # the blob's values: a copy
 
     # -- main loop --------------------------------------------------------------------------------
 
