@@ -48,6 +48,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
 import asyncio
+import gc
 import math
 import os
 import time
@@ -78,6 +79,18 @@ def model_env(name: str) -> dict:
     d, layers, ff = MODELS[name]
     return {"DILOCO_D_MODEL": str(d), "DILOCO_N_LAYERS": str(layers), "DILOCO_N_HEADS": "8", "DILOCO_D_FF": str(ff),
             "DILOCO_SEQ_LEN": "128", "DILOCO_NUM_FRAGMENTS": str(P)}
+
+
+def store_for(model: str) -> int:
+    """The server's JetStream storage for a run of ``model``: what its streams reserve (``bus.streams``:
+    sized for fp32 versions and checkpoints, 66 GiB at 1B), with a margin, at least the default 20
+    GiB. Reserved, not written: a 1B run writes far less (int8 contributions and deltas)."""
+    from bus.server import DEFAULT_MAX_FILE_STORE
+    from bus.streams import sized_bytes
+
+    mc = model_config(model_env(model))
+    need = sum(sized_bytes(make_plan(mc.spec(), P, mc.max_imbalance).sizes, 2).values())
+    return max(DEFAULT_MAX_FILE_STORE, int(need * 1.1) + 2**30)
 
 
 def split_fragments(n: int) -> list[str]:
@@ -128,6 +141,7 @@ class Run:
         t = time.monotonic()
         await create_builtin_run(c.nc.jetstream(timeout=60), CommonConfig(nats_url=c.url, run=c.run),
                                  model_config(model_env(self.model)))
+        gc.collect()  # the initial parameters (4 GB at 1B) are not left to a later collection
         progress(f"  run of {self.params / 1e6:.1f}M created in {time.monotonic() - t:.1f} s")
         c.start("monitor", "monitor", **MONITOR)
         self.start_aggregators()
@@ -307,7 +321,8 @@ class Run:
 async def cluster_run(tag: str, model: str, n_aggs: int, stages: list[int], window: float, warm: float,
                       stop_when_behind: bool, recovery: list | None = None) -> list[dict]:
     out = []
-    async with Cluster(f"synth{tag}", {**model_env(model), "DILOCO_MANIFEST_TIMEOUT": "600"}, metrics_interval=1.0) as c:
+    async with Cluster(f"synth{tag}", {**model_env(model), "DILOCO_MANIFEST_TIMEOUT": "600"}, metrics_interval=1.0,
+                       max_file_store=store_for(model)) as c:
         r = Run(c, model, n_aggs)
         progress(f"{model} ({r.params / 1e6:.1f}M), {n_aggs} aggregator(s), learners {stages}; "
                  f"MemAvailable {mem_available_mib():.0f} MiB")
