@@ -84,8 +84,9 @@ class Cluster:
     """
 
     def __init__(self, run: str = "bench", env: dict | None = None, metrics_interval: float = 0.5,
-                 keep_logs: str | None = None):
+                 keep_logs: str | None = None, max_file_store: int | None = None):
         self.run = run
+        self.max_file_store = max_file_store  # the server's JetStream storage (None: EmbeddedServer's default)
         self.keep_logs = keep_logs  # a folder the processes' logs are copied to at the end
         self.shared = {"DILOCO_METRICS_INTERVAL": str(metrics_interval), "DILOCO_LOG_LEVEL": "warning",
                        **(env or {})}
@@ -97,7 +98,8 @@ class Cluster:
     async def __aenter__(self) -> "Cluster":
         self._tmp = tempfile.TemporaryDirectory(prefix="diloco-bench-")
         self.dir = self._tmp.name
-        self.srv = EmbeddedServer(store_dir=os.path.join(self.dir, "nats")).start()
+        self.srv = EmbeddedServer(store_dir=os.path.join(self.dir, "nats"),
+                                  **({"max_file_store": self.max_file_store} if self.max_file_store else {})).start()
         self.url = self.srv.url
         await self.open_tap(CommonConfig(nats_url=self.url, run=self.run))
         return self
