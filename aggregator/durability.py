@@ -174,31 +174,43 @@ class Durability:
         return done
 
     async def _read_log(self, p: int) -> dict[int, MergeRecord]:
-        """Every record of fragment p the STATE stream holds on its log subjects, by version: the
-        newest message of each slot subject (a fragment's log since its checkpoint never spans more
-        than the slots: ``_log_blocked``), each read by subject, so the time does not grow with the
-        stream. A scan of the stream for the log's subjects (a direct get of the next message
-        matching them, from sequence 1) timed out past the JetStream timeout at 1B parameters, where
-        STATE holds tens of GB of checkpoint chunks, and the restarted aggregator exited."""
+        """Every record of fragment p the STATE stream holds on its log subjects, by version (the
+        newest stored copy). The subjects and how many messages each holds come from the server
+        (``stream_info`` with a subject filter); a subject holding one is read by its last message,
+        one holding more (a slot shared by two versions after ``DILOCO_CHECKPOINT_EVERY`` was
+        lowered, with ``DILOCO_GLOBAL_HISTORY`` above 2) message by message on that subject alone.
+        Each read finds its message by subject, so the time does not grow with the stream: a scan
+        of the stream for the log's wildcard from sequence 1 timed out past the JetStream timeout at
+        1B parameters, where STATE holds tens of GB of checkpoint chunks, and the restarted
+        aggregator exited."""
         stream = self.s.stream("state")
         info = await self.js.stream_info(stream, subjects_filter=self.s.merge_log_filter(p))
-        subjects = sorted((info.state.subjects or {}) if info.state else {})
+        counts = dict(info.state.subjects or {}) if info.state else {}
 
-        async def newest(subject: str):
-            try:
-                return await self.js.get_last_msg(stream, subject, direct=True)
-            except NotFoundError:  # purged or replaced between the two requests
-                return None
+        async def read(subject: str, count: int) -> list:
+            if count <= 1:
+                try:
+                    return [await self.js.get_last_msg(stream, subject, direct=True)]
+                except NotFoundError:  # purged or replaced between the two requests
+                    return []
+            got: list = []
+            seq = 1
+            while True:
+                try:
+                    m = await self.js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+                except NotFoundError:
+                    return got
+                got.append(m)
+                seq = int(m.seq) + 1
 
         out: dict[int, MergeRecord] = {}
-        for m in await asyncio.gather(*(newest(x) for x in subjects)):
-            if m is None:
-                continue
-            try:
-                rec = MergeRecord.from_bytes(m.data)
-                out[rec.version] = rec
-            except Exception as e:
-                self.log.error("bad_merge_record", fragment=p, seq=m.seq, error=repr(e))
+        for msgs in await asyncio.gather(*(read(x, n) for x, n in sorted(counts.items()))):
+            for m in sorted(msgs, key=lambda m: int(m.seq)):  # the newest copy of a version last
+                try:
+                    rec = MergeRecord.from_bytes(m.data)
+                    out[rec.version] = rec
+                except Exception as e:
+                    self.log.error("bad_merge_record", fragment=p, seq=m.seq, error=repr(e))
         return out
 
     # -- checkpoints -------------------------------------------------------------------------------

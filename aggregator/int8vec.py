@@ -48,7 +48,9 @@ class Int8Vector:
         """Values ``sl`` (a step-1 slice) decoded into the first values of ``out`` (float32); returns
         that view. Whole blocks are decoded as ``bus.quant.dequantise_int8_into`` does, a partial
         block at either end value by value: bitwise the same."""
-        start, stop, _ = sl.indices(self.size)
+        start, stop, step = sl.indices(self.size)
+        if step != 1 or not out.flags.c_contiguous:
+            raise ValueError("an Int8Vector is read by step-1 slices into a contiguous buffer")
         q = self.qblock
         o = out[:max(0, stop - start)]
         i = start
@@ -72,9 +74,18 @@ class Int8Vector:
         """The whole float32 vector (a new array of 4 bytes per value: for small vectors and tests)."""
         return self.read(slice(0, self.size), np.empty(self.size, dtype=np.float32))
 
-    def all_finite(self) -> bool:
-        """Every value finite: every scale is (a code is a small integer, and 0 x inf is nan)."""
-        return bool(np.isfinite(self.scales).all())
+    def all_finite(self, block: int = 1 << 18) -> bool:
+        """Every decoded value finite: a non-finite scale gives nan or inf (0 x inf is nan), and so
+        can a finite one, when a code times it overflows float32 (1e38 x 127). Decodes block by
+        block: validation asks only when the norm was not finite (the rare path)."""
+        if not np.isfinite(self.scales).all():
+            return False
+        scratch = np.empty(min(block, max(self.size, 1)), dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for start in range(0, self.size, block):
+                if not np.isfinite(self.read(slice(start, min(start + block, self.size)), scratch)).all():
+                    return False
+        return True
 
     def __array__(self, dtype=None, copy=None):
         a = self.decoded()

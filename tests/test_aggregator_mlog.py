@@ -196,3 +196,42 @@ def test_checkpoint_copies_in_flight_are_bounded_in_count_and_bytes():
     assert checkpoint_may_start([100 * mb], 100 * mb)  # 100M in 8 fragments: two of 100 MB at once
     assert not checkpoint_may_start([10 * mb, 10 * mb], 10 * mb)  # never more than two
     assert not checkpoint_may_start([200 * mb], 100 * mb)
+
+
+async def test_the_log_is_read_by_subject_every_record_a_slot_holds(js):
+    """A restart reads a fragment's log subject by subject (a scan of STATE from sequence 1 timed out
+    at 1B): the newest message of a slot that holds one, every message of one that holds more (a
+    slot shared by two versions after DILOCO_CHECKPOINT_EVERY was lowered), the newest copy of a
+    version winning; other fragments' records and other subjects are not read."""
+    import structlog
+    from nats.js.api import StreamConfig
+
+    from aggregator.durability import Durability
+    from aggregator.mlog import MergeRecord, settings_to_dict
+    from aggregator.step import MergeSettings
+    from bus.subjects import Subjects
+
+    s = Subjects("logrun")
+    await js.add_stream(StreamConfig(name=s.stream("state"), subjects=[f"{s.prefix}.state.>"], max_msgs_per_subject=2,
+                                     allow_direct=True))
+    settings = settings_to_dict(MergeSettings())
+
+    async def put(frag: int, version: int, slot: int, scale: float = 1.0) -> None:
+        rec = MergeRecord(frag, version, (), scale, 1, settings)
+        await js.publish(s.merge_log(frag, slot), rec.to_bytes())
+
+    for v in range(1, 6):
+        await put(0, v, v % 4)  # slot 1 holds versions 1 and 5
+    await put(0, 3, 3, scale=0.5)  # a second copy of version 3: the newest wins
+    await put(1, 9, 1)  # another fragment's
+    await js.publish(f"{s.prefix}.state.0.ckpt", b"not a record")
+
+    class Reader:
+        pass
+
+    r = Reader()
+    r.js, r.s, r.log = js, s, structlog.get_logger()
+    got = await Durability._read_log(r, 0)  # type: ignore[arg-type]
+    assert sorted(got) == [1, 2, 3, 4, 5] and got[3].scale == 0.5 and got[5].fragment == 0
+    assert sorted(await Durability._read_log(r, 1)) == [9]  # type: ignore[arg-type]
+    assert await Durability._read_log(r, 2) == {}  # type: ignore[arg-type]

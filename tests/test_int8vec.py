@@ -64,6 +64,13 @@ def test_a_non_finite_scale_is_caught_as_the_decoded_array_would_be():
     bad = Int8Vector(np.array(v.scales), v.codes, v.qblock)
     bad.scales[3] = np.inf
     assert not all_finite(bad) and not np.isfinite(l2_norm(bad)) and not np.isfinite(bad.decoded()).all()
+    # a finite scale whose product with a code overflows float32 is not finite either (review)
+    big = Int8Vector(np.full(1, 1e38, np.float32), np.full(256, 127, np.int8), 256)
+    assert not all_finite(big) and not np.isfinite(l2_norm(big))
+    assert validate(make(vector=big), context(fragment_sizes={0: 256}, max_inner_lr=None,
+                                              norm_outlier_factor=None)) == Reason.non_finite
+    with pytest.raises(ValueError):
+        v.read(slice(0, 512, 2), np.empty(512, np.float32))
     nan = Int8Vector(np.full(1, np.nan, np.float32), np.zeros(256, np.int8), 256)
     assert validate(make(vector=nan), context(fragment_sizes={0: 256}, max_inner_lr=None)) == Reason.non_finite
     ok = Int8Vector(np.full(1, 1e-3, np.float32), np.ones(256, np.int8), 256)
