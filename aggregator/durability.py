@@ -31,14 +31,12 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from aggregator.contribution import from_grad_message
-from aggregator.mlog import (CHECKPOINT_BYTES_IN_FLIGHT, CHECKPOINTS_IN_FLIGHT, CheckpointPolicy, LogPosition,
-                             MergeRecord, applied_without_replay, checkpoint_may_start, early_checkpoint_pays,
-                             grad_backlog_behind, log_slots, replay_one, stream_overtaking)
+from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay, checkpoint_may_start,
+                             early_checkpoint_pays, grad_backlog_behind, log_slots, replay_one, stream_overtaking)
 from aggregator.step import FragmentState
 from bus import codec
 from bus.runs import RunMismatch
-from bus.streams import STATE_ARRAYS
-from bus.streams import ensure_run
+from bus.streams import STATE_ARRAYS, ensure_run
 from bus.transport import TransportError, VersionConflict, fetch_object
 
 #: versions of one fragment encoded and waiting for their publisher (aggregator.versions): beyond
@@ -228,12 +226,11 @@ class Durability:
         return p, st.version, blob, time.monotonic()
 
     def _release(self, blob: Any) -> None:
-        """A stored checkpoint's buffer, kept for the next (fresh pages cost more than the copy), at
-        most ``CHECKPOINTS_IN_FLIGHT`` of them (and ``CHECKPOINT_BYTES_IN_FLIGHT``, or one): one per fragment kept 8-12 bytes per value of the
-        model resident for ever."""
+        """A stored checkpoint's buffer, kept for the next (fresh pages cost more than the copy)
+        within the bound on copies in flight (``checkpoint_may_start``): one per fragment kept 8-12
+        bytes per value of the model resident for ever."""
         buf = blob.obj if isinstance(blob, memoryview) else blob
-        if isinstance(buf, bytearray) and len(self._ckpt_free) < CHECKPOINTS_IN_FLIGHT and (
-                not self._ckpt_free or sum(map(len, self._ckpt_free)) + len(buf) <= CHECKPOINT_BYTES_IN_FLIGHT):
+        if isinstance(buf, bytearray) and checkpoint_may_start([len(b) for b in self._ckpt_free], len(buf)):
             self._ckpt_free.append(buf)
 
     async def _checkpoint(self, p: int) -> bool:
@@ -248,10 +245,10 @@ class Durability:
         """Checkpoint fragment p without holding the loop: the state is copied now, and stored by a
         task while intake and merges go on (at most one per fragment; the log keeps the merges made
         meanwhile: its slots hold twice the checkpoint period, ``_log_blocked``). False if one is
-        being stored already, or ``CHECKPOINTS_IN_FLIGHT`` fragments' are, or the copies being stored
-        and this one would hold more than ``CHECKPOINT_BYTES_IN_FLIGHT`` (each holds a copy of its
-        fragment's state until stored; one may always be), unless this fragment's log is full (its merges wait for this
-        checkpoint: it never waits for a slot). At 4 x 100M the loop spent half its time waiting for
+        being stored already, or the copies being stored leave no room for it
+        (``aggregator.mlog.checkpoint_may_start``: each holds a copy of its fragment's state until
+        stored), unless this fragment's log is full (its merges wait for this checkpoint: it never
+        waits for a slot). At 4 x 100M the loop spent half its time waiting for
         checkpoints to be stored (``loop_s``, bench.scale_synth, docs/BENCHMARKS.md)."""
         task = self._ckpt_tasks.get(p)
         if task is not None and not task.done():

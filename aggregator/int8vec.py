@@ -121,4 +121,3 @@ def all_finite(v) -> bool:
 def is_vector(v) -> bool:
     """A float32 ndarray or an Int8Vector (what a contribution may carry)."""
     return isinstance(v, Int8Vector) or isinstance(v, np.ndarray)
-
