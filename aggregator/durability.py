@@ -35,6 +35,7 @@ from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied
                              early_checkpoint_pays, grad_backlog_behind, log_slots, replay_one, stream_overtaking)
 from aggregator.step import FragmentState
 from bus import codec
+from bus.chunks import Gather
 from bus.runs import RunMismatch
 from bus.streams import STATE_ARRAYS, ensure_run
 from bus.transport import TransportError, VersionConflict, fetch_object
@@ -62,7 +63,6 @@ class Durability:
         _grad_limit: int
         _grad_behind: bool
         _ckpt_tasks: dict[int, asyncio.Task]
-        _ckpt_free: list[bytearray]
         _ckpt_size: dict[int, int]
         _logseqs: dict[int, deque]
 
@@ -72,11 +72,13 @@ class Durability:
         return log_slots(self.cfg.checkpoint_every)
 
     def _log_blocked(self, p: int) -> bool:
-        """Fragment p may not merge: its last record is not committed yet, its log since the
-        newest checkpoint fills the slots a replay needs (the checkpoint is behind), or the store
-        does not take writes (a full disk: ``store_watch``)."""
+        """Fragment p may not merge: its last record is not committed yet, its checkpoint is being
+        stored from its arrays (``_snapshot``), its log since the newest checkpoint fills the slots
+        a replay needs (the checkpoint is behind), or the store does not take writes (a full disk:
+        ``store_watch``)."""
         pos = self.logpos.get(p)
         return (p in self.uncommitted or len(self.pubq.get(p, ())) >= PUBLISH_QUEUE or self.store_watch.faulted
+                or self._checkpointing(p)
                 or (pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every))
 
     async def _undo(self, p: int, rec: MergeRecord, items: list) -> bool:
@@ -216,40 +218,36 @@ class Durability:
     def _policy(self) -> CheckpointPolicy:
         return CheckpointPolicy(self.cfg.checkpoint_every, self.cfg.checkpoint_seconds)
 
-    def _snapshot(self, p: int) -> tuple[int, int, Any, float]:
-        """Fragment p's state as checkpoint bytes now (a copy into a reused buffer: the merges
-        change the state in place, so this is taken before the next one): (fragment, version,
-        blob, when). The buffer goes back to ``_ckpt_free`` once the blob is stored."""
+    def _snapshot(self, p: int) -> tuple[int, int, Gather, float]:
+        """Fragment p's state as checkpoint bytes now: (fragment, version, blob, when). The blob is
+        the state's own arrays (``FragmentState.checkpoint``): the fragment does not merge until it
+        is stored (``_log_blocked``)."""
         st = self.states[p]
-        blob = st.to_bytes(self._ckpt_free.pop() if self._ckpt_free else None)
-        self._ckpt_size[p] = len(blob)
+        blob = st.checkpoint()
+        self._ckpt_size[p] = blob.nbytes
         return p, st.version, blob, time.monotonic()
 
-    def _release(self, blob: Any) -> None:
-        """A stored checkpoint's buffer, kept for the next (fresh pages cost more than the copy)
-        within the bound on copies in flight (``checkpoint_may_start``): one per fragment kept 8-12
-        bytes per value of the model resident for ever."""
-        buf = blob.obj if isinstance(blob, memoryview) else blob
-        if isinstance(buf, bytearray) and checkpoint_may_start([len(b) for b in self._ckpt_free], len(buf)):
-            self._ckpt_free.append(buf)
+    def _checkpointing(self, p: int) -> bool:
+        """A checkpoint of fragment p is being stored (from its arrays: they must not change)."""
+        task = self._ckpt_tasks.get(p)
+        return task is not None and not task.done()
 
     async def _checkpoint(self, p: int) -> bool:
-        """Checkpoint fragment p now and wait until it is stored (after the one being stored, whose
-        buffer the new copy reuses)."""
+        """Checkpoint fragment p now and wait until it is stored (after the one being stored)."""
         task = self._ckpt_tasks.get(p)
         if task is not None and not task.done():
             await asyncio.gather(task, return_exceptions=True)
-        return await self._put_checkpoint(self._snapshot(p))
+        return await self._store_checkpoint(self._snapshot(p))
 
     def _start_checkpoint(self, p: int) -> bool:
-        """Checkpoint fragment p without holding the loop: the state is copied now, and stored by a
-        task while intake and merges go on (at most one per fragment; the log keeps the merges made
-        meanwhile: its slots hold twice the checkpoint period, ``_log_blocked``). False if one is
-        being stored already, or the copies being stored leave no room for it
-        (``aggregator.mlog.checkpoint_may_start``: each holds a copy of its fragment's state until
-        stored), unless this fragment's log is full (its merges wait for this checkpoint: it never
-        waits for a slot). At 4 x 100M the loop spent half its time waiting for
-        checkpoints to be stored (``loop_s``, bench.scale_synth, docs/BENCHMARKS.md)."""
+        """Checkpoint fragment p without holding the loop: stored from the fragment's own arrays by
+        a task while intake and the other fragments' merges go on; this fragment's merges wait
+        until it is stored (``_log_blocked``: no copy of its state is taken). False if one is being
+        stored already, or the checkpoints being stored leave no room for it
+        (``aggregator.mlog.checkpoint_may_start``), unless this fragment's log is full (its merges
+        wait for this checkpoint: it never waits for a slot). At 4 x 100M the loop spent half its
+        time waiting for checkpoints to be stored (``loop_s``, bench.scale_synth,
+        docs/BENCHMARKS.md)."""
         task = self._ckpt_tasks.get(p)
         if task is not None and not task.done():
             return False
@@ -258,7 +256,7 @@ class Durability:
         busy = [self._checkpoint_bytes(q) for q, t in self._ckpt_tasks.items() if not t.done()]
         if not full and not checkpoint_may_start(busy, self._checkpoint_bytes(p)):
             return False  # (its turn comes at a later pass: the log holds its merges meanwhile)
-        task = self._ckpt_tasks[p] = asyncio.create_task(self._put_checkpoint(self._snapshot(p)))
+        task = self._ckpt_tasks[p] = asyncio.create_task(self._store_checkpoint(self._snapshot(p)))
         task.add_done_callback(self._checkpoint_done)
         return True
 
@@ -272,13 +270,7 @@ class Durability:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _put_checkpoint(self, snap: tuple[int, int, Any, float]) -> bool:
-        try:
-            return await self._store_checkpoint(snap)
-        finally:
-            self._release(snap[2])
-
-    async def _store_checkpoint(self, snap: tuple[int, int, Any, float]) -> bool:
+    async def _store_checkpoint(self, snap: tuple[int, int, Gather, float]) -> bool:
         p, version, blob, taken = snap
         t0 = time.monotonic()
         try:
@@ -334,7 +326,7 @@ class Durability:
                                                           self.plan.num_fragments), ci.num_pending or 0, st.messages)
             except Exception as e:
                 self.log.warning("grad_stream_info_failed", error=repr(e))
-        # the fragments furthest from their checkpoint first: they take the copies in flight
+        # the fragments furthest from their checkpoint first: they start first
         for p, pos in sorted(self.logpos.items(), key=lambda kv: -kv[1].versions_since):
             if p in self.uncommitted:
                 continue
@@ -362,8 +354,9 @@ class Durability:
         self._grad_behind = behind
 
     def _checkpoint_bytes(self, p: int) -> int:
-        """Bytes a checkpoint of fragment p writes: its last one's, or three arrays of its values."""
-        return self._ckpt_size.get(p) or STATE_ARRAYS * 4 * int(self.plan.sizes[p])
+        """Bytes a checkpoint of fragment p writes: its last one's, or its state's arrays."""
+        st = self.states.get(p)
+        return self._ckpt_size.get(p) or (st.array_bytes() if st is not None else STATE_ARRAYS * 4 * int(self.plan.sizes[p]))
 
     async def _checkpoint_all(self) -> None:
         """At a clean stop: nothing left to replay."""

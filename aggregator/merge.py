@@ -145,35 +145,48 @@ def _combine(rows: Vectors, coeffs: np.ndarray, out: np.ndarray, block: int) -> 
     """out = sum_i coeffs_i * rows_i in float32, each input read once; returns |out|^2.
 
     A contiguous (M, n) float32 matrix goes through one BLAS gemv; a sequence is streamed
-    block by block so the output block and one scratch block stay in cache, and |out|^2 is
-    summed per block while the block is still in cache. Rows with coefficient 0 are not read.
+    block by block (:func:`combine_blocks`) so the output block and one scratch block stay in
+    cache, and |out|^2 is summed per block while the block is still in cache. Rows with
+    coefficient 0 are not read.
     """
-    c32 = coeffs.astype(np.float32)
     if isinstance(rows, np.ndarray) and rows.flags.c_contiguous:
-        np.dot(c32, rows, out=out)
+        np.dot(coeffs.astype(np.float32), rows, out=out)
         nrm = l2_norm(out)
         return nrm * nrm
-    terms = [(rows[i], c32[i]) for i in range(len(rows)) if c32[i] != 0]
-    if not terms:
-        out.fill(0.0)
-        return 0.0
-    n = out.size
-    scratch = np.empty(min(block, max(n, 1)), dtype=np.float32)
     sq = 0.0
+    for sl, o, s in combine_blocks(rows, coeffs, out.size, block, out=out):
+        sq += s
+    if not 1e-30 < sq < math.inf:  # float32 over/underflow inside a block: recompute exactly
+        nrm = l2_norm(out)
+        return nrm * nrm
+    return sq
+
+
+def combine_blocks(rows: Vectors, coeffs: np.ndarray, n: int, block: int = DEFAULT_BLOCK,
+                   out: np.ndarray | None = None) -> Iterator[tuple[slice, np.ndarray, float]]:
+    """sum_i coeffs_i * rows_i one block at a time: (slice, its values, their float32 sum of squares)
+    per block of ``block`` values, in order. The values are ``out[slice]`` when ``out`` is given,
+    else one scratch block reused (valid until the next block is asked for): a consumer that applies
+    each block at once needs no buffer of size n (``aggregator.step.merge_step``)."""
+    c32 = np.asarray(coeffs).astype(np.float32)
+    terms = [(rows[i], c32[i]) for i in range(len(rows)) if c32[i] != 0]
+    m = min(block, max(n, 1))
+    scratch = np.empty(m, dtype=np.float32)
+    own = np.empty(m, dtype=np.float32) if out is None else None
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         for sl in block_slices(n, block):
-            o = out[sl]
+            o = out[sl] if out is not None else own[: sl.stop - sl.start]
+            if not terms:
+                o.fill(0.0)
+                yield sl, o, 0.0
+                continue
             s = scratch[: o.size]
             v0, c0 = terms[0]
             np.multiply(read(v0, sl, o), c0, out=o)  # an Int8Vector's block is decoded into o itself
             for v, c in terms[1:]:
                 np.multiply(read(v, sl, s), c, out=s)
                 np.add(o, s, out=o)
-            sq += float(np.dot(o, o))
-    if not 1e-30 < sq < math.inf:  # float32 over/underflow inside a block: recompute exactly
-        nrm = l2_norm(out)
-        return nrm * nrm
-    return sq
+            yield sl, o, float(np.dot(o, o))
 
 
 def _norms(rows: Sequence[np.ndarray], norms: np.ndarray | Sequence[float] | None) -> np.ndarray:
@@ -382,11 +395,13 @@ def merge(
     if not (math.isfinite(gain) and gain >= 0):
         raise ValueError(f"gain must be finite and >= 0, got {gain}")
     capped = caps is not None and bool(np.any(np.isfinite(np.asarray(caps, dtype=np.float64))))
-    if not capped:
-        if robust == "trim":
-            return _gained(trimmed_mean(vectors, w, trim_fraction, out=out), gain)
-        if robust is None and method == "mean":
-            return weighted_mean(vectors, w, out=out, block=block, gain=gain)
+    if not capped and robust == "trim":
+        return _gained(trimmed_mean(vectors, w, trim_fraction, out=out), gain)
+    if method == "mean" and robust != "trim":
+        rows, coeffs, n = linear_terms(vectors, w, robust, norms=norms, caps=caps, gain=gain)
+        buf = _out_buffer(out, n, rows)
+        _combine(rows, coeffs, buf, block)
+        return buf
     rows, n = _as_rows(vectors)
     wt = _check_weights(w, len(rows))
     nrm = _norms(rows, norms)  # needed by RDA, clipping and caps
@@ -396,11 +411,28 @@ def merge(
         return _gained(trimmed_mean(rows, wt, trim_fraction, out=out), gain)
     if robust == "clip":
         scales = scales * clip_scales(nrm * scales)
-    buf = _out_buffer(out, n, rows)
-    if method == "mean":
-        _combine(rows, wt * scales * gain / wt.sum(), buf, block)
-        return buf
-    return _rda(rows, wt, nrm, nrm * scales * gain, buf, block)
+    return _rda(rows, wt, nrm, nrm * scales * gain, _out_buffer(out, n, rows), block)
+
+
+def linear_terms(vectors: Vectors, w: np.ndarray | Sequence[float], robust: str | None = None, *,
+                 norms: np.ndarray | Sequence[float] | None = None, caps: np.ndarray | Sequence[float] | None = None,
+                 gain: float = 1.0) -> tuple[Vectors, np.ndarray, int]:
+    """The mean merge (``robust`` None or "clip", with ``caps``) as sum_i c_i v_i: (rows, the
+    coefficients c, n). :func:`merge` combines them into its output; ``aggregator.step`` applies
+    them block by block (:func:`combine_blocks`)."""
+    if robust not in (None, "none", "clip"):
+        raise ValueError(f"the mean with robust={robust!r} is not a linear combination")
+    gain = float(gain)
+    capped = caps is not None and bool(np.any(np.isfinite(np.asarray(caps, dtype=np.float64))))
+    rows, n = _as_rows(vectors)
+    wt = _check_weights(w, len(rows))
+    if not capped and robust != "clip":
+        return rows, wt * gain / wt.sum(), n
+    nrm = _norms(rows, norms)  # needed by clipping and caps
+    scales = cap_scales(nrm, np.asarray(caps, dtype=np.float64)) if capped else np.ones(len(rows))
+    if robust == "clip":
+        scales = scales * clip_scales(nrm * scales)
+    return rows, wt * scales * gain / wt.sum(), n
 
 
 def _gained(buf: np.ndarray, gain: float) -> np.ndarray:

@@ -211,17 +211,17 @@ def grad_backlog_behind(undelivered: int, stream_messages: int, owned: int, frag
     return undelivered > BEHIND_SHARE * stream_messages * owned / max(1, fragments)
 
 
-#: checkpoints copied and being stored at once (each holds a copy of its fragment's state): the
-#: others wait for a later pass of the aggregator's loop
+#: checkpoints being stored at once (each is written from its fragment's arrays, whose merges wait
+#: until it is stored): the others wait for a later pass of the aggregator's loop
 CHECKPOINTS_IN_FLIGHT = 2
-#: ... and the bytes of those copies: a second is taken only if both fit (one always may). At 100M
-#: parameters in 8 fragments two of 100 MB are stored at once; at 1B, one of 1 GB (issue 41: the
-#: second copy was 1 byte per value of the model at the aggregator's peak)
+#: ... and their bytes: a second starts only if both fit (one always may). At 100M parameters in 8
+#: fragments two of 100 MB are stored at once; at 1B, one of 1 GB (the broker's disk, and the
+#: fragments whose merges wait, bounded)
 CHECKPOINT_BYTES_IN_FLIGHT = 256 * 1024 * 1024
 
 
 def checkpoint_may_start(in_flight: list[int], nbytes: int) -> bool:
-    """May a checkpoint copy of ``nbytes`` be taken while copies of ``in_flight`` bytes are being
+    """May a checkpoint of ``nbytes`` start while checkpoints of ``in_flight`` bytes are being
     stored? Yes when none is; else while fewer than ``CHECKPOINTS_IN_FLIGHT`` are and all of them
     with this one hold at most ``CHECKPOINT_BYTES_IN_FLIGHT``."""
     if not in_flight:

@@ -34,7 +34,7 @@ of numpy arrays and ints (arrays are float32; encode them as bytes for msgpack).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -322,8 +322,19 @@ class RoundNesterov:
         earlier part counts whole): the momentum takes at most the partial round more than one
         round's worth, where a fresh round's backlog merge takes exactly one."""
         _check_float32("params", params)
+        _check_float32("outer_grad", outer_grad, params.size)
+        return self.step_blocks(params, ((sl, outer_grad[sl]) for sl in block_slices(params.size, self.block)),
+                                state, inplace=inplace, work=work, momentum_grad=momentum_grad)
+
+    def step_blocks(self, params: np.ndarray, grad_blocks: Iterable[tuple[slice, np.ndarray]],
+                    state: RoundNesterovState, *, inplace: bool = False, work: float = 1.0,
+                    momentum_grad: np.ndarray | float | None = None) -> tuple[np.ndarray, RoundNesterovState]:
+        """:meth:`step` with the outer gradient given block by block: (slice, its float32 values) in
+        order, covering the parameters once (the merged gradient is made one block at a time and
+        applied while in cache: no buffer of the fragment's size, ``aggregator.step.merge_step``).
+        The same values, bit for bit, as :meth:`step` on the whole gradient."""
+        _check_float32("params", params)
         n = params.size
-        _check_float32("outer_grad", outer_grad, n)
         _check_float32("momentum", state.momentum, n)
         if state.buffer is not None:
             _check_float32("buffer", state.buffer, n)
@@ -348,9 +359,15 @@ class RoundNesterov:
         per_round = np.float32(1.0 / max(1.0, math.floor(progress + ROUND_TOL)))
         fold = not state.folded  # the round begins: t <- beta * t (+ a checkpoint's buffer B)
         beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
-        scratch = np.empty((2, min(self.block, max(n, 1))), dtype=np.float32)
-        for sl in block_slices(n, self.block):
-            g, tb, pb = outer_grad[sl], t[sl], p[sl]
+        scratch = np.empty((2, 0), dtype=np.float32)
+        covered = 0
+        for sl, g in grad_blocks:
+            if sl.start != covered or g.dtype != np.float32 or g.shape != (sl.stop - sl.start,):
+                raise ValueError(f"gradient block {sl} of shape {g.shape}: expected float32 blocks in order from {covered}")
+            covered = sl.stop
+            tb, pb = t[sl], p[sl]
+            if scratch.shape[1] < pb.size:
+                scratch = np.empty((2, pb.size), dtype=np.float32)
             s = scratch[0, : pb.size]
             np.multiply(g, neg_lr, out=s)
             np.add(pb, s, out=pb)                 # theta = theta - lr * g
@@ -375,6 +392,8 @@ class RoundNesterov:
             if milestone:
                 np.multiply(tb, beta * neg_lr, out=s)
                 np.add(pb, s, out=pb)             # theta = theta - lr * beta * t, t = T
+        if covered != n:
+            raise ValueError(f"the gradient blocks cover {covered} of {n} values")
         if milestone:
             progress = max(0.0, progress - math.floor(progress + ROUND_TOL))
         return p, RoundNesterovState(t, None, progress, state.count + 1, folded=not milestone)

@@ -147,8 +147,6 @@ class AggregatorService(Intake, VersionMaker, Durability):
         # differ by a few hundred thousand values)
         self.accum: np.ndarray | None = None
         self.pool = VectorPool()  # decoded contributions' buffers, reused (aggregator.intake)
-        # checkpoint buffers, reused: as many as may be copied and stored at once (mlog.checkpoint_may_start)
-        self._ckpt_free: list[bytearray] = []
         self._ckpt_size: dict[int, int] = {}  # fragment -> bytes of its newest checkpoint
         self._ckpt_tasks: dict[int, asyncio.Task] = {}  # fragment -> its checkpoint being stored
         self._logseqs: dict[int, deque] = {}  # fragment -> (version, oldest GRAD seq) of records committed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
 import struct
 
 import msgpack
@@ -21,13 +22,14 @@ import numpy as np
 
 from aggregator.contribution import Contribution, ContributionKey
 from aggregator.influence import norm_bound, norm_caps, outlier_steps
-from aggregator.merge import l2_norm, merge
+from aggregator.merge import combine_blocks, l2_norm, linear_terms, merge
 from aggregator.trust import TrustSettings, TrustState, assess, distrusted_participants
 from aggregator.outer_opt import (DelayedNesterovState, NesterovState, RoundNesterov, RoundNesterovState,
                                   make_outer_optimizer)
 from aggregator.validate import AppliedSet, NormHistory
 from aggregator.weights import StalenessPolicy, contribution_weights, rounds_behind, token_weight
 from bus import codec
+from bus.chunks import Gather
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,12 @@ class FragmentState:
         p = np.array(params, dtype=np.float32).reshape(-1)
         return cls(fragment, version, p, settings.make_optimizer().init(p), AppliedSet(), NormHistory())
 
-    def to_bytes(self, out: bytearray | None = None) -> bytearray | memoryview:
+    def checkpoint(self) -> Gather:
         """The checkpoint: ``CHECKPOINT_MAGIC``, a u32 length, a msgpack header (everything but the
-        arrays, and where each array lies), then the float32 arrays raw: one copy of each (the
-        msgpack form of every array took about 3 copies, and was most of a checkpoint's time)."""
+        arrays, and where each array lies), then the float32 arrays raw, as a :class:`Gather` whose
+        arrays are this state's own: no copy (a copy of every array took 8 bytes per value of the
+        fragment while it was stored). The state must not change until the blob is stored: the
+        service's merges of the fragment wait for it (``Durability._log_blocked``)."""
         opt = self.opt.to_dict()
         arrays = {"params": self.params, **{f"opt.{k}": v for k, v in opt.items() if isinstance(v, np.ndarray)}}
         layout, off = {}, 0
@@ -116,18 +120,17 @@ class FragmentState:
             "anorms": self.applied_norms.to_dict(), "clipped": self.last_clipped,
             "recent": self.recent, "trust": self.trust.to_dict(),
         }, use_bin_type=True)
-        start = len(CHECKPOINT_MAGIC) + 4 + len(header)
-        total = start + off
-        if out is None or len(out) < total or len(out) > total + (1 << 20):
-            out = bytearray(total + (1 << 16 if off > 1 << 24 else 0))  # room for the header to grow
-        # ``out``: the previous checkpoint's buffer, reused (returned as a view of its first bytes)
-        out[:len(CHECKPOINT_MAGIC)] = CHECKPOINT_MAGIC
-        struct.pack_into("<I", out, len(CHECKPOINT_MAGIC), len(header))
-        out[len(CHECKPOINT_MAGIC) + 4:start] = header
-        for k, v in arrays.items():
-            o, n = layout[k]
-            np.frombuffer(out, dtype=np.float32, count=n, offset=start + o)[:] = np.asarray(v, dtype=np.float32).reshape(-1)
-        return out if len(out) == total else memoryview(out)[:total]
+        return Gather([CHECKPOINT_MAGIC + struct.pack("<I", len(header)) + header,
+                       *(np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in arrays.values())])
+
+    def array_bytes(self) -> int:
+        """The bytes of the arrays a checkpoint holds (its header aside)."""
+        return 4 * (int(self.params.size) + sum(int(v.size) for v in self.opt.to_dict().values()
+                                                if isinstance(v, np.ndarray)))
+
+    def to_bytes(self) -> bytes:
+        """:meth:`checkpoint` as one bytes object (a copy)."""
+        return self.checkpoint().tobytes()
 
     @classmethod
     def from_bytes(cls, data) -> "FragmentState":
@@ -211,10 +214,17 @@ def open_rounds(state: FragmentState, c: Contribution) -> int:
     return sum(1 for u in state.recent.get(c.learner, ()) if u > c.base_version)
 
 
+def fuses(settings: MergeSettings) -> bool:
+    """Does :func:`merge_step` apply the merged outer gradient block by block (no buffer of the
+    fragment's size)? For the mean merge (no trimming: a linear combination of the contributions)
+    into the ``rounds`` optimizer: the defaults."""
+    return settings.method == "mean" and settings.robust in (None, "clip") and settings.optimizer in ("rounds", "round_nesterov")
+
+
 def momentum_part(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
-                  g: np.ndarray, w: np.ndarray, norms: list[float], caps: np.ndarray, total: float,
+                  w: np.ndarray, norms: list[float], caps: np.ndarray, total: float,
                   scale: float) -> tuple[np.ndarray | float | None, float]:
-    """What of a merge's outer gradient ``g`` feeds the ``rounds`` momentum, and the share of a round
+    """What of a merge's outer gradient g feeds the ``rounds`` momentum, and the share of a round
     it holds: the *closed-loop* contributions only, whose :func:`open_rounds` is at most
     ``settings.momentum_open_rounds``. Open-loop work (rounds a learner computed without seeing the
     merge of its earlier ones: an outage's backlog) is applied as plain SGD and counts no work.
@@ -242,7 +252,8 @@ def momentum_part(state: FragmentState, contribs: list[Contribution], settings: 
 
 def merge_step(state: FragmentState, contribs: list[Contribution], settings: MergeSettings,
                norms: list[float] | None = None, scale: float = 1.0,
-               per_round: int = 1, inplace: bool = False, out: np.ndarray | None = None) -> FragmentState:
+               per_round: int = 1, inplace: bool = False, out: np.ndarray | None = None,
+               fused: bool | None = None) -> FragmentState:
     """Version v -> v+1: weight (tokens x staleness), merge, scale, outer step. The global version
     is encoded for the downlink when it is published (:func:`bus.downlink.encode_version`).
     ``scale`` multiplies the merged outer gradient (see :func:`participation_scale`).
@@ -252,9 +263,10 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     active learners; see :func:`aggregator.weights.rounds_behind`). Returns the new state; ``state``
     is not modified, unless ``inplace``: then its arrays and sets become the new state's (no copy of
     the parameters or the optimizer state: the service's merge, and a replay), with bitwise the same
-    result. ``out``: a float32 buffer of the fragment's size for the merged outer gradient (the
-    service keeps one per fragment: no allocation, no page faults per merge); it is scratch once this
-    returns. ``contribs`` must already be validated (and not duplicates).
+    result. ``out``: a float32 buffer of the fragment's size for the merged outer gradient when the
+    merge is not applied block by block (``fused`` False; by default :func:`fuses`): the service
+    keeps one, no allocation and no page faults per merge; it is scratch once this returns.
+    ``contribs`` must already be validated (and not duplicates).
     """
     if not contribs:
         raise ValueError("merge_step needs at least one contribution")
@@ -292,16 +304,38 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
                      history_count=state.applied_norms.count(state.fragment), clip_factor=settings.clip_factor,
                      min_history=settings.clip_min_history, max_inner_lr=settings.max_inner_lr,
                      reference_steps=settings.reference_steps)
-    g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
-              trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps, gain=total,
-              out=out)
-    grad_norm = l2_norm(g)
     optimizer = settings.make_optimizer()
-    if isinstance(optimizer, RoundNesterov):
+    if fused is None:
+        fused = fuses(settings)
+    if fused:
+        # the merged outer gradient made one block at a time and applied while in cache: no
+        # buffer of the fragment's size (bit for bit the values of the merge and step below)
+        rows, coeffs, n = linear_terms([c.vector for c in contribs], w, settings.robust,
+                                       norms=np.asarray(norms, dtype=np.float64), caps=caps, gain=total)
+        mg, work = momentum_part(state, contribs, settings, w, norms, caps, total, scale)
+        sq = [0.0]
+
+        def blocks():
+            for sl, gb, s in combine_blocks(rows, coeffs, n):
+                sq[0] += s if math.isfinite(s) else float(np.dot(gb.astype(np.float64), gb.astype(np.float64)))
+                yield sl, gb
+
+        params, opt = optimizer.step_blocks(state.params, blocks(), state.opt, work=work, momentum_grad=mg,
+                                            inplace=inplace)
+        grad_norm = math.sqrt(sq[0])
+    elif isinstance(optimizer, RoundNesterov):
+        g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
+                  trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps,
+                  gain=total, out=out)
+        grad_norm = l2_norm(g)
         # momentum once per round of closed-loop work (scale = the share of a round this merge holds)
-        mg, work = momentum_part(state, contribs, settings, g, w, norms, caps, total, scale)
+        mg, work = momentum_part(state, contribs, settings, w, norms, caps, total, scale)
         params, opt = optimizer.step(state.params, g, state.opt, work=work, momentum_grad=mg, inplace=inplace)
     else:
+        g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
+                  trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps,
+                  gain=total, out=out)
+        grad_norm = l2_norm(g)
         params, opt = optimizer.step(state.params, g, state.opt, inplace=inplace)
     applied = state.applied if inplace else state.applied.copy()
     hist = state.norms if inplace else NormHistory.from_dict(state.norms.to_dict())

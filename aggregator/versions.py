@@ -22,7 +22,7 @@ from aggregator.mlog import LoggedContribution, MergeRecord, with_clears
 from aggregator.merge import l2_norm
 from aggregator.quorum import AUTO, ArrivalStats, decide
 from aggregator.rounds import held_for_round
-from aggregator.step import FragmentState, merge_step, participation_scale, round_work
+from aggregator.step import FragmentState, fuses, merge_step, participation_scale, round_work
 from aggregator.trust import ew_mean
 from bus import codec, sparse
 from bus.downlink import encode_chain, encode_version
@@ -137,9 +137,11 @@ class VersionMaker:
         # in place: the parameters and optimizer arrays are updated where they are (no copy of the
         # fragment); the record is retried as it is until stored, so the old state is never needed
         n = st.params.size
-        if self.accum is None or self.accum.size < n:
-            self.accum = np.empty(max([n] + [self.plan.sizes[q] for q in self.owned]), dtype=np.float32)
-        acc = self.accum[:n]
+        acc = None
+        if not fuses(self.settings):  # (the defaults apply the merge block by block: no buffer)
+            if self.accum is None or self.accum.size < n:
+                self.accum = np.empty(max([n] + [self.plan.sizes[q] for q in self.owned]), dtype=np.float32)
+            acc = self.accum[:n]
         new = merge_step(st, [x.c for x in items], self.settings, [x.norm for x in items], scale, per_round,
                          inplace=True, out=acc)
         rec = MergeRecord(p, new.version, tuple(

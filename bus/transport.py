@@ -34,7 +34,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from bus.chunks import Assembled, Assembler, Chunk, Dropped, checksum, chunk_headers, parse_chunk, split
+from bus.chunks import Assembled, Assembler, Blob, Chunk, Dropped, blob_size, checksum, chunk_headers, parse_chunk, split
 from bus.store_health import StoreWatch
 from bus.subjects import Subjects
 
@@ -122,7 +122,7 @@ class ChunkPublisher:
                     self.watch.stored()
                 return ack
 
-    async def publish(self, subjects: str | list[str], obj_id: str, blob, meta: dict) -> list:
+    async def publish(self, subjects: str | list[str], obj_id: str, blob: Blob, meta: dict) -> list:
         """Publish ``blob`` under ``obj_id``; returns the PubAcks in chunk order.
 
         ``subjects`` is one subject for every chunk, or one per chunk (versioned objects).
@@ -133,7 +133,7 @@ class ChunkPublisher:
         if len(subj) != n:
             raise ValueError(f"{len(subj)} subjects for {n} chunks")
         crc = checksum(blob)
-        size = memoryview(blob).nbytes
+        size = blob_size(blob)
         t_end = time.monotonic() + self.deadline
         acks: list = [None] * n
         window: list[tuple[int, asyncio.Future, dict]] = []
@@ -473,7 +473,7 @@ class VersionedStore:
     def obj_id(self, fragment: int, version: int) -> str:
         return f"{self.s.run}.{self.kind}{'.' + self.tag if self.tag else ''}.{fragment}.v{version}"
 
-    async def put(self, fragment: int, version: int, blob, meta: dict | None = None) -> Head:
+    async def put(self, fragment: int, version: int, blob: Blob, meta: dict | None = None) -> Head:
         """Publish version ``version`` of ``fragment``: chunks first, then the head that commits it.
 
         The chunks go to the slot (one of two sets of chunk subjects, each keeping
@@ -495,7 +495,7 @@ class VersionedStore:
         on a mismatch the version is written again under a fresh object id that the head names."""
         meta = dict(meta or {})
         crc = checksum(blob)
-        size = memoryview(blob).nbytes
+        size = blob_size(blob)
         try:
             committed = await self.head(fragment)
         except ValueError:

@@ -333,36 +333,56 @@ async def test_a_record_stored_despite_a_failed_publish_is_retried_as_it_is(nats
         await asyncio.wait_for(task2, 15)
 
 
-async def test_merges_go_on_while_a_checkpoint_is_stored_and_a_crash_then_replays_them(nats_server, js):
-    """A checkpoint is stored by a task while merging goes on: with its put held, the aggregator
-    keeps merging (it used to wait for the put in its loop: at 4 x 100M half its time), and a crash
-    while the put is still held replays from the previous checkpoint to the same state, bit for bit."""
+async def test_a_checkpoint_is_stored_from_the_live_state_while_other_fragments_merge_and_a_crash_replays(
+        nats_server, js):
+    """A checkpoint is stored by a task from its fragment's own arrays (no copy: 8 bytes per value
+    of the fragment while it was stored). With its put held, the other fragments and intake go on
+    (the loop used to wait for the put: at 4 x 100M half its time); the fragment's own merges wait
+    until it is stored, so what is stored is the version it was taken at. A crash while the put is
+    held replays from the previous checkpoint to the same state, bit for bit, and merges what
+    waited."""
     svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
                                    grace_seconds=0.05, max_staleness=100, checkpoint_every=3)
-    real, held, started = svc.sstore.put, asyncio.Event(), []
+    real, held, started, stored = svc.sstore.put, asyncio.Event(), [], []
 
     async def put(p, version, blob, meta):
         started.append((p, version))
-        await held.wait()  # never set: the checkpoint is still being stored at the crash
-        return await real(p, version, blob, meta)
+        if p == 0:
+            await held.wait()
+        head = await real(p, version, blob, meta)
+        stored.append((p, version, blob.tobytes() if hasattr(blob, "tobytes") else bytes(blob)))
+        return head
 
     svc.sstore.put = put
     try:
         learner = FakeLearner(js, RUN, "a", 1)
-        for r in range(5):  # (merges would wait at 2 x checkpoint_every = 6 versions past the stored one)
+        for r in range(3):
             await learner.send(0, base=r)
             assert await _until(lambda: svc.published.get(0) == r + 1, 15), (r, started)
-        assert started == [(0, 3)]  # due at version 3, held; merges went on to 5
-        assert svc.states[0].version == 5 and svc.logpos[0].checkpoint_version == 0
-        live = svc.states[0]
+        assert await _until(lambda: started == [(0, 3)], 5), started  # due at version 3, held
+        at3 = svc.states[0].to_bytes()
+        for r in range(2):  # fragment 0 waits for its checkpoint: buffered, not merged
+            await learner.send(0, base=3)
+        for r in range(4):  # fragment 1 merges meanwhile (and checkpoints at its version 3)
+            await learner.send(1, base=r)
+            assert await _until(lambda: svc.published.get(1) == r + 1, 15), (r, started)
+        assert await _until(lambda: len(svc.buffers[0]) == 2, 5)
+        assert svc.states[0].version == 3 and svc.states[0].to_bytes() == at3
+        assert (1, 3) in started and svc.logpos[0].checkpoint_version == 0
+        held.set()  # stored: what was taken at version 3, and fragment 0 merges what waited
+        assert await _until(lambda: svc.logpos[0].checkpoint_version == 3, 15)
+        assert [b for p, v, b in stored if (p, v) == (0, 3)] == [at3]
+        assert await _until(lambda: svc.published.get(0) == 4, 15)  # (one merge of both)
+        assert svc.logpos[0].versions_since == 1 and svc.states[0].last_merge and len(svc.states[0].last_merge) == 2
+        live = {p: svc.states[p].to_bytes() for p in (0, 1)}
     finally:
-        task.cancel()  # a crash: no clean stop, the held checkpoint never stored
+        task.cancel()  # a crash: no clean stop
         await asyncio.gather(task, return_exceptions=True)
         await svc.nc.close()
     svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1)
     try:
-        assert svc2.states[0].version == 5 and svc2.stats.replayed == 5 and svc2.stats.replay_lost == 0
-        assert svc2.states[0].to_bytes() == live.to_bytes()
+        assert svc2.states[0].version == 4 and svc2.states[1].version == 4 and svc2.stats.replay_lost == 0
+        assert {p: svc2.states[p].to_bytes() for p in (0, 1)} == live
     finally:
         stop2.set()
         await asyncio.wait_for(task2, 15)

@@ -3,7 +3,7 @@ import random
 import numpy as np
 import pytest
 
-from bus.chunks import Assembled, Assembler, Dropped, checksum, chunk_headers, parse_chunk, split
+from bus.chunks import Assembled, Assembler, Dropped, Gather, blob_size, checksum, chunk_headers, parse_chunk, split
 
 
 def _chunks(blob, max_chunk, obj="run.l.0.1", meta=None):
@@ -28,6 +28,22 @@ def test_split_of_float_view_is_in_bytes():
     a = np.arange(1000, dtype=np.float32)
     parts = split(memoryview(a), 1000)
     assert sum(len(p) for p in parts) == 4000 and all(p.itemsize == 1 for p in parts)
+
+
+def test_a_gather_splits_and_checksums_as_its_parts_joined():
+    """A Gather (the aggregator's checkpoint: a header and the fragment's live arrays) gives the
+    chunks and crc of its parts joined; a chunk within one part is a view on it, not a copy."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        parts = [bytes(rng.randrange(256) for _ in range(rng.randrange(40))) for _ in range(rng.randrange(5))]
+        g, whole, mc = Gather(parts), b"".join(parts), rng.randrange(1, 20)
+        assert [bytes(c) for c in split(g, mc)] == [bytes(c) for c in split(whole, mc)], (parts, mc)
+        assert checksum(g) == checksum(whole) and blob_size(g) == len(whole) == len(g) and g.tobytes() == whole
+    arr = np.arange(1000, dtype=np.float32)
+    chunks = split(Gather([b"head", arr]), 1000)
+    assert len(chunks) == 5 and [len(c) for c in chunks] == [1000, 1000, 1000, 1000, 4]
+    arr[300] = -1.0  # chunks 1-3 lie within the array: views on it
+    assert bytes(chunks[1]) == bytes(memoryview(arr).cast("B")[996:1996])
 
 
 def test_reordered_and_duplicated_chunks_assemble_once():
