@@ -465,7 +465,7 @@ class Durability:
                     raise RunMismatch(f"fragment {p}: no aggregator state, and global version {gh.version} is a "
                                       "delta against a keyframe: the state stream was lost")
                 st = FragmentState.initial(p, gh.version, codec.decode_array(blob), self.settings)  # (copied there)
-                await sstore.put(p, st.version, st.to_bytes(), {"model": self.model_hash})
+                await sstore.put(p, st.version, st.checkpoint(), {"model": self.model_hash})  # (no merge yet)
                 self.logpos[p] = LogPosition(st.version, time.monotonic())
                 self.log.info("fragment_initialised", fragment=p, version=st.version)
             else:

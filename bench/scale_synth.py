@@ -385,7 +385,7 @@ def breakdown(n: int, reps: int = 3) -> dict:
     timed("merge_step", step)
     rec = MergeRecord(0, 1, (LoggedContribution("a", "i", 0, 1, 0, (1,), 1.0, len(blob)),), 0.125, 8, settings_to_dict(s))
     timed("merge_record", rec.to_bytes)
-    timed("checkpoint_amortised", lambda: checksum(got["merge_step"].to_bytes()), every)
+    timed("checkpoint_amortised", lambda: checksum(got["merge_step"].checkpoint()), every)
     timed("downlink_int8", lambda: encode_version(got["merge_step"].params, 1, key, "int8", 64)[0])
     timed("crc32_sent", lambda: checksum(got["downlink_int8"]))
     out["checkpoint_every"] = every
