@@ -287,12 +287,12 @@ class Durability:
             self.stats.checkpoint_bytes += len(blob)
         pos = self.logpos[p]
         if version > pos.checkpoint_version:
-            # what the log holds beyond this checkpoint: the merges committed since its copy
+            # what the log holds beyond this checkpoint: the merges committed since it was taken
             seqs = self._logseqs.setdefault(p, deque())  # (version, oldest GRAD seq, bytes) per record
             while seqs and seqs[0][0] <= version:
                 seqs.popleft()
-            # (its time is the copy's: the log's age bound, DILOCO_CHECKPOINT_SECONDS, counts from there;
-            # the outlier-reference restarts not yet logged stay: one made before the copy is then
+            # (its time is when it was taken: the log's age bound, DILOCO_CHECKPOINT_SECONDS, counts from
+            # there; the outlier-reference restarts not yet logged stay: one made before it was taken is then
             # both in the checkpoint and in the next record, and replays the same, since
             # NormHistory.restart replaces the fragment's norms outright)
             self.logpos[p] = LogPosition(version, taken,

@@ -173,20 +173,21 @@ def combine_blocks(rows: Vectors, coeffs: np.ndarray, n: int, block: int = DEFAU
     m = min(block, max(n, 1))
     scratch = np.empty(m, dtype=np.float32)
     own = np.empty(m, dtype=np.float32) if out is None else None
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        for sl in block_slices(n, block):
-            o = out[sl] if out is not None else own[: sl.stop - sl.start]
-            if not terms:
-                o.fill(0.0)
-                yield sl, o, 0.0
-                continue
-            s = scratch[: o.size]
+    for sl in block_slices(n, block):
+        o = out[sl] if out is not None else own[: sl.stop - sl.start]
+        if not terms:
+            o.fill(0.0)
+            yield sl, o, 0.0
+            continue
+        s = scratch[: o.size]
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):  # (not around the yield)
             v0, c0 = terms[0]
             np.multiply(read(v0, sl, o), c0, out=o)  # an Int8Vector's block is decoded into o itself
             for v, c in terms[1:]:
                 np.multiply(read(v, sl, s), c, out=s)
                 np.add(o, s, out=o)
-            yield sl, o, float(np.dot(o, o))
+            sq = float(np.dot(o, o))
+        yield sl, o, sq
 
 
 def _norms(rows: Sequence[np.ndarray], norms: np.ndarray | Sequence[float] | None) -> np.ndarray:

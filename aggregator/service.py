@@ -142,9 +142,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.pubq: dict[int, deque] = {}  # fragment -> versions encoded, waiting for its publisher
         self.publishers: dict[int, asyncio.Task] = {}
         self.published: dict[int, int] = {}  # fragment -> newest version whose head and merge event are out
-        # the merged outer gradient's buffer, reused (one merge at a time: every fragment merges into
-        # its first values; one per fragment size took 4 of 8 fragments' worth at 1B, whose fragments
-        # differ by a few hundred thousand values)
+        # the merged outer gradient's buffer, reused, where the merge is not applied block by block
+        # (not with the defaults: aggregator.step.fuses); one merge at a time: every fragment merges
+        # into its first values (one per fragment size took 4 of 8 fragments' worth at 1B)
         self.accum: np.ndarray | None = None
         self.pool = VectorPool()  # decoded contributions' buffers, reused (aggregator.intake)
         self._ckpt_size: dict[int, int] = {}  # fragment -> bytes of its newest checkpoint

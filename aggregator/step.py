@@ -231,7 +231,7 @@ def momentum_part(state: FragmentState, contribs: list[Contribution], settings: 
 
     Returns (None, scale) when every contribution is closed-loop (the usual case), (0.0, 0.0) when
     none is, else the closed-loop part exactly for the linear merge (mean without a robust mode:
-    the same weights, caps and discount on the subset) or ``g`` times its weight share otherwise.
+    the same weights, caps and discount on the subset) or the factor of g that is its weight share otherwise.
     """
     fresh = [open_rounds(state, c) <= settings.momentum_open_rounds for c in contribs]
     if all(fresh):
@@ -309,7 +309,9 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         fused = fuses(settings)
     if fused:
         # the merged outer gradient made one block at a time and applied while in cache: no
-        # buffer of the fragment's size (bit for bit the values of the merge and step below)
+        # buffer of the fragment's size (bit for bit the parameters and momentum of the merge and
+        # step below; its norm, for the log line, too, unless float32 over- or underflows: a block
+        # whose sum of squares overflows is summed in float64, where l2_norm redoes the whole vector)
         rows, coeffs, n = linear_terms([c.vector for c in contribs], w, settings.robust,
                                        norms=np.asarray(norms, dtype=np.float64), caps=caps, gain=total)
         mg, work = momentum_part(state, contribs, settings, w, norms, caps, total, scale)

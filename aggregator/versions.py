@@ -75,7 +75,7 @@ class VersionMaker:
         due: dict[int, tuple[str, float]] = {}
         wake: float | None = None
         for p in self.owned:
-            if self._log_blocked(p):  # its record is not stored yet, or its checkpoint is behind
+            if self._log_blocked(p):  # its record is not stored yet, its checkpoint is being stored or behind
                 continue
             reason, w, first = self._decide(p, now, active)
             if reason is not None:
@@ -111,6 +111,8 @@ class VersionMaker:
                 self.log.warning("round_hold_expired", fragment=p, held_s=round(held_s, 3),
                                  waiting={q: sorted(m) for q, m in missing.items() if m})
                 reason = f"{reason}; the rest of its lock-step round did not come in {self.cfg.grace_seconds}s"
+            if self._log_blocked(p):  # (a checkpoint of p started while the merges before it awaited)
+                continue
             await self._merge(p, time.monotonic(), first, reason)
         return wake
 

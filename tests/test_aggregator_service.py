@@ -388,6 +388,52 @@ async def test_a_checkpoint_is_stored_from_the_live_state_while_other_fragments_
         await asyncio.wait_for(task2, 15)
 
 
+async def test_a_crash_while_a_checkpoint_is_stored_replays_from_the_one_before_and_merges_what_waited(
+        nats_server, js):
+    """A kill while a fragment's checkpoint is still being stored (its put held, the contributions
+    that came meanwhile buffered and not acknowledged): the restart replays from the checkpoint
+    before to the version the held one was taken at, bit for bit, and the contributions that
+    waited are delivered again and merged."""
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
+                                   grace_seconds=0.05, max_staleness=100, checkpoint_every=3, ack_wait=2)
+    real, held, started = svc.sstore.put, asyncio.Event(), []
+
+    async def put(p, version, blob, meta):
+        started.append((p, version))
+        await held.wait()  # never set: still being stored at the crash
+        return await real(p, version, blob, meta)
+
+    svc.sstore.put = put
+    try:
+        learner = FakeLearner(js, RUN, "a", 1)
+        for r in range(3):
+            await learner.send(0, base=r)
+            assert await _until(lambda: svc.published.get(0) == r + 1, 15), (r, started)
+        assert await _until(lambda: started == [(0, 3)], 5), started
+        for r in range(2):
+            await learner.send(0, base=3)
+        assert await _until(lambda: len(svc.buffers[0]) == 2, 5)
+        at3 = svc.states[0].to_bytes()
+        assert svc.states[0].version == 3 and svc.logpos[0].checkpoint_version == 0
+    finally:
+        task.cancel()  # a crash: no clean stop, the checkpoint never stored
+        await asyncio.gather(task, return_exceptions=True)
+        await svc.nc.close()
+    svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1, ack_wait=2)
+    try:
+        assert svc2.stats.replayed == 3 and svc2.stats.replay_lost == 0
+        assert svc2.logpos[0].checkpoint_version == 0
+        assert svc2.states[0].version >= 3
+        if svc2.states[0].version == 3:
+            assert svc2.states[0].to_bytes() == at3
+        # the two that waited, delivered again and merged (rounds 4 and 5 of the learner)
+        assert await _until(lambda: svc2.states[0].applied.highest_round("a", learner.inc, 0) == 5, 20)
+        assert svc2.states[0].version in (4, 5) and not svc2.buffers[0]
+    finally:
+        stop2.set()
+        await asyncio.wait_for(task2, 15)
+
+
 async def test_an_early_checkpoint_is_written_only_once_enough_was_merged_since_the_last(
         nats_server, js):
     """A GRAD stream that keeps dropping what the log points to (an aggregator behind its learners:

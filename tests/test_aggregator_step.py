@@ -234,8 +234,8 @@ def test_the_merge_applied_block_by_block_is_bitwise_the_merge_then_the_step(rob
     """The defaults (the mean into the ``rounds`` optimizer) apply the merged outer gradient block by
     block, with no buffer of the fragment's size (issue 41: 0.5 bytes per value at 8 fragments).
     Over merges of int8 and float32 contributions, stale and open-loop ones (the momentum's
-    part), norm caps from the history and trust on, the state is bit for bit the one the whole
-    merge then the whole step give, across blocks (three here)."""
+    part), norm caps from the history and the default trust settings, the state is bit for bit the
+    one the whole merge then the whole step give, across blocks (three here)."""
     from aggregator.merge import DEFAULT_BLOCK
     from aggregator.step import fuses
 
