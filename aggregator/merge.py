@@ -211,10 +211,9 @@ def weighted_mean(
 
     Weights need not be normalised. Memory: ``out`` plus one scratch block; inputs are not copied.
     """
-    rows, n = _as_rows(vectors)
-    wt = _check_weights(w, len(rows))
+    rows, coeffs, n = linear_terms(vectors, w, gain=gain)
     buf = _out_buffer(out, n, rows)
-    _combine(rows, wt * float(gain) / wt.sum(), buf, block)
+    _combine(rows, coeffs, buf, block)
     return buf
 
 

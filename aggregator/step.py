@@ -307,6 +307,8 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
     optimizer = settings.make_optimizer()
     if fused is None:
         fused = fuses(settings)
+    if fused and not isinstance(optimizer, RoundNesterov):
+        raise ValueError(f"the merge is applied block by block by the rounds optimizer only, not {settings.optimizer}")
     if fused:
         # the merged outer gradient made one block at a time and applied while in cache: no
         # buffer of the fragment's size (bit for bit the parameters and momentum of the merge and
@@ -325,20 +327,17 @@ def merge_step(state: FragmentState, contribs: list[Contribution], settings: Mer
         params, opt = optimizer.step_blocks(state.params, blocks(), state.opt, work=work, momentum_grad=mg,
                                             inplace=inplace)
         grad_norm = math.sqrt(sq[0])
-    elif isinstance(optimizer, RoundNesterov):
-        g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
-                  trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps,
-                  gain=total, out=out)
-        grad_norm = l2_norm(g)
-        # momentum once per round of closed-loop work (scale = the share of a round this merge holds)
-        mg, work = momentum_part(state, contribs, settings, w, norms, caps, total, scale)
-        params, opt = optimizer.step(state.params, g, state.opt, work=work, momentum_grad=mg, inplace=inplace)
     else:
         g = merge([c.vector for c in contribs], w, settings.method, settings.robust,
                   trim_fraction=settings.trim_fraction, norms=np.asarray(norms, dtype=np.float64), caps=caps,
                   gain=total, out=out)
         grad_norm = l2_norm(g)
-        params, opt = optimizer.step(state.params, g, state.opt, inplace=inplace)
+        if isinstance(optimizer, RoundNesterov):
+            # momentum once per round of closed-loop work (scale = the share of a round this merge holds)
+            mg, work = momentum_part(state, contribs, settings, w, norms, caps, total, scale)
+            params, opt = optimizer.step(state.params, g, state.opt, work=work, momentum_grad=mg, inplace=inplace)
+        else:
+            params, opt = optimizer.step(state.params, g, state.opt, inplace=inplace)
     applied = state.applied if inplace else state.applied.copy()
     hist = state.norms if inplace else NormHistory.from_dict(state.norms.to_dict())
     anorms = state.applied_norms if inplace else NormHistory.from_dict(state.applied_norms.to_dict())

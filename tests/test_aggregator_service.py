@@ -52,6 +52,38 @@ async def _until(pred, timeout=10.0):
     return False
 
 
+async def _send_merged(svc, learner, p: int, rounds) -> None:
+    """``learner`` sends fragment p one contribution per round in ``rounds`` (its base the version
+    before), each merged and published before the next."""
+    for r in rounds:
+        await learner.send(p, base=r)
+        assert await _until(lambda: svc.published.get(p) == r + 1, 15), (p, r)
+
+
+async def _crash(svc, task) -> None:
+    """A kill: the service's task cancelled, no clean stop, no checkpoint at the end."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await svc.nc.close()
+
+
+def _hold_checkpoints(svc, fragments: set[int]) -> tuple[asyncio.Event, list, list]:
+    """The service's checkpoint puts of ``fragments`` wait until the returned event is set; every
+    put started is listed as (fragment, version), every one stored with its bytes."""
+    real, held, started, stored = svc.sstore.put, asyncio.Event(), [], []
+
+    async def put(p, version, blob, meta):
+        started.append((p, version))
+        if p in fragments:
+            await held.wait()
+        head = await real(p, version, blob, meta)
+        stored.append((p, version, blob.tobytes() if hasattr(blob, "tobytes") else bytes(blob)))
+        return head
+
+    svc.sstore.put = put
+    return held, started, stored
+
+
 async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchanged(nats_server, js):
     # admission_wait: the stranger (never admitted) is held that long, then rejected
     svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.1, max_staleness=2,
@@ -313,16 +345,12 @@ async def test_a_record_stored_despite_a_failed_publish_is_retried_as_it_is(nats
     svc.js.publish = publish
     try:
         learner = FakeLearner(js, RUN, "a", 1)
-        for r in range(3):
-            await learner.send(0, base=r)
-            assert await _until(lambda: svc.published.get(0) == r + 1, 15)
+        await _send_merged(svc, learner, 0, range(3))
         assert lost["n"] == 2 and svc.stats.merges == 3 and svc.states[0].version == 3
         live = svc.states[0]
     finally:
         svc.js.publish = real
-        task.cancel()  # no clean stop: nothing checkpointed since version 0
-        await asyncio.gather(task, return_exceptions=True)
-        await svc.nc.close()
+        await _crash(svc, task)  # nothing checkpointed since version 0
     svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1)
     try:
         assert svc2.states[0].version == 3 and svc2.stats.replayed == 3 and svc2.stats.replay_lost == 0
@@ -343,29 +371,15 @@ async def test_a_checkpoint_is_stored_from_the_live_state_while_other_fragments_
     waited."""
     svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
                                    grace_seconds=0.05, max_staleness=100, checkpoint_every=3)
-    real, held, started, stored = svc.sstore.put, asyncio.Event(), [], []
-
-    async def put(p, version, blob, meta):
-        started.append((p, version))
-        if p == 0:
-            await held.wait()
-        head = await real(p, version, blob, meta)
-        stored.append((p, version, blob.tobytes() if hasattr(blob, "tobytes") else bytes(blob)))
-        return head
-
-    svc.sstore.put = put
+    held, started, stored = _hold_checkpoints(svc, {0})
     try:
         learner = FakeLearner(js, RUN, "a", 1)
-        for r in range(3):
-            await learner.send(0, base=r)
-            assert await _until(lambda: svc.published.get(0) == r + 1, 15), (r, started)
+        await _send_merged(svc, learner, 0, range(3))
         assert await _until(lambda: started == [(0, 3)], 5), started  # due at version 3, held
         at3 = svc.states[0].to_bytes()
         for r in range(2):  # fragment 0 waits for its checkpoint: buffered, not merged
             await learner.send(0, base=3)
-        for r in range(4):  # fragment 1 merges meanwhile (and checkpoints at its version 3)
-            await learner.send(1, base=r)
-            assert await _until(lambda: svc.published.get(1) == r + 1, 15), (r, started)
+        await _send_merged(svc, learner, 1, range(4))  # fragment 1 merges meanwhile (checkpointed at 3)
         assert await _until(lambda: len(svc.buffers[0]) == 2, 5)
         assert svc.states[0].version == 3 and svc.states[0].to_bytes() == at3
         assert (1, 3) in started and svc.logpos[0].checkpoint_version == 0
@@ -376,9 +390,7 @@ async def test_a_checkpoint_is_stored_from_the_live_state_while_other_fragments_
         assert svc.logpos[0].versions_since == 1 and svc.states[0].last_merge and len(svc.states[0].last_merge) == 2
         live = {p: svc.states[p].to_bytes() for p in (0, 1)}
     finally:
-        task.cancel()  # a crash: no clean stop
-        await asyncio.gather(task, return_exceptions=True)
-        await svc.nc.close()
+        await _crash(svc, task)
     svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1)
     try:
         assert svc2.states[0].version == 4 and svc2.states[1].version == 4 and svc2.stats.replay_lost == 0
@@ -396,19 +408,10 @@ async def test_a_crash_while_a_checkpoint_is_stored_replays_from_the_one_before_
     waited are delivered again and merged."""
     svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
                                    grace_seconds=0.05, max_staleness=100, checkpoint_every=3, ack_wait=2)
-    real, held, started = svc.sstore.put, asyncio.Event(), []
-
-    async def put(p, version, blob, meta):
-        started.append((p, version))
-        await held.wait()  # never set: still being stored at the crash
-        return await real(p, version, blob, meta)
-
-    svc.sstore.put = put
+    held, started, _ = _hold_checkpoints(svc, {0, 1})  # never set: still being stored at the crash
     try:
         learner = FakeLearner(js, RUN, "a", 1)
-        for r in range(3):
-            await learner.send(0, base=r)
-            assert await _until(lambda: svc.published.get(0) == r + 1, 15), (r, started)
+        await _send_merged(svc, learner, 0, range(3))
         assert await _until(lambda: started == [(0, 3)], 5), started
         for r in range(2):
             await learner.send(0, base=3)
@@ -416,9 +419,7 @@ async def test_a_crash_while_a_checkpoint_is_stored_replays_from_the_one_before_
         at3 = svc.states[0].to_bytes()
         assert svc.states[0].version == 3 and svc.logpos[0].checkpoint_version == 0
     finally:
-        task.cancel()  # a crash: no clean stop, the checkpoint never stored
-        await asyncio.gather(task, return_exceptions=True)
-        await svc.nc.close()
+        await _crash(svc, task)  # the checkpoint never stored
     svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1, ack_wait=2)
     try:
         assert svc2.stats.replayed == 3 and svc2.stats.replay_lost == 0
