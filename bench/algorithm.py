@@ -110,6 +110,13 @@ def budget_steps(params: int, tokens_per_param: float, M: int, batch: int, seq_l
     return max(1, round(tokens_per_param * params / (M * batch * seq_len)))
 
 
+def model_budget(model: dict, tokens_per_param: float, Ms: list[int], batch: int) -> dict[int, int]:
+    """{M: inner steps per learner} for the built-in ``model`` (a ``RefConfig.model`` dict) at
+    ``tokens_per_param`` x its parameters tokens."""
+    probe = Setup(RefConfig(M=1, steps=2, model=model))
+    return {M: budget_steps(probe.params, tokens_per_param, M, batch, probe.spec.seq_len) for M in Ms}
+
+
 def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner) -> dict:
     model = QUICK_MODEL if quick else RefConfig().model
     probe = Setup(RefConfig(M=M, steps=2, model=model, P=1))

@@ -70,6 +70,16 @@ def run_jobs(fn: Callable[[Any], dict], items: list, jobs: int, line: Callable[[
     return rows
 
 
+def reused_rows(paths: list[str] | None, fields: tuple[str, ...]) -> dict[tuple, dict]:
+    """The ``rows`` of earlier results JSONs (``--reuse``), by the values of ``fields``."""
+    old: dict[tuple, dict] = {}
+    for path in paths or []:
+        with open(path, "rb") as f:
+            for r in orjson.loads(f.read()).get("rows", []):
+                old[tuple(r[k] for k in fields)] = r
+    return old
+
+
 def finish(results: dict, out: str | None) -> None:
     """Write ``results`` to ``out`` (if given) and print them as one JSON line, last."""
     results = {**results, "machine": machine()}

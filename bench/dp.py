@@ -46,7 +46,7 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     corpus = load_corpus(lc.data or None, max_bytes=lc.data_max_bytes)
     seed = lc.data_seed
     shards = [corpus.shard(i, M, spec.seq_len, seed * 1_000_003 + i) for i in range(M)]
-    lr = lc.lr_for(spec.d_model)
+    lr = lc.lr_for(spec.d_model, learners=M)  # the default rate of M learners (Muon's rises with M)
     opt = make_optimizer(lr, lc.warmup, lc.total_steps, weight_decay=lc.weight_decay,
                          clip_norm=lc.clip_norm or None, kind=lc.inner_optimizer, muon_rms=lc.muon_rms)
     step = make_train_step(spec, opt, donate=True)

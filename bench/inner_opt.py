@@ -4,8 +4,8 @@ in-process reference (``simulation.reference``).
 
 Every run trains the built-in ``small`` model (119,104 parameters; ``--quick``: the tiny one) for
 ``--tokens-per-param`` x parameters tokens (20: compute optimal) at the roles' defaults (inner rate by
-the model's width, H, outer settings, K = M), data-parallel as one optimizer on batches of M x 8.
-Muon runs at the same rate, schedule and weight decay (its update scaled to AdamW's RMS).
+the model's width, the optimizer and M: ``learner.config.auto_inner_lr``; H, outer settings, K = M),
+data-parallel as one optimizer on batches of M x 8 at the same rate, schedule and weight decay.
 
 Keys, per M: ``gap_<kind>_m<M>`` = (decoupled - data-parallel AdamW) / data-parallel AdamW (the
 baseline a user has today); ``gap_same_<kind>_m<M>`` against data-parallel with the same inner
@@ -35,16 +35,12 @@ MODES = ("dp", "sync", "decoupled")
 
 def configs(Ms: list[int], kinds: list[str], quick: bool, tokens_per_param: float, batch: int, seed: int,
             modes: tuple[str, ...] = MODES, muon_rms: float | None = None) -> list:
-    from bench.algorithm import budget_steps
-    from simulation.reference import TINY_MODEL, RefConfig, Setup
+    from bench.algorithm import model_budget
+    from simulation.reference import TINY_MODEL, RefConfig
 
     model = TINY_MODEL if quick else RefConfig().model
-    probe = Setup(RefConfig(M=1, steps=2, model=model))
-    params, seq_len = probe.params, probe.spec.seq_len
-    del probe
     out = []
-    for M in Ms:
-        steps = budget_steps(params, tokens_per_param, M, batch, seq_len)
+    for M, steps in model_budget(model, tokens_per_param, Ms, batch).items():
         for kind in kinds:
             for mode in modes:
                 extra = {} if muon_rms is None else {"muon_rms": muon_rms}

@@ -393,7 +393,8 @@ def model_setup(quick: bool, steps: int, M: int, P: int, workdir: str) -> dict:
             sh = corpus.shard(i, M, spec.seq_len, batch_seed(lc.data_seed, f"replica-{i}", str(inc)))
             np.save(os.path.join(workdir, f"data-{i}-{inc}.npy"), np.stack([sh.batch(lc.batch_size) for _ in range(steps)]))
     np.save(os.path.join(workdir, "heldout.npy"), corpus.heldout_batches(spec.seq_len, ec.eval_batch_size, ec.eval_batches))
-    lr = lc.lr_for(spec.d_model)
+    lr = lc.lr_for(spec.d_model, learners=M)
+    env["DILOCO_INNER_LR"] = repr(lr)  # both sides at one rate (ours would otherwise follow its optimizer)
     opt = {"lr": lr, "warmup": lc.warmup, "total": lc.total_steps, "wd": lc.weight_decay, "clip": lc.clip_norm,
            "outer_lr": 0.7, "outer_momentum": 0.5}
     sp = {"d_model": spec.d_model, "n_layers": spec.n_layers, "n_heads": spec.n_heads, "d_ff": spec.d_ff,

@@ -29,9 +29,8 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import time
 
-import orjson
 
-from bench.common import finish, parser, progress, reference_options, run_jobs
+from bench.common import finish, parser, progress, reference_options, reused_rows, run_jobs
 
 #: the model sizes (the reference's model dicts); ``tiny`` and ``small`` are the reference's own
 SIZES: dict[str, dict] = {
@@ -141,11 +140,7 @@ def main() -> None:
     sizes = a.sizes or (["tiny"] if a.quick else list(SIZES))
     Ms = a.M or ([2] if a.quick else [2, 4, 8])
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
-    old: dict = {}
-    for path in a.reuse or []:
-        with open(path, "rb") as f:
-            for r in orjson.loads(f.read()).get("rows", []):
-                old[(r["size"], r["M"], r["mode"], r["steps"], r["seed"])] = r
+    old = reused_rows(a.reuse, ("size", "M", "mode", "steps", "seed"))
     items = configs(sizes, Ms, a.modes, tpp, a.batch, a.seed, a.quick)
     def key(it: tuple) -> tuple:
         return (it[0], it[1].M, it[1].mode, it[1].steps, it[1].data_seed)

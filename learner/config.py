@@ -8,15 +8,29 @@ from bus import codec, sparse
 from bus.config import boolean, choice, integer, number, register, text, token, var
 
 
-#: the built-in model's peak inner learning rate at d_model 64 (measured: docs/learner.md, "Defaults")
+#: the built-in model's peak AdamW learning rate at d_model 64 (measured: data-parallel sweeps,
+#: docs/learner.md "Defaults")
 AUTO_LR_AT_64 = 0.008
+#: Muon's default rate is AdamW's times the learners expected over 2, from 1 to this (measured: data-parallel
+#: and Decoupled DiLoCo sweeps at M = 2, 4, 8, docs/BENCHMARKS.md "Thirteenth round")
+MUON_LR_SCALE_MAX = 3.0
+INNER_OPTIMIZERS = ("adamw", "muon")
 
 
-def auto_inner_lr(d_model: int) -> float:
-    """The built-in model's default peak AdamW learning rate: 0.008 at d_model <= 64, then 1/width
-    (0.004 at 128, the default model). Measured at 64 and 128 (data-parallel sweeps, docs/learner.md);
-    wider models follow the 1/width rule of Adam on transformers, not a measurement here."""
-    return AUTO_LR_AT_64 * min(1.0, 64.0 / max(1, int(d_model)))
+def auto_inner_lr(d_model: int, optimizer: str = "muon", learners: int = 1) -> float:
+    """The built-in model's default peak learning rate: AdamW 0.008 at d_model <= 64, then 1/width
+    (0.004 at 128, the default model); Muon that times ``learners`` / 2, at least 1 and at most
+    ``MUON_LR_SCALE_MAX`` (``learners``: DILOCO_NUM_LEARNERS, the islands expected). DiLoCo's best
+    Muon rate rose with M at 20 tokens per parameter, where a learner's steps fall as M grows (it
+    follows both). Measured at widths 64 and 96 (Muon) and 64 and 128 (AdamW); wider models follow
+    the 1/width rule of Adam on transformers (Muon's update is scaled to AdamW's RMS), not a
+    measurement here."""
+    if optimizer not in INNER_OPTIMIZERS:
+        raise ValueError(f"inner optimizer must be one of {INNER_OPTIMIZERS}, got {optimizer!r}")
+    rate = AUTO_LR_AT_64 * min(1.0, 64.0 / max(1, int(d_model)))
+    if optimizer == "muon":
+        rate *= min(MUON_LR_SCALE_MAX, max(1.0, int(learners) / 2))
+    return rate
 
 
 def warmup_for(warmup_steps: int, total_steps: int, fraction: float) -> int:
@@ -47,7 +61,7 @@ class ModelConfig:
     seed: int = var(0, integer(0, 2**31 - 1), "seed of the initial parameters (version 0)")
     num_fragments: int = var(8, integer(1, 4096), "fragments P the parameters are split into")
     max_imbalance: float = var(1.1, number(1.0, 2.0), "largest fragment over the ideal size (<= 4/3)")
-    max_inner_lr: float = var(0.01, number(0.0, 10.0, lo_open=True),
+    max_inner_lr: float = var(0.03, number(0.0, 10.0, lo_open=True),
                               "declared in the manifest: the highest peak inner learning rate any learner may use; "
                               "bounds the norm of an outer gradient (set it to your peak DILOCO_INNER_LR)")
     max_batch_size: int = var(1024, integer(1, 1 << 20),
@@ -116,15 +130,16 @@ class LearnerConfig:
     topk_k: int = var(sparse.DEFAULT_K, integer(1, sparse.MAX_CHUNK), "topk codecs: values sent per chunk "
                       "(64 of 4096: 1.56%)")
     batch_size: int = var(16, integer(1, 1 << 20), "sequences per inner step")
-    inner_lr: float = var(0.0, number(0.0, 10.0), "peak AdamW learning rate of the built-in model (0: by its width, "
-                          "0.008 x 64 / DILOCO_D_MODEL, at most 0.008; an island's optimizer is its own)",
+    inner_lr: float = var(0.0, number(0.0, 10.0), "peak inner learning rate of the built-in model (0: by its width, "
+                          "inner optimizer and learners: AdamW 0.008 x 64 / DILOCO_D_MODEL at most 0.008, Muon that x "
+                          "DILOCO_NUM_LEARNERS / 2 between 1 and 3; an island's optimizer is its own)",
                           show=lambda v: v or "auto")
     warmup_steps: int = var(-1, integer(-1), "linear warm-up steps (-1: DILOCO_WARMUP_FRACTION of DILOCO_TOTAL_STEPS)")
     warmup_fraction: float = var(0.1, number(0.0, 0.9), "warm-up as a share of the schedule, when DILOCO_WARMUP_STEPS "
                                  "is -1 (DiLoCo needs a longer one than data-parallel: docs/learner.md)")
     total_steps: int = var(1000, integer(1), "steps of the cosine schedule (and the run, unless DILOCO_MAX_STEPS)")
     max_steps: int = var(0, integer(0), "stop after this many inner steps (0: DILOCO_TOTAL_STEPS)")
-    inner_optimizer: str = var("muon", choice("adamw", "muon"), "the built-in model's inner optimizer: muon (Muon on "
+    inner_optimizer: str = var("muon", choice(*INNER_OPTIMIZERS), "the built-in model's inner optimizer: muon (Muon on "
                                "the hidden matrices at AdamW's update RMS, AdamW on the rest: learner.inner; "
                                "docs/learner.md, Defaults) or adamw; an island's optimizer is its own")
     muon_rms: float = var(0.2, number(0.01, 1.0), "Muon's update RMS per hidden matrix, as a share of the inner "
@@ -142,7 +157,8 @@ class LearnerConfig:
                              "to the schedule's rate at its step (0: at once; bench.restart measured 50 against 0)")
     shard_index: int = var(-1, integer(-1), "this learner's data shard (-1: derived from DILOCO_LEARNER_ID)")
     num_shards: int = var(0, integer(0), "data shards (0: DILOCO_NUM_LEARNERS)")
-    num_learners: int = var(4, integer(1, 100_000), "learners expected in the run (for data sharding)")
+    num_learners: int = var(4, integer(1, 100_000), "learners expected in the run (for data sharding, and the "
+                            "built-in model's default Muon rate: DILOCO_INNER_LR)")
     heartbeat_interval: float = var(1.0, number(0.05, 60), "seconds between heartbeats")
     step_time: float = var(0.05, number(0.0, 3600), "synthetic mode: seconds per inner step")
     slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer")
@@ -167,12 +183,14 @@ class LearnerConfig:
             raise ValueError("DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async or synthetic "
                              "(synchronous rounds wait for every learner anyway)")
 
-    def lr_for(self, d_model: int | None) -> float:
+    def lr_for(self, d_model: int | None, learners: int | None = None) -> float:
         """The peak inner learning rate in force: DILOCO_INNER_LR, or (0) the built-in model's by its
-        width (:func:`auto_inner_lr`); 0 when there is no built-in model (an island: its own optimizer)."""
+        width, inner optimizer and ``learners`` (DILOCO_NUM_LEARNERS unless given; :func:`auto_inner_lr`);
+        0 when there is no built-in model (an island: its own optimizer)."""
         if self.inner_lr > 0:
             return self.inner_lr
-        return auto_inner_lr(d_model) if d_model else 0.0
+        n = self.num_learners if learners is None else learners
+        return auto_inner_lr(d_model, self.inner_optimizer, n) if d_model else 0.0
 
     @property
     def warmup(self) -> int:

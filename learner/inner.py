@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from learner.config import INNER_OPTIMIZERS
 from learner.model import loss_fn
 from learner.spec import ModelSpec
 
@@ -85,7 +86,6 @@ def _decay_mask(params: dict) -> dict:
     return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
 
 
-INNER_OPTIMIZERS = ("adamw", "muon")
 #: Muon's update scaled to this RMS per matrix: AdamW's typical update RMS (Liu et al. 2025)
 MUON_RMS = 0.2
 #: leaves whose path holds one of these stay with AdamW under Muon (lookup tables, not linear maps)

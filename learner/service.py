@@ -240,7 +240,10 @@ class Learner(IslandCore, Presence):
     async def _start(self) -> None:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.manifest_timeout
-        data = dict(shard=self.shard_index, shards=self.num_shards) if isinstance(self.run_model, BuiltinModel) else {}
+        data = {}
+        if isinstance(self.run_model, BuiltinModel):  # the rate in force: DILOCO_INNER_LR, or by width, optimizer, learners
+            data = dict(shard=self.shard_index, shards=self.num_shards, inner=cfg.inner_optimizer,
+                        inner_lr=cfg.lr_for(self.run_model.spec.d_model), learners=cfg.num_learners)
         self.log.info("starting", mode=cfg.mode, model=self.model_hash, plan=self.plan.plan_hash(),
                       fragments=self.P, sizes=list(self.plan.sizes), H=cfg.sync_every,
                       quantiser=cfg.quantiser, **data)

@@ -61,7 +61,7 @@ class RefConfig:
     # (bench.fidelity); None: bench.dp's samplers, the same as data-parallel's
     incarnations: tuple[str, ...] | None = None
     # inner (AdamW, learner.inner): the learner's defaults
-    lr: float = _L("inner_lr")  # 0: the learner's default by the model's width (learner.config.auto_inner_lr)
+    lr: float = _L("inner_lr")  # 0: the learner's default by width, inner optimizer and M (learner.config.auto_inner_lr)
     warmup: int = _L("warmup_steps")  # -1: the learner's DILOCO_WARMUP_FRACTION of the schedule
     total_steps: int | None = None  # cosine schedule length (None: steps)
     weight_decay: float = _L("weight_decay")

@@ -28,7 +28,7 @@ class Setup:
         from learner.config import auto_inner_lr
 
         d_model = int(cfg.model.get("d_model", ModelConfig.__dataclass_fields__["d_model"].default))
-        self.lr = cfg.lr or auto_inner_lr(d_model)  # 0: the learner's default, by the model's width
+        self.lr = cfg.lr or auto_inner_lr(d_model, cfg.inner_optimizer, cfg.M)  # 0: the learner's default (width, optimizer, M)
         self.model = ModelConfig(**{"max_inner_lr": max(0.01, self.lr), **cfg.model, "num_fragments": cfg.P,
                                     "seed": cfg.seed})
         self.spec = self.model.spec()

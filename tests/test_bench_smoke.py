@@ -119,3 +119,16 @@ def test_quorum_summary_gives_each_quorums_gap_cost_and_the_best():
     assert s["gap_k_all_m4_equal"] == 0.04 and s["gap_k2_m4_equal"] == 0.03 and s["async_cost_k1_m4_spread"] == 0.0392
     assert s["best_k_m4_equal"] == 2 and s["best_k_m4_spread"] == "auto" and s["gap_k_auto_m4_spread"] == 0.05
     assert "gap_k2_m4_spread" not in s  # not run: not reported
+
+
+def test_inner_lr_summary_reads_the_gap_against_tuned_data_parallel():
+    from bench.inner_lr import summary
+
+    rows = [{"M": 4, "mode": m, "lr": lr, "eval_loss": v} for m, lr, v in [
+        ("dp", 0.008, 1.55), ("dp", 0.016, 1.50), ("dp", 0.024, 1.52),
+        ("decoupled", 0.008, 1.60), ("decoupled", 0.016, 1.56), ("decoupled", 0.024, 1.58)]]
+    s = summary(rows, {4: 0.008})
+    assert s["dp_best_m4"] == 1.5 and s["dp_best_lr_m4"] == 0.016 and s["decoupled_best_lr_m4"] == 0.016
+    assert s["gap_tuned_m4"] == 0.04  # each side at its own best rate
+    assert s["gap_default_m4"] == 0.0667 and s["default_lr_m4"] == 0.008  # the default rate against tuned DP
+    assert "gap_default_m4" not in summary(rows, {4: 0.03})  # the default rate not run: not reported

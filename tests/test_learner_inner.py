@@ -174,3 +174,27 @@ def test_the_learner_takes_its_inner_optimizer_from_diloco_inner_optimizer():
         assert ("'muon'" in repr(state)) == (kind == "muon")
     with pytest.raises(ConfigError, match="DILOCO_INNER_OPTIMIZER"):
         from_env(LearnerConfig, {"DILOCO_INNER_OPTIMIZER": "sgd"})
+
+
+def test_the_default_rate_follows_width_inner_optimizer_and_the_learners_expected():
+    """docs/learner.md, "Defaults": AdamW 0.008 at d_model <= 64, then 1/width; Muon that times
+    DILOCO_NUM_LEARNERS / 2, from 1 to 3 (the reference's sweeps, docs/BENCHMARKS.md "Thirteenth
+    round"); a number in DILOCO_INNER_LR wins, and no learner's default exceeds the run's bound."""
+    from bus.config import from_env
+    from learner.config import LearnerConfig, ModelConfig, auto_inner_lr
+
+    def rate(**env) -> float:
+        return from_env(LearnerConfig, {k: str(v) for k, v in env.items()}).lr_for(64)
+
+    assert rate(DILOCO_INNER_OPTIMIZER="adamw", DILOCO_NUM_LEARNERS=8) == pytest.approx(0.008)
+    assert [rate(DILOCO_NUM_LEARNERS=m) for m in (1, 2, 3, 4, 8, 100)] == pytest.approx(
+        [0.008, 0.008, 0.012, 0.016, 0.024, 0.024])
+    assert rate() == pytest.approx(0.016)  # DILOCO_NUM_LEARNERS' default: 4
+    assert rate(DILOCO_INNER_LR="0.001", DILOCO_NUM_LEARNERS=8) == 0.001
+    cfg = from_env(LearnerConfig, {"DILOCO_NUM_LEARNERS": "8"})
+    assert cfg.lr_for(128) == pytest.approx(0.012) and cfg.lr_for(32) == pytest.approx(0.024)
+    assert cfg.lr_for(64, learners=2) == pytest.approx(0.008) and cfg.lr_for(None) == 0.0
+    assert max(auto_inner_lr(d, k, m) for d in (8, 64, 128) for k in ("adamw", "muon") for m in (1, 8, 10**5)) \
+        <= ModelConfig().max_inner_lr
+    with pytest.raises(ValueError, match="inner optimizer"):
+        auto_inner_lr(64, "sgd")

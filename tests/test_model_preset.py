@@ -81,9 +81,11 @@ def test_diloco_up_uses_the_same_presets_and_the_variable(monkeypatch):
     assert plan.parse_args(["--model-preset", "tiny"]).model_preset == "tiny"  # the flag wins
     env = plan.base_env({"DILOCO_MODEL_PRESET": "small"}, "default", None, False, cpu_count=64)
     assert env["DILOCO_MODEL_PRESET"] == "default"  # every child sees the launcher's preset
-    assert env["DILOCO_MAX_INNER_LR"] == "0.004" and from_env(ModelConfig, env).d_model == 128
+    assert env["DILOCO_MAX_INNER_LR"] == "0.008" and from_env(ModelConfig, env).d_model == 128  # Muon's rate
     env = plan.base_env({}, "small", None, False, cpu_count=64)
-    assert env["DILOCO_MAX_INNER_LR"] == "0.008" and shape(from_env(ModelConfig, env)) == SMALL
+    assert env["DILOCO_MAX_INNER_LR"] == "0.016" and shape(from_env(ModelConfig, env)) == SMALL
+    env = plan.base_env({"DILOCO_INNER_OPTIMIZER": "adamw"}, "small", None, False, cpu_count=64)
+    assert env["DILOCO_MAX_INNER_LR"] == "0.008"  # AdamW's rate is half Muon's
     monkeypatch.setenv("DILOCO_MODEL_PRESET", "huge")
     with pytest.raises(SystemExit):
         plan.parse_args([])

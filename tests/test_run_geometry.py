@@ -34,9 +34,13 @@ def test_a_learner_above_the_declared_geometry_refuses_to_start_with_one_line():
 
 
 def test_diloco_up_declares_the_learners_learning_rate():
-    # the learners' width-based default (tiny: d_model 32 -> 0.008; the default model: 0.004), or theirs
-    assert base_env({}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.008"
-    assert base_env({}, "default", None, False)["DILOCO_MAX_INNER_LR"] == "0.004"
+    # the learners' default by width and learners (Muon, 4 learners: tiny, d_model 32 -> 0.016; the
+    # default model 0.008; 2 learners: half that; 8: 0.024 / 0.012, the most), or theirs
+    assert base_env({}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.016"
+    assert base_env({}, "default", None, False)["DILOCO_MAX_INNER_LR"] == "0.008"
+    assert base_env({}, "tiny", None, True, n_learners=2)["DILOCO_MAX_INNER_LR"] == "0.008"
+    assert base_env({}, "default", None, False, n_learners=8)["DILOCO_MAX_INNER_LR"] == "0.012"
+    assert base_env({}, "default", None, False, n_learners=100)["DILOCO_MAX_INNER_LR"] == "0.012"
     assert base_env({"DILOCO_INNER_LR": "0.003"}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.003"
     assert base_env({"DILOCO_MAX_INNER_LR": "0.1"}, "tiny", None, True)["DILOCO_MAX_INNER_LR"] == "0.1"
     assert "DILOCO_MAX_INNER_LR" not in base_env({"DILOCO_INNER_LR": "fast"}, "tiny", None, True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from bus.config import CommonConfig, ConfigError, from_env, preset_values
 from bus.presets import MODEL_PRESETS
-from learner.config import ModelConfig, auto_inner_lr
+from learner.config import LearnerConfig, ModelConfig, auto_inner_lr
 
 # -- presets and defaults (pure) --------------------------------------------------------------------
 
@@ -123,15 +123,17 @@ def base_env(environ: dict[str, str], preset: str, steps: int | None, quick: boo
     if steps is not None or not (total.isdigit() and int(total) >= n):
         env["DILOCO_TOTAL_STEPS"] = str(n)  # the cosine schedule ends with the run
     # the run declares its peak inner learning rate (it bounds one outer gradient's norm): the
-    # learners' own (DILOCO_INNER_LR, or the built-in model's width-based default), unless the caller
-    # declares one
+    # learners' own (DILOCO_INNER_LR, or the built-in model's default by its width, inner optimizer
+    # and learners), unless the caller declares one
     try:
         lr = float(env.get("DILOCO_INNER_LR") or 0)
         if lr <= 0:
-            lr = auto_inner_lr(int(env.get("DILOCO_D_MODEL") or ModelConfig.__dataclass_fields__["d_model"].default))
+            d_model = int(env.get("DILOCO_D_MODEL") or ModelConfig.__dataclass_fields__["d_model"].default)
+            optimizer = (env.get("DILOCO_INNER_OPTIMIZER") or LearnerConfig.__dataclass_fields__["inner_optimizer"].default)
+            lr = auto_inner_lr(d_model, optimizer, n_learners)
         env.setdefault("DILOCO_MAX_INNER_LR", repr(lr))
     except ValueError:
-        pass  # a bad DILOCO_INNER_LR or DILOCO_D_MODEL is reported under its own name
+        pass  # a bad DILOCO_INNER_LR, DILOCO_D_MODEL or DILOCO_INNER_OPTIMIZER is reported under its own name
     cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     if "XLA_FLAGS" not in environ and n_learners + 1 > cpus:
         env["XLA_FLAGS"] = SINGLE_THREAD_XLA

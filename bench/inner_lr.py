@@ -1,0 +1,126 @@
+"""The inner learning rate, tuned on both sides (issue 40): data-parallel and Decoupled DiLoCo at each
+M over a sweep of peak inner rates, in the in-process reference (``simulation.reference``), so the gap
+is read against *tuned* data-parallel and DiLoCo's own best rate is found.
+
+Every run trains the built-in ``small`` model (``--quick``: the tiny one) for ``--tokens-per-param`` x
+parameters tokens (20: compute optimal), batch 8 per learner step, every other setting the roles'
+defaults (Muon inner optimizer, H, outer settings, the on-time quorum); data-parallel is one optimizer
+on batches of M x 8 at the same rate and schedule. ``--modes`` may add ``sync`` (synchronous DiLoCo).
+
+Keys, per M: ``dp_best_lr_m<M>`` / ``dp_best_m<M>`` (the tuned baseline), ``<mode>_best_lr_m<M>`` /
+``<mode>_best_m<M>`` (DiLoCo at its own best rate), ``gap_tuned_m<M>`` = (decoupled at its best rate -
+tuned data-parallel) / tuned data-parallel, ``gap_default_m<M>`` = (decoupled at the default rate -
+tuned data-parallel) / tuned data-parallel (what a user gets against a tuned baseline), and
+``default_lr_m<M>`` (``learner.config``'s rate for the model's width, inner optimizer and M learners). A figure of one
+run is one run: ``--seed`` repeats the sweep on other data.
+
+    python -m bench.inner_lr --quick --out inner_lr.json                                    (~1 min)
+    python -m bench.inner_lr --M 2 4 8 --lrs 0.008 0.016 0.024 0.032 --jobs 2 --out inner_lr.json
+        (24 runs, about 20 min on 2 cores; --reuse FILE.json skips the runs a file holds)
+"""
+
+from __future__ import annotations
+
+if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m bench.NAME`
+    import sys as _sys
+    from pathlib import Path as _Path
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
+import time
+
+from bench.common import finish, parser, progress, reference_options, reused_rows, run_jobs
+
+MODES = ("dp", "sync", "decoupled")
+
+
+def model_of(quick: bool) -> dict:
+    from simulation.reference import SMALL_MODEL, TINY_MODEL
+
+    return dict(TINY_MODEL if quick else SMALL_MODEL)
+
+
+def default_lr(model: dict, M: int) -> float:
+    """The rate each of M learners of this model uses when DILOCO_INNER_LR is not set (and
+    data-parallel's for M: ``bench.dp``)."""
+    from learner.config import auto_inner_lr
+    from simulation.reference import RefConfig
+
+    cfg = RefConfig(M=M, model=model)
+    return auto_inner_lr(int(model["d_model"]), cfg.inner_optimizer, M)
+
+
+def configs(Ms: list[int], lrs: list[float], modes: list[str], model: dict, tokens_per_param: float, batch: int,
+            seed: int, quick: bool) -> list:
+    from bench.algorithm import model_budget
+    from simulation.reference import RefConfig
+
+    out = []
+    for M, steps in model_budget(model, tokens_per_param, Ms, batch).items():
+        for lr in lrs:
+            for mode in modes:
+                out.append(RefConfig(mode=mode, M=M, steps=steps, batch=batch, model=model, lr=lr, data_seed=seed,
+                                     eval_points=3 if quick else 8))
+    return out
+
+
+def one(cfg) -> dict:
+    from simulation.reference import run_reference
+
+    t0 = time.monotonic()
+    r = run_reference(cfg)
+    return {"M": cfg.M, "mode": cfg.mode, "lr": cfg.lr, "steps": cfg.steps, "seed": cfg.data_seed,
+            "inner": cfg.inner_optimizer, "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
+
+
+def summary(rows: list[dict], defaults: dict[int, float]) -> dict:
+    """The best rate of each mode and M, and the gaps against tuned data-parallel (module docstring)."""
+    out: dict = {}
+    for M in sorted({r["M"] for r in rows}):
+        default = out[f"default_lr_m{M}"] = defaults[M]
+        best: dict[str, tuple[float, float]] = {}
+        for r in rows:
+            if r["M"] == M and (r["mode"] not in best or r["eval_loss"] < best[r["mode"]][0]):
+                best[r["mode"]] = (r["eval_loss"], r["lr"])
+        for mode, (loss, lr) in best.items():
+            out[f"{mode}_best_m{M}"], out[f"{mode}_best_lr_m{M}"] = round(loss, 4), lr
+        if "dp" in best and "decoupled" in best:
+            dp = best["dp"][0]
+            out[f"gap_tuned_m{M}"] = round((best["decoupled"][0] - dp) / dp, 4)
+            at_default = [r["eval_loss"] for r in rows if r["M"] == M and r["mode"] == "decoupled"
+                          and abs(r["lr"] - default) < 1e-12]
+            if at_default:
+                out[f"gap_default_m{M}"] = round((at_default[0] - dp) / dp, 4)
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 2 4 8; quick: 2)")
+    p.add_argument("--lrs", type=float, nargs="+", default=None,
+                   help="peak inner rates (default: 0.008 0.016 0.024 0.032; quick: the default rate and twice it)")
+    p.add_argument("--modes", nargs="+", default=["dp", "decoupled"], choices=MODES)
+    reference_options(p)
+    p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")
+    a = p.parse_args()
+    model = model_of(a.quick)
+    Ms = a.M or ([2] if a.quick else [2, 4, 8])
+    defaults = {M: default_lr(model, M) for M in Ms}
+    lrs = a.lrs or ([defaults[Ms[0]], 2 * defaults[Ms[0]]] if a.quick else [0.008, 0.016, 0.024, 0.032])
+    lrs = sorted({*lrs, *defaults.values()})
+    tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
+    old = reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed"))
+    items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick)
+
+    def key(c) -> tuple:
+        return (c.M, c.mode, c.lr, c.steps, c.data_seed)
+
+    todo = [c for c in items if key(c) not in old]
+    reused = [old[key(c)] for c in items if key(c) in old]
+    progress(f"{len(todo)} runs ({len(reused)} reused): M {Ms}, rates {lrs}, modes {a.modes}, {tpp} tokens/param")
+    rows = reused + run_jobs(one, todo, a.jobs,
+                             lambda r: f"M={r['M']} lr={r['lr']} {r['mode']}: {r['eval_loss']:.4f} ({r['seconds']} s)")
+    finish({"tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "rows": rows, **summary(rows, defaults)}, a.out)
+
+
+if __name__ == "__main__":
+    main()
