@@ -71,12 +71,13 @@ def run_jobs(fn: Callable[[Any], dict], items: list, jobs: int, line: Callable[[
 
 
 def reused_rows(paths: list[str] | None, fields: tuple[str, ...]) -> dict[tuple, dict]:
-    """The ``rows`` of earlier results JSONs (``--reuse``), by the values of ``fields``."""
+    """The ``rows`` of earlier results JSONs (``--reuse``), by the values of ``fields`` (None where a
+    row lacks one)."""
     old: dict[tuple, dict] = {}
     for path in paths or []:
         with open(path, "rb") as f:
             for r in orjson.loads(f.read()).get("rows", []):
-                old[tuple(r[k] for k in fields)] = r
+                old[tuple(r.get(k) for k in fields)] = r
     return old
 
 

@@ -381,7 +381,8 @@ def model_setup(quick: bool, steps: int, M: int, P: int, workdir: str) -> dict:
 
     env = dict(SMALL_MODEL) if quick else {}
     env.update({"DILOCO_BATCH_SIZE": "8" if quick else "16", "DILOCO_TOTAL_STEPS": str(steps),
-                "DILOCO_EVAL_BATCHES": "8", "DILOCO_EVAL_BATCH_SIZE": "16", "DILOCO_SYNC_EVERY": "12"})
+                "DILOCO_EVAL_BATCHES": "8", "DILOCO_EVAL_BATCH_SIZE": "16", "DILOCO_SYNC_EVERY": "12",
+                "DILOCO_INNER_OPTIMIZER": "adamw"})  # torchft's replica is AdamW: ours too (Muon is our default)
     lc, ec = from_env(LearnerConfig, env), from_env(EvalConfig, env)
     mc = model_config(env)
     spec = mc.spec()
@@ -394,7 +395,7 @@ def model_setup(quick: bool, steps: int, M: int, P: int, workdir: str) -> dict:
             np.save(os.path.join(workdir, f"data-{i}-{inc}.npy"), np.stack([sh.batch(lc.batch_size) for _ in range(steps)]))
     np.save(os.path.join(workdir, "heldout.npy"), corpus.heldout_batches(spec.seq_len, ec.eval_batch_size, ec.eval_batches))
     lr = lc.lr_for(spec.d_model, learners=M)
-    env["DILOCO_INNER_LR"] = repr(lr)  # both sides at one rate (ours would otherwise follow its optimizer)
+    env["DILOCO_INNER_LR"] = repr(lr)  # both sides at one rate
     opt = {"lr": lr, "warmup": lc.warmup, "total": lc.total_steps, "wd": lc.weight_decay, "clip": lc.clip_norm,
            "outer_lr": 0.7, "outer_momentum": 0.5}
     sp = {"d_model": spec.d_model, "n_layers": spec.n_layers, "n_heads": spec.n_heads, "d_ff": spec.d_ff,

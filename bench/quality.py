@@ -52,6 +52,16 @@ def settings(quick: bool, steps: int, corpus: str | None = None) -> dict:
     return env
 
 
+def dp_rate(env: dict, M: int) -> float:
+    """The peak rate ``bench.dp.train_dp`` trains M learners' data-parallel equivalent at."""
+    from bench.runs import model_config
+    from bus.config import from_env
+    from learner.config import LearnerConfig
+
+    lc = from_env(LearnerConfig, {k: v for k, v in env.items() if k.startswith("DILOCO_")})
+    return lc.lr_for(model_config(env).spec().d_model, learners=M)
+
+
 def reuse(path: str | None, env: dict, M: int, steps: int) -> dict | None:
     """The data-parallel result of an earlier quality JSON with the same settings (it does not
     depend on the bus or the aggregator, and takes the longest), or None."""
@@ -61,7 +71,8 @@ def reuse(path: str | None, env: dict, M: int, steps: int) -> dict | None:
 
     with open(path, "rb") as f:
         old = orjson.loads(f.read())
-    if old.get("settings") == env and old.get("M") == M and old.get("steps") == steps:
+    if old.get("settings") == env and old.get("M") == M and old.get("steps") == steps and \
+            old.get("dp", {}).get("lr") == dp_rate(env, M):  # the default rate moved with M (thirteenth round)
         progress(f"data-parallel: reusing {path} (same settings)")
         return {**old["dp"], "reused_from": path}
     progress(f"data-parallel: {path} has other settings, training again")

@@ -75,9 +75,11 @@ def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float
 
 def item_row(item: tuple[str, Any]) -> dict:
     """The identity fields of the row ``one(item)`` gives."""
+    from simulation.reference_setup import inner_rate
+
     speeds, cfg = item
     return {"M": cfg.M, "mode": cfg.mode, "K": cfg.K or cfg.M, "speeds": speeds, "steps": cfg.steps,
-            "seed": cfg.data_seed}
+            "seed": cfg.data_seed, "lr": inner_rate(cfg)}
 
 
 def one(item: tuple[str, Any]) -> dict:
@@ -95,8 +97,9 @@ def kname(K: int, M: int) -> str:
 
 
 def key(r: dict) -> tuple:
-    """A row's identity (what --reuse matches)."""
-    return (r["M"], r["mode"], r["K"], r["speeds"], r["steps"], r["seed"])
+    """A row's identity (what --reuse matches; rows of before the rate was recorded match nothing: the
+    default rate changed with them)."""
+    return (r["M"], r["mode"], r["K"], r["speeds"], r["steps"], r["seed"], r.get("lr"))
 
 
 def summary(rows: list[dict]) -> dict:

@@ -71,12 +71,13 @@ def configs(sizes: list[str], Ms: list[int], modes: list[str], tokens_per_param:
 
 def one(item: tuple[str, object]) -> dict:
     from simulation.reference import run_reference
+    from simulation.reference_setup import inner_rate
 
     size, cfg = item
     t0 = time.monotonic()
     r = run_reference(cfg)  # type: ignore[arg-type]
     return {"size": size, "M": cfg.M, "mode": cfg.mode, "steps": cfg.steps, "seed": cfg.data_seed,  # type: ignore[attr-defined]
-            "inner": cfg.inner_optimizer, "eval_loss": float(r["eval_loss"]),  # type: ignore[attr-defined]
+            "inner": cfg.inner_optimizer, "lr": inner_rate(cfg), "eval_loss": float(r["eval_loss"]),  # type: ignore[attr-defined]
             "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -140,10 +141,13 @@ def main() -> None:
     sizes = a.sizes or (["tiny"] if a.quick else list(SIZES))
     Ms = a.M or ([2] if a.quick else [2, 4, 8])
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
-    old = reused_rows(a.reuse, ("size", "M", "mode", "steps", "seed"))
+    # rows of before the rate was recorded match nothing (the default rate changed with them)
+    old = reused_rows(a.reuse, ("size", "M", "mode", "steps", "seed", "lr"))
     items = configs(sizes, Ms, a.modes, tpp, a.batch, a.seed, a.quick)
+    from simulation.reference_setup import inner_rate
+
     def key(it: tuple) -> tuple:
-        return (it[0], it[1].M, it[1].mode, it[1].steps, it[1].data_seed)
+        return (it[0], it[1].M, it[1].mode, it[1].steps, it[1].data_seed, inner_rate(it[1]))
 
     todo = [it for it in items if key(it) not in old]
     reused = [old[key(it)] for it in items if key(it) in old]

@@ -17,13 +17,13 @@ MUON_LR_SCALE_MAX = 3.0
 INNER_OPTIMIZERS = ("adamw", "muon")
 
 
-def auto_inner_lr(d_model: int, optimizer: str = "muon", learners: int = 1) -> float:
+def auto_inner_lr(d_model: int, optimizer: str, learners: int) -> float:
     """The built-in model's default peak learning rate: AdamW 0.008 at d_model <= 64, then 1/width
     (0.004 at 128, the default model); Muon that times ``learners`` / 2, at least 1 and at most
     ``MUON_LR_SCALE_MAX`` (``learners``: DILOCO_NUM_LEARNERS, the islands expected). DiLoCo's best
     Muon rate rose with M at 20 tokens per parameter, where a learner's steps fall as M grows (it
-    follows both). Measured at widths 64 and 96 (Muon) and 64 and 128 (AdamW); wider models follow
-    the 1/width rule of Adam on transformers (Muon's update is scaled to AdamW's RMS), not a
+    follows both). Swept at width 64 (Muon; AdamW at 64 and 128), two rates tried at 96; wider models
+    follow the 1/width rule of Adam on transformers (Muon's update is scaled to AdamW's RMS), not a
     measurement here."""
     if optimizer not in INNER_OPTIMIZERS:
         raise ValueError(f"inner optimizer must be one of {INNER_OPTIMIZERS}, got {optimizer!r}")

@@ -584,7 +584,7 @@ def run_reference(cfg: RefConfig, setup: Setup | None = None, progress=None) -> 
 def same_setup(a: RefConfig, b: RefConfig) -> bool:
     """True when two configurations can share one :class:`Setup` (model, data and inner optimizer)."""
     keys = ("M", "steps", "batch", "model", "seed", "corpus", "corpora", "data_seed", "lr", "warmup", "total_steps", "weight_decay",
-            "clip_norm", "P", "eval_batches", "eval_batch_size")
+            "clip_norm", "inner_optimizer", "muon_rms", "P", "eval_batches", "eval_batch_size")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 

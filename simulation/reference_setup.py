@@ -13,6 +13,15 @@ if TYPE_CHECKING:
     from simulation.reference_config import RefConfig
 
 
+def inner_rate(cfg) -> float:
+    """The peak inner rate of a reference run: ``cfg.lr``, or (0) the learner's default for the model's
+    width, the inner optimizer and M learners (``learner.config.auto_inner_lr``)."""
+    from learner.config import ModelConfig, auto_inner_lr
+
+    d_model = int(cfg.model.get("d_model", ModelConfig.__dataclass_fields__["d_model"].default))
+    return float(cfg.lr or auto_inner_lr(d_model, cfg.inner_optimizer, cfg.M))
+
+
 class Setup:
     """What every mode shares: model, plan, version 0, data shards, held-out batches, optimizer."""
 
@@ -23,14 +32,11 @@ class Setup:
         from learner.spec import count_params, init_params, make_plan
 
         self.cfg = cfg
-        # the run declares its peak inner learning rate (the norm bound of early contributions), as
-        # DILOCO_MAX_INNER_LR asks a user to
-        from learner.config import auto_inner_lr
-
-        d_model = int(cfg.model.get("d_model", ModelConfig.__dataclass_fields__["d_model"].default))
-        self.lr = cfg.lr or auto_inner_lr(d_model, cfg.inner_optimizer, cfg.M)  # 0: the learner's default (width, optimizer, M)
-        self.model = ModelConfig(**{"max_inner_lr": max(0.01, self.lr), **cfg.model, "num_fragments": cfg.P,
-                                    "seed": cfg.seed})
+        self.lr = inner_rate(cfg)
+        # the run declares its peak inner learning rate (the norm bound of early contributions): the
+        # manifest's default, as the runs of bench.runs (its aggregator creates the run), or the rate
+        self.model = ModelConfig(**{"max_inner_lr": max(ModelConfig().max_inner_lr, self.lr), **cfg.model,
+                                    "num_fragments": cfg.P, "seed": cfg.seed})
         self.spec = self.model.spec()
         self.plan = make_plan(self.spec, cfg.P, self.model.max_imbalance)
         self.params = count_params(self.spec)

@@ -220,9 +220,10 @@ def test_diloco_services(compose, auth_dir):
 
 def test_compose_runs_the_roles_defaults_and_its_learners_fit_the_declared_geometry(compose):
     """Issue 24: compose sets none of the algorithm's settings (the roles' defaults are the tuned
-    ones), and the learners' inner learning rate in force (their own default, by the model's width)
-    is within the run's declared DILOCO_MAX_INNER_LR, or they would refuse to start (compose's old
-    declared 0.001 with the learners' own default for this width, 0.004, is such a run)."""
+    ones), and the learners' inner learning rate in force (their own default, by the model's width,
+    inner optimizer and DILOCO_NUM_LEARNERS) is within the run's declared DILOCO_MAX_INNER_LR, or they
+    would refuse to start (compose's old declared 0.001 with the learners' own default then, 0.004,
+    was such a run)."""
     from bus.config import from_env
     from learner.config import LearnerConfig, ModelConfig
 

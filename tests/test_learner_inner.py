@@ -197,4 +197,4 @@ def test_the_default_rate_follows_width_inner_optimizer_and_the_learners_expecte
     assert max(auto_inner_lr(d, k, m) for d in (8, 64, 128) for k in ("adamw", "muon") for m in (1, 8, 10**5)) \
         <= ModelConfig().max_inner_lr
     with pytest.raises(ValueError, match="inner optimizer"):
-        auto_inner_lr(64, "sgd")
+        auto_inner_lr(64, "sgd", 2)
