@@ -68,6 +68,7 @@ async def main_async(quick: bool, steps: int, M: int, lags: list[float], agg_env
     fast = next((r["loss"] for r in rows if r["lag"] == 1.0), None)
     if baselines:
         dp = await asyncio.to_thread(train_dp, env, M, steps, progress)
+        # one learner alone at a lone learner's own default rate (Muon's x 1; the M learners' rises with M)
         solo = await asyncio.to_thread(train_dp, env, 1, steps, progress)
         out.update(dp_loss=dp["eval_loss"], solo_loss=solo["eval_loss"])
         progress(f"data-parallel {dp['eval_loss']:.4f}, one learner alone {solo['eval_loss']:.4f}")
