@@ -26,6 +26,17 @@ import numpy as np
 import orjson
 
 
+def dp_rate(env: dict, M: int) -> float:
+    """The peak rate data-parallel of M learners trains at: the learners' own (``DILOCO_INNER_LR``,
+    or the default for the model's width, the inner optimizer and M; Muon's rises with M)."""
+    from bench.runs import model_config
+    from bus.config import from_env
+    from learner.config import LearnerConfig
+
+    lc = from_env(LearnerConfig, {k: v for k, v in env.items() if k.startswith("DILOCO_")})
+    return lc.lr_for(model_config(env).spec().d_model, learners=M)
+
+
 def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     """Train ``steps`` steps of batch M x b; ``env`` are DILOCO_* settings (model, learner, eval)."""
     from bench.runs import model_config
@@ -46,7 +57,7 @@ def train_dp(env: dict, M: int, steps: int, progress=None) -> dict:
     corpus = load_corpus(lc.data or None, max_bytes=lc.data_max_bytes)
     seed = lc.data_seed
     shards = [corpus.shard(i, M, spec.seq_len, seed * 1_000_003 + i) for i in range(M)]
-    lr = lc.lr_for(spec.d_model, learners=M)  # the default rate of M learners (Muon's rises with M)
+    lr = dp_rate(env, M)
     opt = make_optimizer(lr, lc.warmup, lc.total_steps, weight_decay=lc.weight_decay,
                          clip_norm=lc.clip_norm or None, kind=lc.inner_optimizer, muon_rms=lc.muon_rms)
     step = make_train_step(spec, opt, donate=True)

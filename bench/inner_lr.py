@@ -42,11 +42,10 @@ def model_of(quick: bool) -> dict:
 def default_lr(model: dict, M: int) -> float:
     """The rate each of M learners of this model uses when DILOCO_INNER_LR is not set (and
     data-parallel's for M: ``bench.dp``)."""
-    from learner.config import auto_inner_lr
     from simulation.reference import RefConfig
+    from simulation.reference_setup import inner_rate
 
-    cfg = RefConfig(M=M, model=model)
-    return auto_inner_lr(int(model["d_model"]), cfg.inner_optimizer, M)
+    return inner_rate(RefConfig(M=M, model=model))
 
 
 def configs(Ms: list[int], lrs: list[float], modes: list[str], model: dict, tokens_per_param: float, batch: int,

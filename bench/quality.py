@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 import asyncio
 
 from bench.common import finish, parser, progress
-from bench.dp import train_dp
+from bench.dp import dp_rate, train_dp
 from bench.runs import AGG_VARIANTS, SMALL_MODEL, aggregator_settings, learner_settings, run_learners
 
 
@@ -50,16 +50,6 @@ def settings(quick: bool, steps: int, corpus: str | None = None) -> dict:
     if corpus:
         env["DILOCO_DATA"] = corpus
     return env
-
-
-def dp_rate(env: dict, M: int) -> float:
-    """The peak rate ``bench.dp.train_dp`` trains M learners' data-parallel equivalent at."""
-    from bench.runs import model_config
-    from bus.config import from_env
-    from learner.config import LearnerConfig
-
-    lc = from_env(LearnerConfig, {k: v for k, v in env.items() if k.startswith("DILOCO_")})
-    return lc.lr_for(model_config(env).spec().d_model, learners=M)
 
 
 def reuse(path: str | None, env: dict, M: int, steps: int) -> dict | None:

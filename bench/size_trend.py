@@ -29,7 +29,6 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import time
 
-
 from bench.common import finish, parser, progress, reference_options, reused_rows, run_jobs
 
 #: the model sizes (the reference's model dicts); ``tiny`` and ``small`` are the reference's own
@@ -130,6 +129,8 @@ def plot(rows: list[dict], params: dict[str, int], path: str) -> None:
 
 
 def main() -> None:
+    from simulation.reference_setup import inner_rate
+
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="default: all; quick: tiny")
     p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 2 4 8; quick: 2)")
@@ -144,7 +145,6 @@ def main() -> None:
     # rows of before the rate was recorded match nothing (the default rate changed with them)
     old = reused_rows(a.reuse, ("size", "M", "mode", "steps", "seed", "lr"))
     items = configs(sizes, Ms, a.modes, tpp, a.batch, a.seed, a.quick)
-    from simulation.reference_setup import inner_rate
 
     def key(it: tuple) -> tuple:
         return (it[0], it[1].M, it[1].mode, it[1].steps, it[1].data_seed, inner_rate(it[1]))
