@@ -109,7 +109,8 @@ class LearnerConfig:
     fetch: str = var("round", choice("round", "every"),
                      "round: download a fragment once per own sync, the newest version DILOCO_FETCH_DELAY steps "
                      "after it; every: each new version (sync mode always does)")
-    fetch_delay: int = var(-1, integer(-1), "fetch=round: inner steps from a sync to the download (-1: H/4)")
+    fetch_delay: int = var(1, integer(-1), "fetch=round: inner steps from a sync to the download, at the earliest, of "
+                           "the version that holds the round just sent (-1: H/4, the default before the fourteenth round)")
     final_sync: bool = var(True, boolean(), "on reaching the step budget, send every fragment's unsent steps before exiting")
     final_wait: float = var(30.0, number(0.0, 86400),
                             "after the final sync, seconds to wait until the aggregator merged (or rejected) every "
@@ -203,7 +204,7 @@ class LearnerConfig:
         return self.mode == "synthetic" or self.compute == "synthetic"
 
     def fetch_delay_for(self, period: int) -> int:
-        """DILOCO_FETCH_DELAY, or period/4 (at least 1) when it is -1."""
+        """DILOCO_FETCH_DELAY (default 1), or period/4 (at least 1) when it is -1."""
         return self.fetch_delay if self.fetch_delay >= 0 else max(1, period // 4)
 
     @property

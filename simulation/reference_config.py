@@ -79,7 +79,7 @@ class RefConfig:
     on_arrival: str = _L("on_arrival")
     mix_alpha: float = _L("mix_alpha")
     fetch: str = _L("fetch")
-    fetch_delay: int = _L("fetch_delay")  # -1: H/4
+    fetch_delay: int = _L("fetch_delay")  # -1: H/4 (the default before the fourteenth round)
     final_sync: bool = _L("final_sync")
     # aggregator: its defaults, except the quorum (None: K = M, every learner; -1: on time,
     # aggregator.quorum.AUTO, the role default since the seventh round: at equal step times both

@@ -369,7 +369,19 @@ def test_dynamic_h_is_refused_in_sync_mode_with_one_line():
 
     with pytest.raises(ConfigError, match="DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async"):
         from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true", "DILOCO_MODE": "sync"})
-    assert from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true"}).fetch_delay_for(12) == 3
+    assert from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true"}).fetch_delay_for(12) == 1
+
+
+def test_fetch_delay_default_is_one_step_and_minus_one_is_a_quarter_period():
+    """The download of a fragment's merged round may start one step after the sync (fourteenth
+    round: H/4 cost 0.7-1.5% at M=8 in the reference); -1 keeps the old H/4, at least 1."""
+    from bus.config import from_env
+    from learner.config import LearnerConfig
+
+    assert from_env(LearnerConfig, {}).fetch_delay_for(12) == 1
+    old = from_env(LearnerConfig, {"DILOCO_FETCH_DELAY": "-1"})
+    assert [old.fetch_delay_for(h) for h in (2, 12, 24)] == [1, 3, 6]
+    assert from_env(LearnerConfig, {"DILOCO_FETCH_DELAY": "0"}).fetch_delay_for(12) == 0
 
 
 def _sync(b: lp.Bookkeeper, p: int) -> lp.Contribution:
