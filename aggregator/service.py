@@ -51,7 +51,7 @@ from aggregator.mlog import LogPosition, settings_to_dict
 from aggregator.quorum import ArrivalStats, GracePolicy, input_clock
 from aggregator.shard_plan import fragments_text
 from aggregator.shards import Shards, plan_from_run, wait_for_manifest
-from aggregator.step import FragmentState, MergeSettings
+from aggregator.step import FragmentState, MergeSettings, run_participants
 from aggregator.trust import summary as trust_summary
 from aggregator.validate import OutlierWatch
 from aggregator.versions import VersionMaker
@@ -205,14 +205,14 @@ class AggregatorService(Intake, VersionMaker, Durability):
         return {k for k, st in self.members.items() if st == "left"} if self.cfg.require_membership else set(self.finished)
 
     def participants(self, now: float) -> set[str]:
-        """Learners taking part in the run for the participation scale and the staleness rounds: the
-        active ones and those whose contributions arrived within DILOCO_PARTICIPATION_WINDOW seconds.
+        """Learners taking part in the run for the participation scale and the staleness rounds
+        (:func:`aggregator.step.run_participants`): the active ones, the leavers, and those whose
+        contributions arrived within DILOCO_PARTICIPATION_WINDOW seconds.
 
         The active set alone swings with membership: a server restart or a short cut gets learners
         evicted for a moment, and a merge in that moment would scale its one learner's outer
         gradient as if it were the whole run (the chaos run's divergence; docs/RELIABILITY.md)."""
-        window = self.cfg.participation_window
-        return self.active() | {k for k, t in self.recent.items() if now - t <= window}
+        return run_participants(self.active(), self.leavers(), self.recent, now, self.cfg.participation_window)
 
     def known(self) -> set[str]:
         return set(self.seen) if not self.cfg.require_membership else set(self.members)

@@ -178,6 +178,24 @@ def round_work(contribs: list[Contribution]) -> float:
     return float(sum(c.round_share for c in contribs))
 
 
+def run_participants(active: set[str], leavers: set[str], recent: dict[str, float], now: float,
+                     window: float) -> set[str]:
+    """The learners taking part in the run, M of :func:`participation_scale` and of the staleness
+    rounds: the active ones, those whose contributions arrived within ``window`` seconds (the
+    active set swings with membership: a learner evicted for a moment still counts), and those that
+    **left** (their step budget reached, an island closed, a stop: not a failure) until the
+    membership forgets them (the monitor's DILOCO_FORGET_AFTER, a day by default).
+
+    A learner that left keeps its share of the run: when islands of unequal speeds share one step
+    budget, the fast ones finish first, and without their share the last island alone moved every
+    fragment a whole round per outer gradient, on its own data: the reference ended 6.0% worse at
+    M=4 and 8.6% at M=8 with one learner 2x slower (against 0.0% and 3.0% with their share kept;
+    docs/BENCHMARKS.md, "Fourteenth round"). A failed learner is not a leaver: the survivors take
+    its share once the window passes (goodput under failures).
+    """
+    return set(active) | set(leavers) | {k for k, t in recent.items() if now - t <= window}
+
+
 def participation_scale(merged: float, participants: int) -> float:
     """The share of a synchronous round this merge holds: n / M, for n rounds of work merged (the
     contributions, or :func:`round_work`) and M learners taking part in the run (the active ones

@@ -267,6 +267,40 @@ async def test_two_aggregators_own_disjoint_fragments(nats_server, js):
         await task
 
 
+async def test_a_learner_that_finished_keeps_its_share_of_the_run(nats_server, js):
+    """Islands of unequal speeds with one step budget: the fast one finishes first (its final sync),
+    and the slow one's later outer gradients still move a fragment by lr/M each, M counting the
+    finished learner, long after the participation window: alone at a whole round each, the
+    reference's model ended 6-8.6% worse (aggregator.step.run_participants)."""
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
+                                   grace_seconds=0.05, max_staleness=100, participation_window=0.0)
+    S = Subjects(RUN)
+    try:
+        fast, slow = FakeLearner(js, RUN, "fast", 1), FakeLearner(js, RUN, "slow", 2)
+        await fast.send(0, base=0)
+        assert await _until(lambda: svc.states[0].version == 1)
+        await slow.send(0, base=1)
+        assert await _until(lambda: svc.states[0].version == 2)
+        await fast.send(0, base=2, final=1)  # its step budget reached: it sends nothing more
+        await slow.send(0, base=2)
+        assert await _until(lambda: svc.states[0].version == 3)
+        assert svc.leavers() == {"fast"} and svc.active() == {"slow"}
+        for v in (3, 4):
+            await asyncio.sleep(0.1)  # past the window: only the leaver's share keeps it in
+            await slow.send(0, base=v)
+            assert await _until(lambda: svc.states[0].version == v + 1)
+        sub = await js.subscribe(S.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        events = {}
+        while len(events) < 5:
+            e = orjson.loads((await sub.next_msg(timeout=5)).data)
+            if e["fragment"] == 0:
+                events[e["version"]] = e
+        assert [(events[v]["per_round"], events[v]["scale"]) for v in (4, 5)] == [(2, 0.5), (2, 0.5)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
 async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritten(nats_server, js):
     """The STATE stream holds a merge record of version v+1 that this process does not know about
     (a publish that was stored although it reported a failure): the aggregator's own record of v+1

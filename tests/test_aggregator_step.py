@@ -50,6 +50,17 @@ def test_participation_scale_counts_contributions():
     assert participation_scale(0, 0) == 1.0
 
 
+def test_run_participants_keep_leavers_and_drop_the_silent_after_the_window():
+    from aggregator.step import run_participants
+
+    recent = {"a": 100.0, "b": 70.0, "c": 10.0}
+    # c left (its budget reached): it keeps its share however long ago it last sent; b, silent and
+    # not active (evicted), counts for the window only
+    assert run_participants({"d"}, {"c"}, recent, now=100.0, window=30.0) == {"a", "b", "c", "d"}
+    assert run_participants({"d"}, {"c"}, recent, now=100.1, window=30.0) == {"a", "c", "d"}
+    assert run_participants(set(), set(), recent, now=200.0, window=30.0) == set()
+
+
 def _grouped(cs: list[Contribution], sizes: list[int]) -> list[list[Contribution]]:
     groups, i = [], 0
     for k in sizes:
