@@ -101,7 +101,8 @@ class AggregatorConfig:
     max_weight_ratio: float = var(4.0, number(0.0), "no merge weight above this x the median weight (0: off)")
     participation_window: float = var(30.0, number(0.0, 86400),
                                       "learners that contributed within this many seconds count in the participation "
-                                      "scale even while the monitor calls them evicted")
+                                      "scale even while the monitor calls them evicted (a learner that left counts until "
+                                      "the monitor forgets it)")
     trust: str = var("observe", choice("off", "observe", "weigh"),
                      "trust across rounds: suspect a learner whose outer gradients oppose the others', agree with "
                      "nobody or replay its own (observe: verdicts in metrics and diloco status only; weigh: a "

@@ -6,6 +6,10 @@ Every run trains the built-in ``small`` model (``--quick``: the tiny one) for ``
 parameters tokens (20: compute optimal), batch 8 per learner step, every other setting the roles'
 defaults (Muon inner optimizer, H, outer settings, the on-time quorum); data-parallel is one optimizer
 on batches of M x 8 at the same rate and schedule. ``--modes`` may add ``sync`` (synchronous DiLoCo).
+``--at-default`` runs each M at its own default rate only; ``--fetch-delay N`` sets the learners'
+``DILOCO_FETCH_DELAY`` (-1: the H/4 of the thirteenth round and before); ``--one-slow X`` makes the
+last learner X times slower (its step time; the on-time quorum, the role default), ``bench.hetero``'s
+speed spread at X = 2.
 
 Keys, per M: ``dp_best_lr_m<M>`` / ``dp_best_m<M>`` (the tuned baseline), ``<mode>_best_lr_m<M>`` /
 ``<mode>_best_m<M>`` (DiLoCo at its own best rate), ``gap_tuned_m<M>`` = (decoupled at its best rate -
@@ -17,6 +21,7 @@ run is one run: ``--seed`` repeats the sweep on other data.
     python -m bench.inner_lr --quick --out inner_lr.json                                    (~1 min)
     python -m bench.inner_lr --M 2 4 8 --lrs 0.008 0.016 0.024 0.032 --jobs 2 --out inner_lr.json
         (24 runs, about 20 min on 2 cores; --reuse FILE.json skips the runs a file holds)
+    python -m bench.inner_lr --M 4 8 --at-default --modes sync decoupled --one-slow 2 --jobs 2
 """
 
 from __future__ import annotations
@@ -48,17 +53,24 @@ def default_lr(model: dict, M: int) -> float:
     return inner_rate(RefConfig(M=M, model=model))
 
 
-def configs(Ms: list[int], lrs: list[float], modes: list[str], model: dict, tokens_per_param: float, batch: int,
-            seed: int, quick: bool) -> list:
+def configs(Ms: list[int], lrs: list[float] | dict[int, list[float]], modes: list[str], model: dict,
+            tokens_per_param: float, batch: int, seed: int, quick: bool, fetch_delay: int | None = None,
+            one_slow: float = 1.0) -> list:
+    """The runs: every M at every rate of ``lrs`` (or of ``lrs[M]``) in every mode."""
     from bench.algorithm import model_budget
     from simulation.reference import RefConfig
 
     out = []
     for M, steps in model_budget(model, tokens_per_param, Ms, batch).items():
-        for lr in lrs:
+        for lr in (lrs[M] if isinstance(lrs, dict) else lrs):
             for mode in modes:
+                extra: dict = {}
+                if mode != "dp" and fetch_delay is not None:
+                    extra["fetch_delay"] = fetch_delay
+                if mode != "dp" and one_slow != 1.0:  # (sync waits: its loss does not depend on speeds)
+                    extra.update(step_times=(1.0,) * (M - 1) + (float(one_slow),), K=-1)
                 out.append(RefConfig(mode=mode, M=M, steps=steps, batch=batch, model=model, lr=lr, data_seed=seed,
-                                     eval_points=3 if quick else 8))
+                                     eval_points=3 if quick else 8, **extra))
     return out
 
 
@@ -67,8 +79,10 @@ def one(cfg) -> dict:
 
     t0 = time.monotonic()
     r = run_reference(cfg)
+    slow = max(cfg.step_times) / min(cfg.step_times) if cfg.step_times else 1.0
     return {"M": cfg.M, "mode": cfg.mode, "lr": cfg.lr, "steps": cfg.steps, "seed": cfg.data_seed,
-            "inner": cfg.inner_optimizer, "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
+            "inner": cfg.inner_optimizer, "fetch_delay": None if cfg.mode == "dp" else cfg.fetch_delay,
+            "one_slow": slow, "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
 
 
 def summary(rows: list[dict], defaults: dict[int, float]) -> dict:
@@ -98,27 +112,38 @@ def main() -> None:
     p.add_argument("--lrs", type=float, nargs="+", default=None,
                    help="peak inner rates (default: 0.008 0.016 0.024 0.032; quick: the default rate and twice it)")
     p.add_argument("--modes", nargs="+", default=["dp", "decoupled"], choices=MODES)
+    p.add_argument("--at-default", action="store_true", help="each M at its own default rate only (not --lrs)")
+    p.add_argument("--fetch-delay", type=int, default=None,
+                   help="the learners' DILOCO_FETCH_DELAY (default: the learner's; -1: H/4, the old default)")
+    p.add_argument("--one-slow", type=float, default=1.0, help="the last learner this many times slower")
     reference_options(p)
     p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")
     a = p.parse_args()
     model = model_of(a.quick)
     Ms = a.M or ([2] if a.quick else [2, 4, 8])
     defaults = {M: default_lr(model, M) for M in Ms}
-    lrs = a.lrs or ([defaults[Ms[0]], 2 * defaults[Ms[0]]] if a.quick else [0.008, 0.016, 0.024, 0.032])
-    lrs = sorted({*lrs, *defaults.values()})
+    lrs: list[float] | dict[int, list[float]]
+    if a.at_default:
+        lrs = {M: [defaults[M]] for M in Ms}
+    else:
+        lrs = a.lrs or ([defaults[Ms[0]], 2 * defaults[Ms[0]]] if a.quick else [0.008, 0.016, 0.024, 0.032])
+        lrs = sorted({*lrs, *defaults.values()})
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
-    old = reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed"))
-    items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick)
+    old = reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow"))
+    items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick, a.fetch_delay, a.one_slow)
 
     def key(c) -> tuple:
-        return (c.M, c.mode, c.lr, c.steps, c.data_seed)
+        slow = max(c.step_times) / min(c.step_times) if c.step_times else 1.0
+        return (c.M, c.mode, c.lr, c.steps, c.data_seed, None if c.mode == "dp" else c.fetch_delay, slow)
 
     todo = [c for c in items if key(c) not in old]
     reused = [old[key(c)] for c in items if key(c) in old]
-    progress(f"{len(todo)} runs ({len(reused)} reused): M {Ms}, rates {lrs}, modes {a.modes}, {tpp} tokens/param")
+    progress(f"{len(todo)} runs ({len(reused)} reused): M {Ms}, rates {lrs}, modes {a.modes}, {tpp} tokens/param, "
+             f"fetch delay {a.fetch_delay if a.fetch_delay is not None else 'default'}, one slow x{a.one_slow}")
     rows = reused + run_jobs(one, todo, a.jobs,
                              lambda r: f"M={r['M']} lr={r['lr']} {r['mode']}: {r['eval_loss']:.4f} ({r['seconds']} s)")
-    finish({"tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "rows": rows, **summary(rows, defaults)}, a.out)
+    finish({"tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "fetch_delay": a.fetch_delay,
+            "one_slow": a.one_slow, "rows": rows, **summary(rows, defaults)}, a.out)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,11 @@ by learner index), so one configuration gives the same losses bit for bit
 (``tests/test_reference.py``).
 
 Choices the system does not force and the reference states: the active set is the learners that
-are up (a monitor's view, without its detection delay); the participants of a merge are the active
-learners and the merge's contributors (``DILOCO_PARTICIPATION_WINDOW`` is not modelled); a global
-version reaches every learner ``down_delay`` after its merge (download included).
+are up (a monitor's view, without its detection delay); the participants of a merge are the learners
+that are up, those that finished their steps included (the aggregator's leavers,
+``aggregator.step.run_participants``), and the merge's contributors (``DILOCO_PARTICIPATION_WINDOW``
+is not modelled: a failed learner leaves at once); a global version reaches every learner
+``down_delay`` after its merge (download included).
 
     python -m simulation.reference --mode decoupled --M 2 --steps 200     (one run, one JSON line)
 
