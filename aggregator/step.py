@@ -188,10 +188,10 @@ def run_participants(active: set[str], leavers: set[str], recent: dict[str, floa
 
     A learner that left keeps its share of the run: when islands of unequal speeds share one step
     budget, the fast ones finish first, and without their share the last island alone moved every
-    fragment a whole round per outer gradient, on its own data: the reference ended 6.0% worse at
-    M=4 and 8.6% at M=8 with one learner 2x slower (against 0.0% and 3.0% with their share kept;
-    docs/BENCHMARKS.md, "Fourteenth round"). A failed learner is not a leaver: the survivors take
-    its share once the window passes (goodput under failures).
+    fragment a whole round per outer gradient, on its own data: with one learner 2x slower the
+    reference's model ended 6.0% (M=4) and 8.6% (M=8) worse than with the leavers' share kept, and
+    the real roles 5% at M=4 (docs/BENCHMARKS.md, "Fourteenth round"). A failed learner is not a
+    leaver: the survivors take its share once the window passes (goodput under failures).
     """
     return set(active) | set(leavers) | {k for k, t in recent.items() if now - t <= window}
 
