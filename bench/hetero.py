@@ -20,6 +20,8 @@ one aggregator (defaults: K=1, adaptive grace) and M=4 learners:
 
     python -m bench.hetero --quick --out hetero.json
     python -m bench.hetero --out hetero.json
+    python -m bench.hetero --quick --steps 1163 --participation-window 5    (20 tokens per parameter;
+        the slow learner alone past the window, as in any run of real length)
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ async def dynamic_h_pair(env: dict, steps: int) -> dict:
     return runs
 
 
-async def main_async(quick: bool, window: float, steps: int, dynamic_h: bool = False) -> dict:
+async def main_async(quick: bool, window: float, steps: int, dynamic_h: bool = False,
+                     participation_window: float | None = None) -> dict:
     fast = await throughput_run(1.0, window)
     het = await throughput_run(2.0, window)
     fast_names = [f"learner-{i}" for i in range(M) if i != SLOW]
@@ -98,8 +101,12 @@ async def main_async(quick: bool, window: float, steps: int, dynamic_h: bool = F
     env = dict(SMALL_MODEL, DILOCO_BATCH_SIZE="8", DILOCO_TOTAL_STEPS=str(steps),
                DILOCO_EVAL_BATCHES="8",
                DILOCO_EVAL_BATCH_SIZE="16")
-    q_fast = await run_learners(env, M, steps, label="jax all-fast")
-    q_het = await run_learners(env, M, steps, label="jax one-slow", per_learner={SLOW: {"DILOCO_SLOWDOWN": "2"}})
+    # a window shorter than the slow learner's time alone stands for a run of real length (its steps
+    # take seconds, and it trains alone for hours after the fast ones finished)
+    agg = {} if participation_window is None else {"DILOCO_PARTICIPATION_WINDOW": str(participation_window)}
+    q_fast = await run_learners(env, M, steps, label="jax all-fast", agg=agg)
+    q_het = await run_learners(env, M, steps, label="jax one-slow", per_learner={SLOW: {"DILOCO_SLOWDOWN": "2"}},
+                               agg=agg)
     lf, lh = q_fast["eval"]["eval_loss"], q_het["eval"]["eval_loss"]
     progress(f"held-out loss all-fast {lf:.4f}, one slow {lh:.4f}")
     # wall-clock step rate of the fast learners in the JAX runs (CPU shared: see module docstring)
@@ -111,7 +118,8 @@ async def main_async(quick: bool, window: float, steps: int, dynamic_h: bool = F
     return {"M": M, "slowdown": 2.0, "window_s": window, "synthetic_step_time": float(SYNTH["DILOCO_STEP_TIME"]),
             "fast_throughput_ratio": round(ratio, 4), "slow_learner_rate_ratio": round(slow_ratio, 4),
             "synthetic": {"all_fast": fast, "one_slow": het},
-            "jax_steps": steps, "settings": env, "loss_all_fast": lf, "loss_one_slow": lh,
+            "jax_steps": steps, "settings": env, "participation_window": participation_window,
+            "loss_all_fast": lf, "loss_one_slow": lh,
             "loss_gap": (lh - lf) / lf,
             "jax_fast_step_rate_ratio": round(fast_rate(q_het["learners"]) / fast_rate(q_fast["learners"]), 4),
             "jax_wall_s": {"all_fast": q_fast["wall_s"], "one_slow": q_het["wall_s"]},
@@ -129,9 +137,11 @@ def main() -> None:
     p.add_argument("--window", type=float, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--dynamic-h", action="store_true", help="also the Dynamic Local Updates pair (always in full runs)")
+    p.add_argument("--participation-window", type=float, default=None,
+                   help="the aggregator's DILOCO_PARTICIPATION_WINDOW in the JAX pair (default: its own, 30 s)")
     a = p.parse_args()
     r = asyncio.run(main_async(a.quick, a.window or (3.0 if a.quick else 60.0), a.steps or (40 if a.quick else 400),
-                               dynamic_h=a.dynamic_h or not a.quick))
+                               dynamic_h=a.dynamic_h or not a.quick, participation_window=a.participation_window))
     finish({"bench": "hetero", "quick": a.quick, **r}, a.out)
 
 
