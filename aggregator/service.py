@@ -206,13 +206,16 @@ class AggregatorService(Intake, VersionMaker, Durability):
 
     def participants(self, now: float) -> set[str]:
         """Learners taking part in the run for the participation scale and the staleness rounds
-        (:func:`aggregator.step.run_participants`): the active ones, the leavers, and those whose
-        contributions arrived within DILOCO_PARTICIPATION_WINDOW seconds.
+        (:func:`aggregator.step.run_participants`): the active ones, the leavers with work merged
+        here, and those whose contributions arrived within DILOCO_PARTICIPATION_WINDOW seconds.
+        Without a monitor the leavers are the final syncs this process has seen: a restart forgets
+        them (the monitor's members bucket keeps its ``left``).
 
         The active set alone swings with membership: a server restart or a short cut gets learners
         evicted for a moment, and a merge in that moment would scale its one learner's outer
         gradient as if it were the whole run (the chaos run's divergence; docs/RELIABILITY.md)."""
-        return run_participants(self.active(), self.leavers(), self.recent, now, self.cfg.participation_window)
+        merged = set().union(*(st.applied.learners() for st in self.states.values()))
+        return run_participants(self.active(), self.leavers(), self.recent, now, self.cfg.participation_window, merged)
 
     def known(self) -> set[str]:
         return set(self.seen) if not self.cfg.require_membership else set(self.members)

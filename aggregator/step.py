@@ -179,12 +179,14 @@ def round_work(contribs: list[Contribution]) -> float:
 
 
 def run_participants(active: set[str], leavers: set[str], recent: dict[str, float], now: float,
-                     window: float) -> set[str]:
+                     window: float, merged: set[str]) -> set[str]:
     """The learners taking part in the run, M of :func:`participation_scale` and of the staleness
     rounds: the active ones, those whose contributions arrived within ``window`` seconds (the
     active set swings with membership: a learner evicted for a moment still counts), and those that
-    **left** (their step budget reached, an island closed, a stop: not a failure) until the
-    membership forgets them (the monitor's DILOCO_FORGET_AFTER, a day by default).
+    **left** (their step budget reached, an island closed, a stop: not a failure) with work of theirs
+    ``merged`` (held in a fragment's applied set, which checkpoints keep), until the membership
+    forgets them (the monitor's DILOCO_FORGET_AFTER, a day by default). A learner that left before
+    any of its work was merged (stopped at once, or only a ``leaving`` heartbeat) does not count.
 
     A learner that left keeps its share of the run: when islands of unequal speeds share one step
     budget, the fast ones finish first, and without their share the last island alone moved every
@@ -193,7 +195,7 @@ def run_participants(active: set[str], leavers: set[str], recent: dict[str, floa
     the real roles 5% at M=4 (docs/BENCHMARKS.md, "Fourteenth round"). A failed learner is not a
     leaver: the survivors take its share once the window passes (goodput under failures).
     """
-    return set(active) | set(leavers) | {k for k, t in recent.items() if now - t <= window}
+    return set(active) | (set(leavers) & set(merged)) | {k for k, t in recent.items() if now - t <= window}
 
 
 def participation_scale(merged: float, participants: int) -> float:

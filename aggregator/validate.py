@@ -234,6 +234,10 @@ class AppliedSet:
         """Number of (learner, incarnation, fragment) entries held."""
         return sum(len(frags) for incs in self._seen.values() for frags in incs.values())
 
+    def learners(self) -> set[str]:
+        """The learners with an applied contribution held (any incarnation)."""
+        return set(self._seen)
+
     def incarnations(self, learner: str) -> list[str]:
         """Incarnations held for ``learner``, least recently applied first."""
         return list(self._seen.get(learner, {}))

@@ -160,7 +160,7 @@ def study(M: int, quick: bool, tokens_per_param: float, batch: int, run: Runner)
                     outer_momentum=best["momentum"])
     tags = {"H": best["H"], "lr": best["lr"], "outer_lr": best["outer_lr"], "momentum": best["momentum"]}
     # 3. streaming and decoupled at the tuned values, with the learners' default fetch (one download
-    # per round, H/4 steps after the sync) and with every version downloaded as it comes
+    # per round, from DILOCO_FETCH_DELAY steps after the sync) and with every version downloaded as it comes
     P = 4 if quick else 8
     dec = dict(mode="decoupled", P=P, **out_of_step(M))
     fam: dict[tuple[str, str], dict] = {}

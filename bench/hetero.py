@@ -72,12 +72,12 @@ def fast_rate(learners: dict) -> float:
     return sum(r) / len(r)
 
 
-async def dynamic_h_pair(env: dict, steps: int) -> dict:
+async def dynamic_h_pair(env: dict, steps: int, agg: dict | None = None) -> dict:
     slow = {SLOW: {"DILOCO_SLOWDOWN": "2"}}
     runs = {}
     for key, learner in (("without", {}), ("with", {"DILOCO_DYNAMIC_H": "true"})):
         q = await run_learners(env, M, steps, label=f"jax one-slow, monitor, dynamic_h {key}", per_learner=slow,
-                               monitor=True, learner=learner)
+                               monitor=True, learner=learner, agg=agg)
         a = q["aggregator"]
         runs[key] = {"loss": q["eval"]["eval_loss"], "wall_s": q["wall_s"], "merges": a.get("merges"),
                      "staleness_hist": a.get("staleness_hist"), "rejected": a.get("rejected"),
@@ -114,7 +114,7 @@ async def main_async(quick: bool, window: float, steps: int, dynamic_h: bool = F
     for q in (q_fast, q_het):
         ls = q["learners"]
         jr.append(sum(ls[n]["step"] / max(q["wall_s"], 1e-9) for n in fast_names))
-    dyn = await dynamic_h_pair(env, steps) if dynamic_h else None
+    dyn = await dynamic_h_pair(env, steps, agg) if dynamic_h else None
     return {"M": M, "slowdown": 2.0, "window_s": window, "synthetic_step_time": float(SYNTH["DILOCO_STEP_TIME"]),
             "fast_throughput_ratio": round(ratio, 4), "slow_learner_rate_ratio": round(slow_ratio, 4),
             "synthetic": {"all_fast": fast, "one_slow": het},

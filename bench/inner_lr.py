@@ -64,10 +64,10 @@ def configs(Ms: list[int], lrs: list[float] | dict[int, list[float]], modes: lis
     for M, steps in model_budget(model, tokens_per_param, Ms, batch).items():
         for lr in (lrs[M] if isinstance(lrs, dict) else lrs):
             for mode in modes:
-                extra: dict = {}
-                if mode != "dp" and fetch_delay is not None:
+                extra: dict = {}  # (data-parallel and sync fetch nothing late and wait for no one)
+                if mode == "decoupled" and fetch_delay is not None:
                     extra["fetch_delay"] = fetch_delay
-                if mode != "dp" and one_slow != 1.0:  # (sync waits: its loss does not depend on speeds)
+                if mode == "decoupled" and one_slow != 1.0:
                     extra.update(step_times=(1.0,) * (M - 1) + (float(one_slow),), K=-1)
                 out.append(RefConfig(mode=mode, M=M, steps=steps, batch=batch, model=model, lr=lr, data_seed=seed,
                                      eval_points=3 if quick else 8, **extra))
@@ -81,7 +81,7 @@ def one(cfg) -> dict:
     r = run_reference(cfg)
     slow = max(cfg.step_times) / min(cfg.step_times) if cfg.step_times else 1.0
     return {"M": cfg.M, "mode": cfg.mode, "lr": cfg.lr, "steps": cfg.steps, "seed": cfg.data_seed,
-            "inner": cfg.inner_optimizer, "fetch_delay": None if cfg.mode == "dp" else cfg.fetch_delay,
+            "inner": cfg.inner_optimizer, "fetch_delay": cfg.fetch_delay if cfg.mode == "decoupled" else None,
             "one_slow": slow, "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -129,12 +129,19 @@ def main() -> None:
         lrs = a.lrs or ([defaults[Ms[0]], 2 * defaults[Ms[0]]] if a.quick else [0.008, 0.016, 0.024, 0.032])
         lrs = sorted({*lrs, *defaults.values()})
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
-    old = reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow"))
+    if a.one_slow < 1.0:
+        p.error(f"--one-slow must be >= 1 (how many times slower the last learner is), got {a.one_slow}")
+    old = {}
+    for k, r in reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow")).items():
+        # rows of files before the fourteenth round: the learners' H/4 delay (-1), equal speeds
+        if r["mode"] == "decoupled" and k[5] is None:
+            k = (*k[:5], -1, k[6])
+        old[(*k[:6], 1.0 if k[6] is None else k[6])] = r
     items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick, a.fetch_delay, a.one_slow)
 
     def key(c) -> tuple:
         slow = max(c.step_times) / min(c.step_times) if c.step_times else 1.0
-        return (c.M, c.mode, c.lr, c.steps, c.data_seed, None if c.mode == "dp" else c.fetch_delay, slow)
+        return (c.M, c.mode, c.lr, c.steps, c.data_seed, c.fetch_delay if c.mode == "decoupled" else None, slow)
 
     todo = [c for c in items if key(c) not in old]
     reused = [old[key(c)] for c in items if key(c) in old]

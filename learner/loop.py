@@ -351,9 +351,10 @@ class Bookkeeper:
 
         At most one download per fragment per round of this learner: ``delay`` inner steps after a
         sync of p (armed), the newest version there is, once it holds this learner's own round
-        just sent (a head listed it: :meth:`on_applied`). The delay lets the other learners' outer
-        gradients of the same round be merged first (Streaming DiLoCo's overlap tau); the local
-        steps meanwhile are kept (rebase) and sent with the next outer gradient. Waiting for the own
+        just sent (a head listed it: :meth:`on_applied`): that wait, not the delay, lets the other
+        learners' outer gradients of the round be merged first (the delay, 1 by default since the
+        fourteenth round, was H/4 and only added overlap); the local steps meanwhile are kept
+        (rebase) and sent with the next outer gradient (Streaming DiLoCo's overlap tau). Waiting for the own
         round (issue 24): a learner ahead of the others by more than the delay took the version
         before its round's merge and so ran a whole round behind the merges; now it waits for
         that merge, until the step before its next sync, when it takes the newest version anyway

@@ -18,8 +18,8 @@ Life of a learner::
     at the step budget: a final sync of every fragment with unsent steps, then wait for the publishes
 
 Downlink (async mode, DILOCO_FETCH=round): a fragment is downloaded at most once per own sync, the
-newest version DILOCO_FETCH_DELAY (H/4) steps after it, so a learner fetches about N values per H
-steps, not one version per merge.
+newest version holding that round from DILOCO_FETCH_DELAY (1) steps after it, so a learner fetches
+about N values per H steps, not one version per merge.
 
 Background tasks on the event loop, alive during long steps: heartbeats, metrics, a watch on the
 global heads (plus a slow poll as a safety net after reconnects), the watch on this learner's

@@ -54,11 +54,14 @@ def test_run_participants_keep_leavers_and_drop_the_silent_after_the_window():
     from aggregator.step import run_participants
 
     recent = {"a": 100.0, "b": 70.0, "c": 10.0}
+    merged = {"a", "b", "c", "d"}
     # c left (its budget reached): it keeps its share however long ago it last sent; b, silent and
     # not active (evicted), counts for the window only
-    assert run_participants({"d"}, {"c"}, recent, now=100.0, window=30.0) == {"a", "b", "c", "d"}
-    assert run_participants({"d"}, {"c"}, recent, now=100.1, window=30.0) == {"a", "c", "d"}
-    assert run_participants(set(), set(), recent, now=200.0, window=30.0) == set()
+    assert run_participants({"d"}, {"c"}, recent, 100.0, 30.0, merged) == {"a", "b", "c", "d"}
+    assert run_participants({"d"}, {"c"}, recent, 100.1, 30.0, merged) == {"a", "c", "d"}
+    assert run_participants(set(), set(), recent, 200.0, 30.0, merged) == set()
+    # a leaver none of whose work was merged (stopped before its first sync) does not count
+    assert run_participants({"d"}, {"c", "e"}, recent, 200.0, 30.0, merged) == {"c", "d"}
 
 
 def _grouped(cs: list[Contribution], sizes: list[int]) -> list[list[Contribution]]:
