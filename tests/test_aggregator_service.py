@@ -267,6 +267,17 @@ async def test_two_aggregators_own_disjoint_fragments(nats_server, js):
         await task
 
 
+async def _merge_events(js, n: int) -> dict[int, dict]:
+    """The first ``n`` merge events of fragment 0, by version."""
+    sub = await js.subscribe(Subjects(RUN).event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    events: dict[int, dict] = {}
+    while len(events) < n:
+        e = orjson.loads((await sub.next_msg(timeout=5)).data)
+        if e["fragment"] == 0:
+            events[e["version"]] = e
+    return events
+
+
 async def test_a_learner_that_finished_keeps_its_share_of_the_run(nats_server, js):
     """Islands of unequal speeds with one step budget: the fast one finishes first (its final sync),
     and the slow one's later outer gradients still move a fragment by lr/M each, M counting the
@@ -274,7 +285,6 @@ async def test_a_learner_that_finished_keeps_its_share_of_the_run(nats_server, j
     reference's model ended 6-8.6% worse (aggregator.step.run_participants)."""
     svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
                                    grace_seconds=0.05, max_staleness=100, participation_window=0.0)
-    S = Subjects(RUN)
     try:
         fast, slow = FakeLearner(js, RUN, "fast", 1), FakeLearner(js, RUN, "slow", 2)
         await fast.send(0, base=0)
@@ -289,12 +299,7 @@ async def test_a_learner_that_finished_keeps_its_share_of_the_run(nats_server, j
             await asyncio.sleep(0.1)  # past the window: only the leaver's share keeps it in
             await slow.send(0, base=v)
             assert await _until(lambda: svc.states[0].version == v + 1)
-        sub = await js.subscribe(S.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-        events = {}
-        while len(events) < 5:
-            e = orjson.loads((await sub.next_msg(timeout=5)).data)
-            if e["fragment"] == 0:
-                events[e["version"]] = e
+        events = await _merge_events(js, 5)
         assert [(events[v]["per_round"], events[v]["scale"]) for v in (4, 5)] == [(2, 0.5), (2, 0.5)]
     finally:
         stop.set()
@@ -337,12 +342,7 @@ async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritt
         pos = svc.logpos[0]
         assert pos.versions_since == svc.states[0].version - pos.checkpoint_version
         # version 1 is the committed one (its merge event says so), version 2 holds round 2 only
-        sub = await js.subscribe(S.event("merge"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-        events = {}
-        while len(events) < 2:
-            e = orjson.loads((await sub.next_msg(timeout=5)).data)
-            if e["fragment"] == 0:
-                events[e["version"]] = e
+        events = await _merge_events(js, 2)
         assert events[1]["scale"] == 0.5 and [k[3] for k in events[1]["applied"]] == [1]
         assert [k[3] for k in events[2]["applied"]] == [2]
         live = svc.states[0]
