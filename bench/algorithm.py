@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 from dataclasses import replace
 
-from bench.common import finish, parser, progress
+from bench.common import fetch_delay_of, finish, parser, progress
 from simulation.reference import TINY_MODEL as QUICK_MODEL
 from simulation.reference import RefConfig, Setup, run_reference, same_setup
 
@@ -60,7 +60,8 @@ class Runner:
 
     def __call__(self, cfg: RefConfig, label: str, **tags) -> dict:
         old = self.reuse.get((cfg.M, label))
-        if old is not None:
+        delay = fetch_delay_of({"mode": cfg.mode, "fetch_delay": cfg.fetch_delay})
+        if old is not None and fetch_delay_of(old) == delay:  # (an older file's decoupled rows ran H/4)
             self.rows.append({**old, "reused": True})
             progress(f"M={cfg.M} {label}: held-out {old['loss']:.4f} (reused)")
             return self.rows[-1]
@@ -70,7 +71,7 @@ class Runner:
             self.setups = [(cfg, setup)]  # one at a time: keep memory flat
         r = run_reference(cfg, setup)
         row = {"label": label, "mode": cfg.mode, "M": cfg.M, "loss": round(r["eval_loss"], 5),
-               "uplink": cfg.quantiser, "downlink": cfg.downlink, **tags,
+               "uplink": cfg.quantiser, "downlink": cfg.downlink, "fetch_delay": delay, **tags,
                "wall_s": r["wall_s"], "tokens_per_s": r["tokens_per_s"], "curve": r["curve"],
                "merges": r.get("merges"), "staleness_hist": r.get("staleness_hist"), "rejected": r.get("rejected")}
         self.rows.append(row)

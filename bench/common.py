@@ -81,6 +81,15 @@ def reused_rows(paths: list[str] | None, fields: tuple[str, ...]) -> dict[tuple,
     return old
 
 
+def fetch_delay_of(row: dict) -> int | None:
+    """The learners' DILOCO_FETCH_DELAY a reference row ran with, for ``--reuse``: recorded since the
+    fourteenth round; a decoupled or streaming row without it ran the default of its day, H/4 (-1).
+    None for the modes that fetch every version (data-parallel, sync)."""
+    if row.get("mode") not in ("decoupled", "streaming"):
+        return None
+    return row.get("fetch_delay", -1)
+
+
 def finish(results: dict, out: str | None) -> None:
     """Write ``results`` to ``out`` (if given) and print them as one JSON line, last."""
     results = {**results, "machine": machine()}

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import time
 
-from bench.common import finish, parser, progress, reference_options, reused_rows, run_jobs
+from bench.common import fetch_delay_of, finish, parser, progress, reference_options, reused_rows, run_jobs
 
 MODES = ("dp", "sync", "decoupled")
 
@@ -81,7 +81,7 @@ def one(cfg) -> dict:
     r = run_reference(cfg)
     slow = max(cfg.step_times) / min(cfg.step_times) if cfg.step_times else 1.0
     return {"M": cfg.M, "mode": cfg.mode, "lr": cfg.lr, "steps": cfg.steps, "seed": cfg.data_seed,
-            "inner": cfg.inner_optimizer, "fetch_delay": cfg.fetch_delay if cfg.mode == "decoupled" else None,
+            "inner": cfg.inner_optimizer, "fetch_delay": fetch_delay_of({"mode": cfg.mode, "fetch_delay": cfg.fetch_delay}),
             "one_slow": slow, "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -131,17 +131,14 @@ def main() -> None:
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
     if a.one_slow < 1.0:
         p.error(f"--one-slow must be >= 1 (how many times slower the last learner is), got {a.one_slow}")
-    old = {}
-    for k, r in reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow")).items():
-        # rows of files before the fourteenth round: the learners' H/4 delay (-1), equal speeds
-        if r["mode"] == "decoupled" and k[5] is None:
-            k = (*k[:5], -1, k[6])
-        old[(*k[:6], 1.0 if k[6] is None else k[6])] = r
+    # rows of files before the fourteenth round: the learners' H/4 delay, equal speeds
+    old = {(*k[:5], fetch_delay_of(r), r.get("one_slow", 1.0)): r
+           for k, r in reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow")).items()}
     items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick, a.fetch_delay, a.one_slow)
 
     def key(c) -> tuple:
         slow = max(c.step_times) / min(c.step_times) if c.step_times else 1.0
-        return (c.M, c.mode, c.lr, c.steps, c.data_seed, c.fetch_delay if c.mode == "decoupled" else None, slow)
+        return (c.M, c.mode, c.lr, c.steps, c.data_seed, fetch_delay_of({"mode": c.mode, "fetch_delay": c.fetch_delay}), slow)
 
     todo = [c for c in items if key(c) not in old]
     reused = [old[key(c)] for c in items if key(c) in old]
