@@ -214,8 +214,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
         The active set alone swings with membership: a server restart or a short cut gets learners
         evicted for a moment, and a merge in that moment would scale its one learner's outer
         gradient as if it were the whole run (the chaos run's divergence; docs/RELIABILITY.md)."""
-        merged = set().union(*(st.applied.learners() for st in self.states.values()))
-        return run_participants(self.active(), self.leavers(), self.recent, now, self.cfg.participation_window, merged)
+        leavers = self.leavers()  # (a few; checked per contribution and per merge)
+        merged = {x for x in leavers if any(st.applied.holds(x) for st in self.states.values())}
+        return run_participants(self.active(), leavers, self.recent, now, self.cfg.participation_window, merged)
 
     def known(self) -> set[str]:
         return set(self.seen) if not self.cfg.require_membership else set(self.members)

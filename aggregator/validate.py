@@ -234,9 +234,9 @@ class AppliedSet:
         """Number of (learner, incarnation, fragment) entries held."""
         return sum(len(frags) for incs in self._seen.values() for frags in incs.values())
 
-    def learners(self) -> set[str]:
-        """The learners with an applied contribution held (any incarnation)."""
-        return set(self._seen)
+    def holds(self, learner: str) -> bool:
+        """Whether an applied contribution of ``learner`` (any incarnation) is held."""
+        return learner in self._seen
 
     def incarnations(self, learner: str) -> list[str]:
         """Incarnations held for ``learner``, least recently applied first."""

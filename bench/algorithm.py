@@ -60,7 +60,7 @@ class Runner:
 
     def __call__(self, cfg: RefConfig, label: str, **tags) -> dict:
         old = self.reuse.get((cfg.M, label))
-        delay = fetch_delay_of({"mode": cfg.mode, "fetch_delay": cfg.fetch_delay})
+        delay = fetch_delay_of(cfg)
         if old is not None and fetch_delay_of(old) == delay:  # (an older file's decoupled rows ran H/4)
             self.rows.append({**old, "reused": True})
             progress(f"M={cfg.M} {label}: held-out {old['loss']:.4f} (reused)")

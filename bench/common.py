@@ -81,13 +81,13 @@ def reused_rows(paths: list[str] | None, fields: tuple[str, ...]) -> dict[tuple,
     return old
 
 
-def fetch_delay_of(row: dict) -> int | None:
-    """The learners' DILOCO_FETCH_DELAY a reference row ran with, for ``--reuse``: recorded since the
-    fourteenth round; a decoupled or streaming row without it ran the default of its day, H/4 (-1).
-    None for the modes that fetch every version (data-parallel, sync)."""
-    if row.get("mode") not in ("decoupled", "streaming"):
-        return None
-    return row.get("fetch_delay", -1)
+def fetch_delay_of(row: Any) -> int | None:
+    """The learners' DILOCO_FETCH_DELAY a reference row ran with (a results row), or will run with (a
+    ``RefConfig``), for ``--reuse``: recorded since the fourteenth round; a decoupled or streaming row
+    without it ran the default of its day, H/4 (-1). None for the modes that fetch every version
+    (data-parallel, sync)."""
+    mode, delay = (row.get("mode"), row.get("fetch_delay", -1)) if isinstance(row, dict) else (row.mode, row.fetch_delay)
+    return delay if mode in ("decoupled", "streaming") else None
 
 
 def finish(results: dict, out: str | None) -> None:

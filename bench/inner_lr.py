@@ -81,7 +81,7 @@ def one(cfg) -> dict:
     r = run_reference(cfg)
     slow = max(cfg.step_times) / min(cfg.step_times) if cfg.step_times else 1.0
     return {"M": cfg.M, "mode": cfg.mode, "lr": cfg.lr, "steps": cfg.steps, "seed": cfg.data_seed,
-            "inner": cfg.inner_optimizer, "fetch_delay": fetch_delay_of({"mode": cfg.mode, "fetch_delay": cfg.fetch_delay}),
+            "inner": cfg.inner_optimizer, "fetch_delay": fetch_delay_of(cfg),
             "one_slow": slow, "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -138,7 +138,7 @@ def main() -> None:
 
     def key(c) -> tuple:
         slow = max(c.step_times) / min(c.step_times) if c.step_times else 1.0
-        return (c.M, c.mode, c.lr, c.steps, c.data_seed, fetch_delay_of({"mode": c.mode, "fetch_delay": c.fetch_delay}), slow)
+        return (c.M, c.mode, c.lr, c.steps, c.data_seed, fetch_delay_of(c), slow)
 
     todo = [c for c in items if key(c) not in old]
     reused = [old[key(c)] for c in items if key(c) in old]

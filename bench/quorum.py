@@ -80,7 +80,7 @@ def item_row(item: tuple[str, Any]) -> dict:
     speeds, cfg = item
     return {"M": cfg.M, "mode": cfg.mode, "K": cfg.K or cfg.M, "speeds": speeds, "steps": cfg.steps,
             "seed": cfg.data_seed, "lr": inner_rate(cfg),
-            "fetch_delay": fetch_delay_of({"mode": cfg.mode, "fetch_delay": cfg.fetch_delay})}
+            "fetch_delay": fetch_delay_of(cfg)}
 
 
 def one(item: tuple[str, Any]) -> dict:

@@ -77,7 +77,7 @@ def one(item: tuple[str, object]) -> dict:
     r = run_reference(cfg)  # type: ignore[arg-type]
     return {"size": size, "M": cfg.M, "mode": cfg.mode, "steps": cfg.steps, "seed": cfg.data_seed,  # type: ignore[attr-defined]
             "inner": cfg.inner_optimizer, "lr": inner_rate(cfg), "eval_loss": float(r["eval_loss"]),  # type: ignore[attr-defined]
-            "fetch_delay": fetch_delay_of({"mode": cfg.mode, "fetch_delay": cfg.fetch_delay}),  # type: ignore[attr-defined]
+            "fetch_delay": fetch_delay_of(cfg),  # type: ignore[attr-defined]
             "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     def key(it: tuple) -> tuple:
         cfg = it[1]
         return (it[0], cfg.M, cfg.mode, cfg.steps, cfg.data_seed, inner_rate(cfg),
-                fetch_delay_of({"mode": cfg.mode, "fetch_delay": cfg.fetch_delay}))
+                fetch_delay_of(cfg))
 
     todo = [it for it in items if key(it) not in old]
     reused = [old[key(it)] for it in items if key(it) in old]
