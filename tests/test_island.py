@@ -476,19 +476,22 @@ def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(na
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1  # theta = 2.0, the base still 0.0
         v0 = lr.book.frags[0].base_version
 
-        _arrive(isl, v0 + 1, 10.0)
+        # V = 1000: the user's own steps (0.5 each) cannot reach it within the 20 s below, so the
+        # loop ends on the swap alone (with V = 10 it ended after 12 plain steps when the machine was
+        # loaded and the side thread had not run yet, and the test failed on a swap still to come)
+        _arrive(isl, v0 + 1, 1000.0)
         for _ in range(4):  # prepared meanwhile (held): the steps are the user's alone
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
         np.testing.assert_array_equal(np.asarray(p["w"]), 4.0)
         assert lr.book.frags[0].base_version == v0
         release.set()
         t_end = time.monotonic() + 20
-        while float(np.asarray(p["w"]).max()) < 10 and time.monotonic() < t_end:
+        while float(np.asarray(p["w"]).max()) < 1000 and time.monotonic() < t_end:
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
             time.sleep(0.01)
         lr._side.submit(lambda: None).result(10)  # bases are written in the side thread: let it finish
-        np.testing.assert_array_equal(np.asarray(p["w"]), 0.5 * steps + 10.0)  # the progress kept, V added
-        np.testing.assert_array_equal(lr.base[0], 10.0)
+        np.testing.assert_array_equal(np.asarray(p["w"]), 0.5 * steps + 1000.0)  # the progress kept, V added
+        np.testing.assert_array_equal(lr.base[0], 1000.0)
         assert lr.book.frags[0].base_version == v0 + 1
         assert [sw.parts is not None for sw in prepared] == [True]  # swapped by the adds, not the plain path
     finally:
@@ -516,22 +519,22 @@ def test_a_swap_prepared_before_an_outer_gradient_of_its_fragment_is_prepared_ag
         v0 = lr.book.frags[0].base_version
         assert lr.book.frags[0].next_round == 0
 
-        _arrive(isl, v0 + 1, 10.0)  # V = b0 + 10 = 10
+        _arrive(isl, v0 + 1, 1000.0)  # V = b0 + 1000: beyond the user's own steps, so the loop below ends on the swap
         t_end = time.monotonic() + 20
         while lr.book.frags[0].next_round == 0 and time.monotonic() < t_end:  # an outer gradient begins
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
             time.sleep(0.01)
         assert lr.book.frags[0].next_round == 1, "no outer gradient began"
         release.set()
-        while float(np.asarray(p["w"]).max()) < 10 and time.monotonic() < t_end:
+        while float(np.asarray(p["w"]).max()) < 1000 and time.monotonic() < t_end:
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
             time.sleep(0.01)
         lr._side.submit(lambda: None).result(10)
         w = float(np.asarray(p["w"]).max())
-        np.testing.assert_array_equal(lr.base[0], 10.0)
+        np.testing.assert_array_equal(lr.base[0], 1000.0)
         assert len(prepared) == 2 and all(sw.parts is not None for sw in prepared)  # prepared again
         # V + (theta - theta_k): the progress since the sync step k only (k >= 1 steps of 0.5 sent)
-        assert 10.0 <= w <= 10.0 + 0.5 * (steps - 1), (w, steps)
+        assert 1000.0 <= w <= 1000.0 + 0.5 * (steps - 1), (w, steps)
         np.testing.assert_array_equal(np.asarray(p["w"]), w)
     finally:
         release.set()
@@ -716,3 +719,4 @@ def jax_tree_add(tree, x):
     import jax
 
     return jax.tree_util.tree_map(lambda a: a + x, tree)
+
