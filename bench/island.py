@@ -13,8 +13,8 @@ when versions do arrive, measured separately as ``rebase_s``).
   step's buffers) runs on the same 2 cores as XLA's inner step, so it slows the step itself; on an
   accelerator island that work runs on the host while the device computes. Both are reported.
 * ``island_memory_over_params``: peak RSS of the user's loop with the island minus the peak RSS of
-  the same loop alone over as many steps, over the parameter bytes (target <= 2: base copies and
-  error-feedback residuals). Both peaks are taken after ``gc.collect()`` and a reset of the
+  the same loop alone over as many steps, over the parameter bytes (target <= 2: the base copies,
+  1x, and the error-feedback residuals, 0.5x in bfloat16 since the fifteenth round, 1x in float32). Both peaks are taken after ``gc.collect()`` and a reset of the
   kernel's peak counter (``/proc/self/clear_refs``), so the loop's own garbage is the same in
   both. (The first version subtracted the RSS at rest: the loop alone holds up to 3x the
   parameter bytes of garbage between collections, which that figure counted against the island.)

@@ -43,6 +43,33 @@ class CodecError(ValueError):
     """A blob is malformed: the message names what is wrong."""
 
 
+#: the dtypes an error-feedback residual may be kept in
+RESIDUAL_DTYPES = ("float32", "bfloat16")
+
+
+def residual_dtype_of(name: str) -> np.dtype:
+    """The numpy dtype of a residual dtype's name (``RESIDUAL_DTYPES``; bfloat16 is ``ml_dtypes``',
+    which JAX installs, imported only here: the aggregator never keeps a residual of it)."""
+    if name == "float32":
+        return np.dtype(np.float32)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise CodecError(f"residual dtype {name!r}: expected one of {', '.join(RESIDUAL_DTYPES)}")
+
+
+def residual_dtype_for(setting: str, q: str) -> str:
+    """The dtype a learner keeps its residual in under codec ``q`` (``DILOCO_RESIDUAL_DTYPE``):
+    ``auto`` is bfloat16 for a dense quantiser, whose residual is at most half a quantisation step
+    of its block, and float32 for a sparse codec, whose residual holds the values not sent yet
+    (rounding them round after round would erode them)."""
+    if setting == "auto":
+        return "float32" if q in sparse.SPARSE or q == "fp32" else "bfloat16"
+    residual_dtype_of(setting)  # (a name it knows)
+    return setting
+
+
 def encode_array(arr: np.ndarray, q: str = "fp32", block: int | None = None, k: int | None = None) -> bytearray:
     """Blob of ``arr`` (any float dtype; sent as float32 under codec ``q``). ``block``: the dense
     quantisers' block (``quant.DEFAULT_BLOCK``) or a sparse codec's chunk (``sparse.DEFAULT_CHUNK``);
@@ -75,8 +102,8 @@ def _write_blob(head: dict, parts: list[np.ndarray]) -> bytearray:
 
 def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str, *, keep_residual: bool,
                          block: int | None = None, chunk: int = 1 << 16, want_sent: bool = True,
-                         in_place: bool = False, k: int | None = None,
-                         decay: float = 1.0) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
+                         in_place: bool = False, k: int | None = None, decay: float = 1.0,
+                         residual_dtype: str = "float32") -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
     """One error-feedback round, fused: (blob, sent, new residual, relative error).
 
     ``want_sent=False`` returns None for ``sent`` and allocates no array of the fragment's size for
@@ -97,23 +124,30 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     ``decay`` (error-feedback decay, SparseLoCo's beta): ``corrected = delta + decay x residual``
     (with ``in_place`` the caller has folded the residual in already, decayed or not). A sparse
     codec (``bus.sparse``; ``block`` its chunk, ``k`` its values per chunk) keeps everything it does
-    not send in the residual: the new residual is ``corrected`` with the sent values taken off."""
+    not send in the residual: the new residual is ``corrected`` with the sent values taken off.
+
+    The residual may be kept in bfloat16 (``residual`` of that dtype, or ``residual_dtype`` for a
+    new one): half its memory, each value rounded to 8 significant bits where it is stored. The
+    corrected vector, the blob and the relative error are computed in float32 as before; only the
+    carried residual is rounded (``learner.config``'s ``DILOCO_RESIDUAL_DTYPE``)."""
     x = np.asarray(delta)
     if x.dtype != np.float32 or x.ndim != 1 or not x.flags.c_contiguous or not x.flags.writeable:
         raise CodecError("encode_with_feedback: delta must be a writeable contiguous 1-D float32 array")
     n = x.size
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype != np.float32:
-            raise CodecError(f"residual {residual.shape} {residual.dtype} does not match delta {x.shape} float32")
+        if residual.shape != x.shape or residual.dtype.name not in RESIDUAL_DTYPES:
+            raise CodecError(f"residual {residual.shape} {residual.dtype} does not match delta {x.shape} float32 "
+                             "(or bfloat16)")
         if keep_residual and not residual.flags.writeable:
             residual = residual.copy()
-    if in_place and (residual is not None or not keep_residual):
-        raise CodecError("encode_with_feedback: in_place wants residual=None and keep_residual=True")
+    res_dt = residual_dtype_of(residual_dtype) if residual is None else residual.dtype
+    if in_place and (residual is not None or not keep_residual or res_dt != np.float32):
+        raise CodecError("encode_with_feedback: in_place wants residual=None, keep_residual=True and a float32 residual")
     if not (0.0 <= decay <= 1.0):
         raise CodecError(f"decay {decay!r}: expected a number in 0..1")
     if q in sparse.SPARSE:
         return _sparse_feedback(x, residual, q, keep_residual, block or sparse.DEFAULT_CHUNK, k or sparse.DEFAULT_K,
-                                want_sent, in_place, decay, chunk)
+                                want_sent, in_place, decay, chunk, res_dt)
     block = block or quant.DEFAULT_BLOCK
     out, views = _blob_for(n, q, block)
     sent = np.empty(n, dtype=np.float32) if want_sent else None
@@ -121,7 +155,8 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     if in_place:
         new_res = x
     else:
-        new_res = (residual if residual is not None else np.empty(n, dtype=np.float32)) if keep_residual else None
+        new_res = (residual if residual is not None else np.empty(n, dtype=res_dt)) if keep_residual else None
+    rounded = new_res is not None and new_res.dtype != np.float32  # a bfloat16 residual: rounded where stored
     step = max(unit, chunk - chunk % unit)
     num = den = 0.0
     for s in range(0, n, step):
@@ -131,14 +166,18 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
             if decay == 1.0:
                 c += residual[s:e]
             else:
-                c += np.float32(decay) * residual[s:e]
+                c += np.float32(decay) * residual[s:e].astype(np.float32)
         parts = quant.quantise(c, q, block)
         _place(views, parts, q, s, block)
         sc = quant.dequantise(parts, q, e - s, block)
         if sent is not None:
             sent[s:e] = sc
         den += float(np.dot(c, c))
-        if new_res is not None:
+        if rounded:
+            d = c - sc
+            new_res[s:e] = d
+            num += float(np.dot(d, d))
+        elif new_res is not None:
             r = new_res[s:e]
             np.subtract(c, sc, out=r)
             num += float(np.dot(r, r))
@@ -153,8 +192,8 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
 
 
 def _sparse_feedback(x: np.ndarray, residual: np.ndarray | None, q: str, keep_residual: bool, block: int, k: int,
-                     want_sent: bool, in_place: bool, decay: float,
-                     step: int) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
+                     want_sent: bool, in_place: bool, decay: float, step: int,
+                     res_dt=np.float32) -> tuple[bytearray, np.ndarray | None, np.ndarray | None, float]:
     """encode_with_feedback for a sparse codec: corrected in ``x``'s memory, the top-k of each chunk
     sent, the rest (and each sent value's quantisation error) kept."""
     try:
@@ -167,7 +206,7 @@ def _sparse_feedback(x: np.ndarray, residual: np.ndarray | None, q: str, keep_re
             if decay == 1.0:
                 x[s:s + step] += residual[s:s + step]
             else:
-                x[s:s + step] += np.float32(decay) * residual[s:s + step]
+                x[s:s + step] += np.float32(decay) * residual[s:s + step].astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         den = float(np.dot(x, x))
     parts, idx, vals = sparse.encode_parts(x, q, block, k, sumsq=den)
@@ -184,8 +223,9 @@ def _sparse_feedback(x: np.ndarray, residual: np.ndarray | None, q: str, keep_re
     if in_place:
         new_res = x
     elif keep_residual:
-        new_res = residual if residual is not None else np.empty(n, dtype=np.float32)
-        np.copyto(new_res, x)
+        new_res = residual if residual is not None else np.empty(n, dtype=res_dt)
+        for s in range(0, n, step):  # (chunk by chunk: a cast to bfloat16 makes no temporary of n)
+            new_res[s:s + step] = x[s:s + step]
     if new_res is not None:
         new_res[idx] = err
     rel = (0.0 if num == 0.0 else float("inf")) if den == 0.0 else math.sqrt(num / den)

@@ -59,10 +59,11 @@ class _TreeBackend:
     def set_fragment(self, p: int, vector: np.ndarray) -> None:
         self.params.set_fragment(p, vector)
 
-    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray, leaves: dict | None = None) -> None:
-        """``acc += base - theta_p``, ``base <- theta_p``, in chunks (``TreeParams.fold_progress``;
-        ``leaves``: a snapshot of the step's leaves)."""
-        self.params.fold_progress(p, base, acc, leaves=leaves)
+    def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray, leaves: dict | None = None,
+                      overwrite: bool = False) -> None:
+        """``acc += base - theta_p`` (``overwrite``: ``=``), ``base <- theta_p``, in chunks
+        (``TreeParams.fold_progress``; ``leaves``: a snapshot of the step's leaves)."""
+        self.params.fold_progress(p, base, acc, leaves=leaves, overwrite=overwrite)
 
 
 def _as_float(loss: Any) -> float:

@@ -125,6 +125,9 @@ class LearnerConfig:
                          "(the DILOCO_TOPK_K largest of each DILOCO_TOPK_CHUNK values, 2 or 4 bits each, the rest "
                          "kept by error feedback)")
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
+    residual_dtype: str = var("auto", choice("auto", *codec.RESIDUAL_DTYPES),
+                              "dtype of the error-feedback residual kept per fragment (auto: bfloat16 for a dense "
+                              "quantiser, half the memory of float32; float32 for the topk codecs)")
     feedback_decay: float = var(1.0, number(0.0, 1.0), "error-feedback decay: the residual kept is multiplied by "
                                 "this before it joins the next outer gradient (SparseLoCo used 0.95)")
     topk_chunk: int = var(sparse.DEFAULT_CHUNK, integer(2, sparse.MAX_CHUNK), "topk codecs: values per chunk")

@@ -254,7 +254,21 @@ class IslandCore:
         ef = self.cfg.error_feedback and q != "fp32"
         snap = {} if leaves is None else {"leaves": leaves}
         base, res = self.base[p], self.residual[p]
-        if ef and res is not None and hasattr(self.backend, "fold_progress") and _owned(base) and _owned(res):
+        folds = hasattr(self.backend, "fold_progress") and _owned(base)
+        if ef and res is not None and folds and res.dtype != np.float32 and res.flags.writeable:
+            # a bfloat16 residual (DILOCO_RESIDUAL_DTYPE): base - theta folded into one float32
+            # scratch of the largest fragment, reused, and base <- theta; the residual is added and
+            # the new one rounded into its memory chunk by chunk (bus.codec.encode_with_feedback)
+            acc = self._scratch(base.size)
+            self.backend.fold_progress(p, base, acc, overwrite=True, **snap)
+            if self.unsent[p] is not None:
+                acc += self.unsent[p]
+                self.unsent[p] = None
+            blob, _, _, self.quant_error = codec.encode_with_feedback(
+                acc, res, q, keep_residual=True, want_sent=False, decay=self.cfg.feedback_decay,
+                **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
+            return self._finish_prepare(c, blob)
+        if ef and res is not None and folds and _owned(res):
             # residual += base - theta and base <- theta, chunk by chunk from the parameters; the
             # new residual is then written over the corrected vector: a sync allocates nothing of
             # the fragment's size but its blob (bench.island; bitwise the path below without unsent
@@ -281,10 +295,18 @@ class IslandCore:
         # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
         blob, _, residual, self.quant_error = codec.encode_with_feedback(
             delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False,
-            decay=self.cfg.feedback_decay, **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
+            decay=self.cfg.feedback_decay, residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, q),
+            **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
         if ef:
             self.residual[p] = residual
         return self._finish_prepare(c, blob)
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """Worker thread: ``n`` float32 values (garbage until written), in one buffer of the largest
+        fragment kept for every sync (``_prepare`` runs one at a time, in one thread)."""
+        if self._acc is None or self._acc.size < n:
+            self._acc = np.empty(max(self.plan.sizes), dtype=np.float32)
+        return self._acc[:n]
 
     def _finish_prepare(self, c: lp.Contribution, blob: bytearray) -> tuple[bytearray, dict]:
         p = c.fragment

@@ -618,11 +618,13 @@ class RateMeter:
 
 
 def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback: bool, synthetic: bool = False,
-                 inflight_fragments: int = 1, pending_fragments: int = 1, keyframe_params: int = 0) -> dict[str, int]:
+                 inflight_fragments: int = 1, pending_fragments: int = 1, keyframe_params: int = 0,
+                 residual_dtype: str = "float32") -> dict[str, int]:
     """Expected resident bytes of a learner's training state (float32), by part.
 
     params + 2 AdamW moments (JAX mode; synthetic mode has a noise bank of one model instead)
-    + one base copy + the error-feedback residual (if on) + in-flight buffers: outgoing blobs
+    + one base copy + the error-feedback residual (if on; 2 bytes a value in bfloat16, with a
+    float32 scratch of the largest fragment its syncs fold into) + in-flight buffers: outgoing blobs
     (at most ``inflight_fragments`` of the largest fragment, counted at fp32 for a bound) and
     downloaded versions queued for mixing (``pending_fragments``) + the keyframes the global
     reader holds for a quantised downlink (``keyframe_params``, up to N).
@@ -633,7 +635,8 @@ def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback
         "params": n_params * b,
         "optimizer": (n_params * b) if synthetic else 2 * n_params * b,
         "base": n_params * b,
-        "residual": n_params * b if error_feedback else 0,
+        "residual": (n_params * (2 if residual_dtype == "bfloat16" else b)
+                     + (big * b if residual_dtype == "bfloat16" else 0)) if error_feedback else 0,
         "inflight": (inflight_fragments + pending_fragments) * big * b,
         "keyframes": keyframe_params * b,
     }

@@ -220,11 +220,12 @@ class TreeParams:
         return out
 
     def fold_progress(self, p: int, base: np.ndarray, acc: np.ndarray, chunk: int = 1 << 16,
-                      leaves: dict[str, Any] | None = None) -> None:
-        """``acc += base - theta_p`` and ``base <- theta_p`` (float32 vectors of fragment p), in
-        chunks read straight from the leaves (or the snapshot ``leaves``): no array of the
-        fragment's size (a learner's sync with error feedback accumulates its outer gradient into
-        its residual this way)."""
+                      leaves: dict[str, Any] | None = None, overwrite: bool = False) -> None:
+        """``acc += base - theta_p`` (``overwrite``: ``acc = base - theta_p``) and ``base <- theta_p``
+        (float32 vectors of fragment p), in chunks read straight from the leaves (or the snapshot
+        ``leaves``): no array of the fragment's size (a learner's sync with a float32 residual
+        accumulates its outer gradient into the residual this way; with a bfloat16 one it writes it
+        into a scratch)."""
         frag = self.plan.fragments[p]
         if base.shape != (frag.size,) or acc.shape != (frag.size,):
             raise ValueError(f"fragment {p} has {frag.size} values: base {base.shape}, acc {acc.shape}")
@@ -238,9 +239,12 @@ class TreeParams:
                 b = min(s.size, a + chunk)
                 theta = leaf[s.start + a:s.start + b].astype(np.float32, copy=False)
                 old = base[pos + a:pos + b]
-                t = tmp[:b - a]
-                np.subtract(old, theta, out=t)
-                acc[pos + a:pos + b] += t
+                if overwrite:
+                    np.subtract(old, theta, out=acc[pos + a:pos + b])
+                else:
+                    t = tmp[:b - a]
+                    np.subtract(old, theta, out=t)
+                    acc[pos + a:pos + b] += t
                 old[...] = theta
             pos += s.size
 

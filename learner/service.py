@@ -47,6 +47,7 @@ import uuid
 
 import numpy as np
 
+from bus import codec
 from bus.signals import install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
@@ -105,6 +106,7 @@ class Learner(IslandCore, Presence):
         self.base: list[np.ndarray | None] = [None] * self.P
         self.residual: list[np.ndarray | None] = [None] * self.P
         self.unsent: list[np.ndarray | None] = [None] * self.P  # work of failed publishes
+        self._acc: np.ndarray | None = None  # the float32 scratch a bfloat16 residual's sync folds into (core._scratch)
         self.pending: dict[int, tuple[int, np.ndarray]] = {}
         self.applied_in: dict[tuple[int, int], int] = {}  # sync mode: (p, round) -> version that applied it
         self._awaiting: set[tuple[int, int]] = set()
@@ -420,7 +422,8 @@ class Learner(IslandCore, Presence):
         keys = list(self.store.keys.values()) + list(self.store.views.values()) if self.store is not None else []
         return lp.memory_bytes(self.run_model.num_params, self.plan.sizes,
                                error_feedback=self.cfg.error_feedback and self.cfg.quantiser != "fp32",
-                               synthetic=self.cfg.synthetic, keyframe_params=sum(k.params.size for k in keys))
+                               synthetic=self.cfg.synthetic, keyframe_params=sum(k.params.size for k in keys),
+                               residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, self.cfg.quantiser))
 
 
 # -- entry point -----------------------------------------------------------------------------------

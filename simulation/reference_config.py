@@ -74,6 +74,7 @@ class RefConfig:
     quantiser: str = _L("quantiser")
     error_feedback: bool = _L("error_feedback")
     feedback_decay: float = _L("feedback_decay")
+    residual_dtype: str = _L("residual_dtype")
     topk_chunk: int = _L("topk_chunk")
     topk_k: int = _L("topk_k")
     on_arrival: str = _L("on_arrival")

@@ -720,3 +720,56 @@ def jax_tree_add(tree, x):
 
     return jax.tree_util.tree_map(lambda a: a + x, tree)
 
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_an_island_s_residual_loses_no_work_in_either_dtype(nats_server, monkeypatch, dtype):
+    """Error feedback through an island's side thread: what its outer gradients sent plus the
+    residual it keeps is its base's whole movement, the residual in bfloat16 by default (half its
+    memory; ``bench.island``) and float32 when asked. With a bfloat16 residual the sum is exact to
+    the residual's rounding (a few hundredths of an int8 step; a residual lost or a scratch not
+    cleared would be off by whole steps)."""
+    import jax.numpy as jnp
+
+    from bus import codec
+    from learner.island import Island
+
+    blobs: list[bytes] = []
+    encode = codec.encode_with_feedback
+
+    def spy(*a, **kw):
+        out = encode(*a, **kw)
+        blobs.append(bytes(out[0]))
+        return out
+
+    monkeypatch.setattr(codec, "encode_with_feedback", spy)
+    rng = np.random.default_rng(0)
+    tree = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+    isl = Island(tree, run=f"res-{dtype}", nats_url=nats_server.url, learner_id="r", sync_every=2, num_fragments=2,
+                 join_timeout=60, env={"DILOCO_LOG_LEVEL": "error", "DILOCO_SYNC_WINDOW": "0",
+                                       "DILOCO_RESIDUAL_DTYPE": dtype})
+    try:
+        base0 = [np.array(b, dtype=np.float64) for b in isl.learner.base]
+        p = isl.params
+        for _ in range(24):
+            step = {k: jnp.asarray(rng.standard_normal(v.shape).astype(np.float32) * 1e-2) for k, v in p.items()}
+            p = isl.step({k: p[k] + step[k] for k in p}, loss=0.0)
+        isl.close(final_sync=False)
+    finally:
+        isl.close(final_sync=False)
+    lr = isl.learner
+    sent = [np.zeros_like(b) for b in base0]
+    frags = {}
+    for b in blobs:  # every fragment's blobs, in order (a fragment's size tells which it is)
+        v = np.asarray(codec.decode_array(b), dtype=np.float64).reshape(-1)
+        frags.setdefault(v.size, []).append(v)
+    want = "bfloat16" if dtype == "auto" else "float32"
+    for p_, b0 in enumerate(base0):
+        assert lr.residual[p_] is not None and lr.residual[p_].dtype.name == want
+        got = frags[b0.size]
+        assert len(got) >= 3, "too few syncs to see the residual carried"
+        sent[p_] = np.sum(got, axis=0)
+        moved = b0 - np.asarray(lr.base[p_], dtype=np.float64)  # an outer gradient is base - theta
+        int8_step = max(np.abs(g).max() for g in got) / 127
+        off = np.abs(sent[p_] + lr.residual[p_].astype(np.float64) - moved).max()
+        assert off < (0.05 if want == "bfloat16" else 1e-3) * int8_step, (off, int8_step)

@@ -94,8 +94,15 @@ def test_fold_progress_is_the_outer_gradient_added_to_the_accumulator_and_moves_
         base = (theta + rng.standard_normal(theta.size).astype(np.float32) * 0.1).astype(np.float32)
         acc = rng.standard_normal(theta.size).astype(np.float32) * 1e-3
         want = acc + (base - theta)
+        other = base.copy()
         tp.fold_progress(p, base, acc, chunk=64)
         assert np.array_equal(acc, want) and np.array_equal(base, theta)
+        # overwrite: the outer gradient itself, whatever the accumulator held before (a bfloat16
+        # residual's sync writes it into a scratch left as the previous sync left it)
+        scratch = np.full(theta.size, np.nan, np.float32)
+        outer = other - theta
+        tp.fold_progress(p, other, scratch, chunk=64, overwrite=True)
+        assert np.array_equal(scratch, outer) and np.array_equal(other, theta)
     with pytest.raises(ValueError, match="values"):
         tp.fold_progress(0, np.zeros(3, np.float32), np.zeros(3, np.float32))
 
