@@ -122,6 +122,10 @@ class AggregatorConfig:
                                     "rounds outer optimizer: a contribution feeds the momentum only if its learner "
                                     "had seen the merge of all but at most this many of its own earlier rounds "
                                     "(open-loop backlog work is applied as plain SGD)")
+    outer_momentum_dtype: str = var("float32", choice("float32", "bfloat16"),
+                                    "dtype of the rounds optimizer's momentum trace (bfloat16: half its memory, "
+                                    "2 bytes per value of the model; computed in float32 block by block, rounded "
+                                    "where stored; taken by a fragment when it starts, a checkpoint keeps its own)")
     outer_optimizer: str = var("rounds", choice("rounds", "nesterov", "delayed"),
                                "rounds: Nesterov whose momentum advances once per round of work (M contributions), "
                                "however arrivals group; nesterov: once per merge; delayed: every N-th merge")

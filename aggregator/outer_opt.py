@@ -43,6 +43,28 @@ import numpy as np
 from aggregator.merge import DEFAULT_BLOCK, block_slices
 
 
+#: the dtypes the ``rounds`` momentum may be kept in (``RoundNesterov.dtype``)
+MOMENTUM_DTYPES = ("float32", "bfloat16")
+
+
+def momentum_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a momentum dtype's name (bfloat16 is ``ml_dtypes``', imported only then)."""
+    if name == "float32":
+        return np.dtype(np.float32)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise ValueError(f"momentum dtype {name!r}: expected one of {', '.join(MOMENTUM_DTYPES)}")
+
+
+def _check_momentum(x: np.ndarray, n: int) -> None:
+    if not isinstance(x, np.ndarray) or x.dtype.name not in MOMENTUM_DTYPES or x.ndim != 1:
+        raise ValueError("momentum must be a flat float32 or bfloat16 array")
+    if x.size != n:
+        raise ValueError(f"momentum has {x.size} elements, expected {n}")
+
+
 def _check_float32(name: str, x: np.ndarray, n: int | None = None) -> None:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1:
         raise ValueError(f"{name} must be a flat float32 array")
@@ -251,7 +273,8 @@ class RoundNesterovState:
         if data.get("kind") != "round_nesterov":
             raise ValueError(f"not a round Nesterov state: kind={data.get('kind')!r}")
         buf = data.get("buffer")
-        return cls(np.asarray(data["momentum"], dtype=np.float32).copy(),
+        mom = np.asarray(data["momentum"])  # (bfloat16 kept as it is: a replay must see what was stored)
+        return cls(mom.copy() if mom.dtype.name == "bfloat16" else np.asarray(mom, dtype=np.float32).copy(),
                    None if buf is None else np.asarray(buf, dtype=np.float32).copy(), float(data["progress"]),
                    int(data["count"]), bool(data.get("folded", False)))
 
@@ -299,13 +322,18 @@ class RoundNesterov:
     lr: float = 0.7
     momentum: float = 0.9
     block: int = DEFAULT_BLOCK
+    #: the trace's storage at ``init`` (``DILOCO_OUTER_MOMENTUM_DTYPE``). bfloat16: half its memory,
+    #: each block computed in float32 and rounded where it is stored once per merge. A state keeps
+    #: the dtype it was made (or checkpointed) with: a step follows the state, not this field.
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check_hparams(self.lr, self.momentum)
+        momentum_dtype(self.dtype)
 
     def init(self, params: np.ndarray) -> RoundNesterovState:
         _check_float32("params", params)
-        return RoundNesterovState(np.zeros_like(params), None, 0.0, 0)
+        return RoundNesterovState(np.zeros(params.shape, dtype=momentum_dtype(self.dtype)), None, 0.0, 0)
 
     def step(self, params: np.ndarray, outer_grad: np.ndarray, state: RoundNesterovState, *,
              inplace: bool = False, work: float = 1.0,
@@ -335,7 +363,7 @@ class RoundNesterov:
         The same values, bit for bit, as :meth:`step` on the whole gradient."""
         _check_float32("params", params)
         n = params.size
-        _check_float32("momentum", state.momentum, n)
+        _check_momentum(state.momentum, n)
         if state.buffer is not None:
             _check_float32("buffer", state.buffer, n)
         if not (math.isfinite(work) and work >= 0):
@@ -359,7 +387,8 @@ class RoundNesterov:
         per_round = np.float32(1.0 / max(1.0, math.floor(progress + ROUND_TOL)))
         fold = not state.folded  # the round begins: t <- beta * t (+ a checkpoint's buffer B)
         beta, neg_lr = np.float32(self.momentum), np.float32(-self.lr)
-        scratch = np.empty((2, 0), dtype=np.float32)
+        rounded = t.dtype != np.float32  # a bfloat16 trace: each block in float32, rounded where stored
+        scratch = np.empty((3, 0), dtype=np.float32)
         covered = 0
         for sl, g in grad_blocks:
             if sl.start != covered or g.dtype != np.float32 or g.shape != (sl.stop - sl.start,):
@@ -367,7 +396,10 @@ class RoundNesterov:
             covered = sl.stop
             tb, pb = t[sl], p[sl]
             if scratch.shape[1] < pb.size:
-                scratch = np.empty((2, pb.size), dtype=np.float32)
+                scratch = np.empty((3, pb.size), dtype=np.float32)
+            if rounded:
+                stored, tb = tb, scratch[2, : pb.size]
+                tb[...] = stored
             s = scratch[0, : pb.size]
             np.multiply(g, neg_lr, out=s)
             np.add(pb, s, out=pb)                 # theta = theta - lr * g
@@ -392,6 +424,8 @@ class RoundNesterov:
             if milestone:
                 np.multiply(tb, beta * neg_lr, out=s)
                 np.add(pb, s, out=pb)             # theta = theta - lr * beta * t, t = T
+            if rounded:
+                stored[...] = tb
         if covered != n:
             raise ValueError(f"the gradient blocks cover {covered} of {n} values")
         if milestone:
@@ -400,14 +434,15 @@ class RoundNesterov:
 
 
 def make_outer_optimizer(
-    kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1
+    kind: str = "nesterov", *, lr: float = 0.7, momentum: float = 0.9, period: int = 1, dtype: str = "float32"
 ) -> NesterovSGD | DelayedNesterov | RoundNesterov:
     """"nesterov" -> NesterovSGD(lr, momentum); "delayed_nesterov" (or "delayed") ->
-    DelayedNesterov(lr, momentum, period)."""
+    DelayedNesterov(lr, momentum, period); "rounds" -> RoundNesterov(lr, momentum), its trace kept in
+    ``dtype`` (the other two keep float32)."""
     if kind == "nesterov":
         return NesterovSGD(lr, momentum)
     if kind in ("delayed_nesterov", "delayed"):
         return DelayedNesterov(lr, momentum, period)
     if kind in ("round_nesterov", "rounds"):
-        return RoundNesterov(lr, momentum)
+        return RoundNesterov(lr, momentum, dtype=dtype)
     raise ValueError(f"unknown outer optimizer {kind!r}, expected nesterov, delayed_nesterov or rounds")

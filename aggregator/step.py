@@ -25,7 +25,7 @@ from aggregator.influence import norm_bound, norm_caps, outlier_steps
 from aggregator.merge import combine_blocks, l2_norm, linear_terms, merge
 from aggregator.trust import TrustSettings, TrustState, assess, distrusted_participants
 from aggregator.outer_opt import (DelayedNesterovState, NesterovState, RoundNesterov, RoundNesterovState,
-                                  make_outer_optimizer)
+                                  make_outer_optimizer, momentum_dtype)
 from aggregator.validate import AppliedSet, NormHistory
 from aggregator.weights import StalenessPolicy, contribution_weights, rounds_behind, token_weight
 from bus import codec
@@ -59,9 +59,13 @@ class MergeSettings:
     # trust across rounds (aggregator.trust): a learner whose outer gradients disagree with the
     # others' merges at a lower weight, down to 0
     trust: TrustSettings = field(default_factory=TrustSettings)
+    # the ``rounds`` momentum's dtype at a fragment's start (a merge log record written before it
+    # existed replays with float32, what merged then; a state keeps the dtype it was made with)
+    momentum_dtype: str = "float32"
 
     def make_optimizer(self):
-        return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n)
+        return make_outer_optimizer(self.optimizer, lr=self.lr, momentum=self.momentum, period=self.delay_n,
+                                    dtype=self.momentum_dtype)
 
     @classmethod
     def from_config(cls, cfg) -> "MergeSettings":  # AggregatorConfig
@@ -72,7 +76,8 @@ class MergeSettings:
                    delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink_quantiser,
                    clip_factor=cfg.clip_factor, reference_steps=cfg.clip_reference_steps,
                    max_weight_ratio=cfg.max_weight_ratio, momentum_open_rounds=cfg.momentum_open_rounds,
-                   trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_oppose, cfg.trust_nil))
+                   trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_oppose, cfg.trust_nil),
+                   momentum_dtype=cfg.outer_momentum_dtype)
 
 
 @dataclass
@@ -111,9 +116,12 @@ class FragmentState:
         layout, off = {}, 0
         for k, v in arrays.items():
             layout[k] = [off, int(v.size)]
-            off += 4 * int(v.size)
+            off += v.dtype.itemsize * int(v.size)
+        # arrays not float32 (a bfloat16 momentum) are named with their dtype; a checkpoint without
+        # "dtypes" (every one before) holds float32 only
+        dtypes = {k: v.dtype.name for k, v in arrays.items() if v.dtype != np.float32}
         header = msgpack.packb({
-            "f": self.fragment, "v": self.version, "layout": layout,
+            "f": self.fragment, "v": self.version, "layout": layout, **({"dtypes": dtypes} if dtypes else {}),
             "opt_kind": type(self.opt).__name__, "opt_other": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)},
             "applied": self.applied.to_dict(), "norms": self.norms.to_dict(),
             "last": [list(k) for k in self.last_merge], "scale": self.last_scale, "per_round": self.last_per_round,
@@ -121,12 +129,12 @@ class FragmentState:
             "recent": self.recent, "trust": self.trust.to_dict(),
         }, use_bin_type=True)
         return Gather([CHECKPOINT_MAGIC + struct.pack("<I", len(header)) + header,
-                       *(np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in arrays.values())])
+                       *(_raw(v) for v in arrays.values())])
 
     def array_bytes(self) -> int:
         """The bytes of the arrays a checkpoint holds (its header aside)."""
-        return 4 * (int(self.params.size) + sum(int(v.size) for v in self.opt.to_dict().values()
-                                                if isinstance(v, np.ndarray)))
+        return int(self.params.nbytes) + sum(int(v.nbytes) for v in self.opt.to_dict().values()
+                                             if isinstance(v, np.ndarray))
 
     def to_bytes(self) -> bytes:
         """:meth:`checkpoint` as one bytes object (a copy)."""
@@ -141,8 +149,13 @@ class FragmentState:
         start = len(CHECKPOINT_MAGIC) + 4 + hl
         d = msgpack.unpackb(mv[len(CHECKPOINT_MAGIC) + 4:start], raw=False, strict_map_key=False)
 
+        dtypes = d.get("dtypes", {})
+
         def arr(k: str) -> np.ndarray:
             o, n = d["layout"][k]
+            if k in dtypes:  # (a bfloat16 momentum: its 2-byte words, viewed as what they are)
+                dt = momentum_dtype(dtypes[k])
+                return np.frombuffer(mv, dtype=np.uint16, count=n, offset=start + o).copy().view(dt)
             return np.frombuffer(mv, dtype=np.float32, count=n, offset=start + o).copy()
 
         opt = dict(d["opt_other"])
@@ -170,6 +183,15 @@ class FragmentState:
 
 
 CHECKPOINT_MAGIC = b"DLCKPT1\n"
+
+
+def _raw(v: np.ndarray) -> np.ndarray:
+    """A checkpoint array as its bytes are stored: float32 as it is, a bfloat16 one as its 2-byte
+    words (a view: no copy of an array of the fragment's size)."""
+    v = v.reshape(-1)
+    if v.dtype == np.float32:
+        return np.ascontiguousarray(v)
+    return np.ascontiguousarray(v).view(np.uint16)
 
 
 def round_work(contribs: list[Contribution]) -> float:

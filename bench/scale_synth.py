@@ -360,7 +360,8 @@ def breakdown(n: int, reps: int = 3) -> dict:
     every = AggregatorConfig().checkpoint_every
     rng = np.random.default_rng(0)
     blob = bytes(codec.encode_array(rng.standard_normal(n, dtype=np.float32) * np.float32(0.06), "int8"))
-    s = MergeSettings(lr=0.7, momentum=0.5, downlink_quantiser="int8", max_inner_lr=0.01)
+    s = MergeSettings(lr=0.7, momentum=0.5, downlink_quantiser="int8", max_inner_lr=0.01,
+                      momentum_dtype=AGG.get("DILOCO_OUTER_MOMENTUM_DTYPE", AggregatorConfig().outer_momentum_dtype))
     st = FragmentState.initial(0, 0, rng.standard_normal(n, dtype=np.float32) * np.float32(0.02), s)
     key = Keyframe(0, st.params.copy())
     acc = np.empty(n, np.float32)
@@ -421,6 +422,7 @@ async def main_async(a) -> dict:
             "versions_per_s": {str(r["aggregators"]): r["versions_per_s"] for r in aggs},
             "accepted_per_s": {str(r["aggregators"]): r["accepted_per_s"] for r in aggs},
             "first_behind": first_behind(sweep), "quorum": a.quorum or "default (auto)",
+            "momentum_dtype": a.momentum_dtype or "default (the role's)",
             "mvalues_per_agg_cpu_s": max((r["mvalues_per_agg_cpu_s"] or 0 for r in aggs + sweep), default=None),
             "recovery": recovery, "wall_s": round(time.monotonic() - t0, 1)}
 
@@ -440,12 +442,16 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=None, help="seconds per replayed inner step (0.1)")
     p.add_argument("--shards", default=None, help="DILOCO_AGG_SHARDS of the aggregators (default: the role's, auto; "
                                                   "1: one process, the old shape)")
+    p.add_argument("--momentum-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="DILOCO_OUTER_MOMENTUM_DTYPE of the aggregators (default: the role's)")
     a = p.parse_args()
     STEP = a.step_time or STEP
     if a.quorum:
         AGG["DILOCO_QUORUM"] = a.quorum
     if a.shards:
         AGG["DILOCO_AGG_SHARDS"] = a.shards
+    if a.momentum_dtype:
+        AGG["DILOCO_OUTER_MOMENTUM_DTYPE"] = a.momentum_dtype
     q = a.quick
     a.window = a.window or (6.0 if q else 30.0)
     a.warm = a.warm if a.warm is not None else (2.0 if q else 5.0)

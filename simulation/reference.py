@@ -176,7 +176,8 @@ class Reference:
                                       delay_n=cfg.delay_n, downlink_quantiser=cfg.downlink,
                                       clip_factor=cfg.clip_factor, max_inner_lr=s.model.max_inner_lr,
                                       momentum_open_rounds=cfg.momentum_open_rounds,
-                                      trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_oppose, cfg.trust_nil))
+                                      trust=TrustSettings(cfg.trust, cfg.trust_rate, cfg.trust_oppose, cfg.trust_nil),
+                                      momentum_dtype=cfg.outer_momentum_dtype)
         v0 = s.v0_fragments()
         self.states = [FragmentState.initial(p, 0, v0[p], self.settings) for p in range(self.P)]
         self.trust_trace: list[dict] = []  # cfg.record_trust

@@ -92,6 +92,7 @@ class RefConfig:
     outer_optimizer: str = _A("outer_optimizer")
     outer_lr: float = _A("outer_lr")
     outer_momentum: float = _A("outer_momentum")
+    outer_momentum_dtype: str = _A("outer_momentum_dtype")
     delay_n: int = _A("delay_n")
     staleness: str = _A("staleness")
     staleness_a: float = _A("staleness_a")

@@ -38,7 +38,25 @@ def _rounds(settings: MergeSettings, rounds: int = 6):
 SETTINGS = [MergeSettings(momentum=0.5, max_inner_lr=0.01),
             MergeSettings(method="rda", optimizer="nesterov", momentum=0.9,
                           staleness=StalenessPolicy("hinge", 0.3, 2)),
-            MergeSettings(optimizer="delayed", delay_n=2, robust="clip", downlink_quantiser="int8")]
+            MergeSettings(optimizer="delayed", delay_n=2, robust="clip", downlink_quantiser="int8"),
+            MergeSettings(momentum=0.5, max_inner_lr=0.01, momentum_dtype="bfloat16")]
+
+
+def test_a_bfloat16_momentum_is_checkpointed_in_two_bytes_a_value_and_read_back_as_it_was():
+    s = SETTINGS[3]
+    st = FragmentState.initial(0, 0, np.linspace(-1, 1, N, dtype=np.float32), s)
+    for batch in _rounds(s, 3):
+        st = merge_step(st, batch, s, None, 0.5, 2, inplace=True)
+    assert st.opt.momentum.dtype.name == "bfloat16" and st.opt.momentum.any()
+    assert st.array_bytes() == 4 * N + 2 * N  # the parameters, then the trace
+    back = FragmentState.from_bytes(st.to_bytes())
+    assert back.opt.momentum.dtype.name == "bfloat16"
+    assert np.array_equal(back.opt.momentum.view(np.uint16), st.opt.momentum.view(np.uint16))
+    assert np.array_equal(back.params, st.params)
+    assert FragmentState.from_bytes(back.to_bytes()).to_bytes() == back.to_bytes()
+    # a float32 state's checkpoint is written as before (no dtypes in its header)
+    f32 = FragmentState.initial(0, 0, np.zeros(N, np.float32), SETTINGS[0])
+    assert b"dtypes" not in f32.to_bytes()[:200] and f32.array_bytes() == 8 * N
 
 
 @pytest.mark.parametrize("settings", SETTINGS)

@@ -326,3 +326,40 @@ def test_round_nesterov_folds_a_checkpoints_partial_round_as_it_would_have_been_
     np.testing.assert_allclose(s1.momentum, t_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(p1, p - 0.7 * g - 0.7 * 0.9 * t_ref, rtol=1e-5, atol=1e-5)
     assert s1.progress == pytest.approx(0.0) and not s1.folded and s1.buffer is None and s1.count == 8
+
+
+@pytest.mark.parametrize("momentum_grad", [None, 0.5, "array"])
+@pytest.mark.parametrize("work", [1.0, 0.5, 3.0])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_bfloat16_momentum_is_the_float32_step_with_the_trace_rounded_where_it_is_stored(momentum_grad, work,
+                                                                                           inplace):
+    """DILOCO_OUTER_MOMENTUM_DTYPE=bfloat16: each block is computed in float32 from the stored trace,
+    so the parameters are bit for bit the float32 step's from the same (rounded) trace, and the new
+    trace is that step's, rounded once where it is stored."""
+    from aggregator.outer_opt import momentum_dtype
+
+    bf16 = momentum_dtype("bfloat16")
+    rng = np.random.default_rng(6)
+    p, g = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
+    t = (rng.standard_normal(1000) * 0.1).astype(bf16)
+    mg = rng.standard_normal(1000).astype(np.float32) if momentum_grad == "array" else momentum_grad
+    for folded in (False, True):
+        opt = RoundNesterov(0.7, 0.5, block=256)
+        ref_p, ref_s = opt.step(p.copy(), g, RoundNesterovState(t.astype(np.float32), None, 0.25, 3, folded),
+                                work=work, momentum_grad=mg)
+        state = RoundNesterovState(t.copy(), None, 0.25, 3, folded)
+        got_p, got_s = opt.step(p.copy(), g, state, work=work, momentum_grad=mg, inplace=inplace)
+        np.testing.assert_array_equal(got_p, ref_p)
+        assert got_s.momentum.dtype == bf16 and (got_s.momentum is state.momentum) == inplace
+        np.testing.assert_array_equal(got_s.momentum.view(np.uint16), ref_s.momentum.astype(bf16).view(np.uint16))
+        assert got_s.progress == ref_s.progress and got_s.folded == ref_s.folded
+    # made at init in the dtype asked for; a state round-trips in its own dtype
+    s0 = make_outer_optimizer("rounds", lr=0.7, momentum=0.5, dtype="bfloat16").init(p)
+    assert s0.momentum.dtype == bf16 and not s0.momentum.any()
+    back = RoundNesterovState.from_dict(got_s.to_dict())
+    assert back.momentum.dtype == bf16 and np.array_equal(back.momentum.view(np.uint16), got_s.momentum.view(np.uint16))
+    assert make_outer_optimizer("rounds").init(p).momentum.dtype == np.float32
+    with pytest.raises(ValueError, match="momentum dtype"):
+        RoundNesterov(0.7, 0.5, dtype="float16")
+    with pytest.raises(ValueError, match="momentum must be"):
+        opt.step(p, g, RoundNesterovState(t.astype(np.float16), None, 0.0, 0))
