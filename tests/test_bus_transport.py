@@ -329,11 +329,47 @@ async def test_prompt_fetch_takes_what_is_pending_and_no_more_than_the_batch(js)
     assert [int(m.data) for m in await prompt_fetch(sub, 32, 2.0)] == [40]  # one pending: no drain
 
 
+async def test_a_late_408_of_an_earlier_request_does_not_end_a_drain(js, monkeypatch):
+    """The race behind the suite's "1 message of 32": a fetch's expired request answered 408 while
+    the drain that followed was reading, more than DRAIN_EXPIRES_S / 2 after the drain's request
+    (a loaded machine). Its ``Nats-Pending-Messages`` (1, the fetch's batch) is not what the drain
+    still waits for, so the drain reads on and takes all 32 (the time rule alone took it for the
+    answer and returned none)."""
+    from nats.aio.msg import Msg
+
+    from bus.transport import DRAIN_EXPIRES_S, take_pending
+
+    await js.add_stream(name="LATE", subjects=["late.>"])
+    sub = await js.pull_subscribe("late.>", durable="late", stream="LATE")
+    for i in range(32):
+        await js.publish("late.x", str(i).encode())
+    inner, real = sub._sub, sub._sub.next_msg
+    stale = Msg(js._nc, subject=sub._deliver, data=b"",
+                headers={"Status": "408", "Description": "Request Timeout", "Nats-Pending-Messages": "1"})
+    first = [True]
+
+    async def late_first(timeout: float = 1.0):
+        if first[0]:  # the earlier request's 408 reaches us before our own answer, and late
+            first[0] = False
+            await asyncio.sleep(DRAIN_EXPIRES_S * 0.6)
+            return stale
+        return await real(timeout=timeout)
+
+    monkeypatch.setattr(inner, "next_msg", late_first)
+    msgs = await take_pending(sub, 32, 2.0)
+    assert not first[0] and [int(m.data) for m in msgs] == list(range(32))
+
+
 def test_an_earlier_requests_expiry_is_not_taken_for_the_answer_to_a_drain():
     from bus.transport import DRAIN_EXPIRES_S, stale_status
 
     assert stale_status("408", 0.001)  # ours cannot have expired yet: an earlier fetch's
     assert not stale_status("408", DRAIN_EXPIRES_S)  # ours, held by the server's timer
+    # the server says what of the expired request's batch it did not deliver: a fetch(1)'s 408
+    # ("1 pending") is not the answer to a drain of 31 however late it comes, and one of ours is
+    assert stale_status("408", DRAIN_EXPIRES_S, pending=1, remaining=31)
+    assert not stale_status("408", DRAIN_EXPIRES_S, pending=31, remaining=31)
+    assert not stale_status("404", 0.001, pending=1, remaining=31)
     assert not stale_status("404", 0.001)  # no messages: the answer to a no_wait request, at once
     assert not stale_status("409", 0.001)
 
