@@ -174,6 +174,9 @@ class AggregatorConfig:
                           "create --streams-only`)")
 
     def __post_init__(self) -> None:
+        if self.outer_momentum_dtype != "float32" and self.outer_optimizer != "rounds":
+            raise ValueError(f"DILOCO_OUTER_MOMENTUM_DTYPE={self.outer_momentum_dtype} applies to "
+                             f"DILOCO_OUTER_OPTIMIZER=rounds only (not {self.outer_optimizer}, which keeps float32)")
         if self.downlink_quantiser in sparse.SPARSE and not self.downlink_chain:
             raise ValueError(f"DILOCO_DOWNLINK_QUANTISER={self.downlink_quantiser} needs DILOCO_DOWNLINK_CHAIN=true "
                              "(a sparse delta against a keyframe would drop most of the model's movement)")

@@ -387,6 +387,13 @@ class Durability:
             return None
         st = FragmentState.from_bytes(got[1])
         ckpt = st.version
+        kept = getattr(st.opt, "momentum", None)
+        if kept is not None and kept.dtype.name != self.settings.momentum_dtype and announce:
+            # the dtype a fragment started with stays (a replay must be bit for bit): said once per fragment
+            self.log.warning("momentum_dtype_kept", fragment=p, checkpoint=kept.dtype.name,
+                             setting=self.settings.momentum_dtype,
+                             hint="DILOCO_OUTER_MOMENTUM_DTYPE takes effect for a fragment that starts after it; "
+                                  "this fragment's checkpoint keeps the dtype it was written with")
         records = await self._read_log(p)
         t0 = time.monotonic()
         replayed = lost = nbytes = 0

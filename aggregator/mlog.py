@@ -4,8 +4,9 @@ A global version v+1 of fragment p is made durable by a small :class:`MergeRecor
 bytes plus about 100 per contribution): the keys of the contributions merged, where their chunks
 lie in the GRAD stream (stream sequences), the norms, participation scale and round size the merge
 used, the merge settings, and the outlier-reference restarts made since the previous merge. The
-fragment's whole state (parameters, optimizer arrays, applied set: 12 bytes per value with the
-``rounds`` optimizer) is written only as a periodic **checkpoint** (:class:`CheckpointPolicy`).
+fragment's whole state (parameters, optimizer arrays, applied set: 8 bytes per value with the
+``rounds`` optimizer, 6 with a bfloat16 momentum) is written only as a periodic **checkpoint**
+(:class:`CheckpointPolicy`).
 
 A restarted aggregator loads the newest checkpoint of each fragment and replays the records newer
 than it (:func:`replay_one`), reading each contribution back from the GRAD stream, which keeps

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 
 import msgpack
 import numpy as np
@@ -59,13 +60,17 @@ def residual_dtype_of(name: str) -> np.dtype:
     raise CodecError(f"residual dtype {name!r}: expected one of {', '.join(RESIDUAL_DTYPES)}")
 
 
-def residual_dtype_for(setting: str, q: str) -> str:
-    """The dtype a learner keeps its residual in under codec ``q`` (``DILOCO_RESIDUAL_DTYPE``):
-    ``auto`` is bfloat16 for a dense quantiser, whose residual is at most half a quantisation step
-    of its block, and float32 for a sparse codec, whose residual holds the values not sent yet
-    (rounding them round after round would erode them)."""
+def residual_dtype_for(setting: str, q: str, sizes: Sequence[int] = ()) -> str:
+    """The dtype a learner keeps its residual in under codec ``q`` (``DILOCO_RESIDUAL_DTYPE``) for
+    fragments of ``sizes``: ``auto`` is bfloat16 for a dense quantiser, whose residual is at most
+    half a quantisation step of its block, and float32 for a sparse codec, whose residual holds the
+    values not sent yet (rounding them round after round would erode them), and where the largest
+    fragment holds half the model or more (1 or 2 fragments): a bfloat16 residual's syncs fold into
+    a float32 scratch of the largest fragment, which would then cost what the residual saves."""
     if setting == "auto":
-        return "float32" if q in sparse.SPARSE or q == "fp32" else "bfloat16"
+        if q in sparse.SPARSE or q == "fp32" or (sizes and 2 * max(sizes) >= sum(sizes)):
+            return "float32"
+        return "bfloat16"
     residual_dtype_of(setting)  # (a name it knows)
     return setting
 
@@ -127,7 +132,8 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
     not send in the residual: the new residual is ``corrected`` with the sent values taken off.
 
     The residual may be kept in bfloat16 (``residual`` of that dtype, or ``residual_dtype`` for a
-    new one): half its memory, each value rounded to 8 significant bits where it is stored. The
+    new one): half its memory, each value rounded to 8 significant bits (by at most 2^-8 of itself)
+    where it is stored. The
     corrected vector, the blob and the relative error are computed in float32 as before; only the
     carried residual is rounded (``learner.config``'s ``DILOCO_RESIDUAL_DTYPE``)."""
     x = np.asarray(delta)
@@ -166,7 +172,7 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
             if decay == 1.0:
                 c += residual[s:e]
             else:
-                c += np.float32(decay) * residual[s:e].astype(np.float32)
+                c += np.float32(decay) * residual[s:e].astype(np.float32, copy=False)
         parts = quant.quantise(c, q, block)
         _place(views, parts, q, s, block)
         sc = quant.dequantise(parts, q, e - s, block)
@@ -206,7 +212,7 @@ def _sparse_feedback(x: np.ndarray, residual: np.ndarray | None, q: str, keep_re
             if decay == 1.0:
                 x[s:s + step] += residual[s:s + step]
             else:
-                x[s:s + step] += np.float32(decay) * residual[s:s + step].astype(np.float32)
+                x[s:s + step] += np.float32(decay) * residual[s:s + step].astype(np.float32, copy=False)
     with np.errstate(over="ignore", invalid="ignore"):
         den = float(np.dot(x, x))
     parts, idx, vals = sparse.encode_parts(x, q, block, k, sumsq=den)

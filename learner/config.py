@@ -127,7 +127,8 @@ class LearnerConfig:
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
     residual_dtype: str = var("auto", choice("auto", *codec.RESIDUAL_DTYPES),
                               "dtype of the error-feedback residual kept per fragment (auto: bfloat16 for a dense "
-                              "quantiser, half the memory of float32; float32 for the topk codecs)")
+                              "quantiser and 3 or more fragments, half the memory of float32; float32 for the topk "
+                              "codecs and 1-2 fragments)")
     feedback_decay: float = var(1.0, number(0.0, 1.0), "error-feedback decay: the residual kept is multiplied by "
                                 "this before it joins the next outer gradient (SparseLoCo used 0.95)")
     topk_chunk: int = var(sparse.DEFAULT_CHUNK, integer(2, sparse.MAX_CHUNK), "topk codecs: values per chunk")

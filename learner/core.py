@@ -295,7 +295,7 @@ class IslandCore:
         # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
         blob, _, residual, self.quant_error = codec.encode_with_feedback(
             delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False,
-            decay=self.cfg.feedback_decay, residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, q),
+            decay=self.cfg.feedback_decay, residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, q, self.plan.sizes),
             **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
         if ef:
             self.residual[p] = residual

@@ -619,12 +619,13 @@ class RateMeter:
 
 def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback: bool, synthetic: bool = False,
                  inflight_fragments: int = 1, pending_fragments: int = 1, keyframe_params: int = 0,
-                 residual_dtype: str = "float32") -> dict[str, int]:
+                 residual_dtype: str = "float32", scratch: bool = True) -> dict[str, int]:
     """Expected resident bytes of a learner's training state (float32), by part.
 
     params + 2 AdamW moments (JAX mode; synthetic mode has a noise bank of one model instead)
     + one base copy + the error-feedback residual (if on; 2 bytes a value in bfloat16, with a
-    float32 scratch of the largest fragment its syncs fold into) + in-flight buffers: outgoing blobs
+    float32 scratch of the largest fragment its syncs fold into where the backend folds its
+    parameters, ``scratch``: not the synthetic one) + in-flight buffers: outgoing blobs
     (at most ``inflight_fragments`` of the largest fragment, counted at fp32 for a bound) and
     downloaded versions queued for mixing (``pending_fragments``) + the keyframes the global
     reader holds for a quantised downlink (``keyframe_params``, up to N).
@@ -636,7 +637,7 @@ def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback
         "optimizer": (n_params * b) if synthetic else 2 * n_params * b,
         "base": n_params * b,
         "residual": (n_params * (2 if residual_dtype == "bfloat16" else b)
-                     + (big * b if residual_dtype == "bfloat16" else 0)) if error_feedback else 0,
+                     + (big * b if residual_dtype == "bfloat16" and scratch else 0)) if error_feedback else 0,
         "inflight": (inflight_fragments + pending_fragments) * big * b,
         "keyframes": keyframe_params * b,
     }

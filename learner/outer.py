@@ -102,8 +102,9 @@ class ErrorFeedback(Generic[Payload]):
 
     With ``decode=None``, ``encode`` must itself be the round trip (vector -> dequantised
     vector), and the payload returned by ``compress`` is that vector. The instance holds no
-    state: the caller keeps the residual per fragment (memory: one float32 vector per fragment,
-    i.e. one extra model copy in total).
+    state: the caller keeps the residual per fragment (memory: one vector per fragment, i.e. one
+    extra model copy in total: float32 here; the learner keeps bfloat16 by default, through
+    ``bus.codec.encode_with_feedback``).
     """
 
     def __init__(

@@ -246,9 +246,15 @@ class Learner(IslandCore, Presence):
         if isinstance(self.run_model, BuiltinModel):  # the rate in force: DILOCO_INNER_LR, or by width, optimizer, learners
             data = dict(shard=self.shard_index, shards=self.num_shards, inner=cfg.inner_optimizer,
                         inner_lr=cfg.lr_for(self.run_model.spec.d_model), learners=cfg.num_learners)
+        ef = cfg.error_feedback and cfg.quantiser != "fp32"
+        residual = codec.residual_dtype_for(cfg.residual_dtype, cfg.quantiser, self.plan.sizes) if ef else None
         self.log.info("starting", mode=cfg.mode, model=self.model_hash, plan=self.plan.plan_hash(),
                       fragments=self.P, sizes=list(self.plan.sizes), H=cfg.sync_every,
-                      quantiser=cfg.quantiser, **data)
+                      quantiser=cfg.quantiser, residual=residual, **data)
+        if residual == "bfloat16" and cfg.quantiser in codec.sparse.SPARSE:
+            self.log.warning("residual_rounded", quantiser=cfg.quantiser,
+                             hint="DILOCO_RESIDUAL_DTYPE=bfloat16 with a topk codec rounds the values not sent yet "
+                                  "at every sync, however long they wait; auto keeps them float32")
         self.nc = await connect_until(self.common, f"learner-{self.id}", deadline, self.log)
         self.js = self.nc.jetstream(timeout=10)
         self.store_watch.probe = lambda: self.js.stream_info(self.s.stream("grad"))
@@ -423,7 +429,9 @@ class Learner(IslandCore, Presence):
         return lp.memory_bytes(self.run_model.num_params, self.plan.sizes,
                                error_feedback=self.cfg.error_feedback and self.cfg.quantiser != "fp32",
                                synthetic=self.cfg.synthetic, keyframe_params=sum(k.params.size for k in keys),
-                               residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, self.cfg.quantiser))
+                               residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, self.cfg.quantiser,
+                                                                       self.plan.sizes),
+                               scratch=hasattr(self.backend, "fold_progress"))
 
 
 # -- entry point -----------------------------------------------------------------------------------

@@ -326,7 +326,8 @@ class Reference:
         blob, _, residual, _ = codec.encode_with_feedback(delta, ln.residual[p] if ef else None, cfg.quantiser,
                                                           keep_residual=ef, want_sent=False, decay=cfg.feedback_decay,
                                                           residual_dtype=codec.residual_dtype_for(cfg.residual_dtype,
-                                                                                                  cfg.quantiser),
+                                                                                                  cfg.quantiser,
+                                                                                                  self.setup.plan.sizes),
                                                           **codec.codec_args(cfg.quantiser, cfg.topk_chunk, cfg.topk_k))
         if ef:
             ln.residual[p] = residual

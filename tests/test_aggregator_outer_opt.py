@@ -363,3 +363,15 @@ def test_a_bfloat16_momentum_is_the_float32_step_with_the_trace_rounded_where_it
         RoundNesterov(0.7, 0.5, dtype="float16")
     with pytest.raises(ValueError, match="momentum must be"):
         opt.step(p, g, RoundNesterovState(t.astype(np.float16), None, 0.0, 0))
+
+
+def test_a_bfloat16_momentum_with_another_optimizer_is_a_one_line_config_error():
+    from aggregator.config import AggregatorConfig
+    from aggregator.step import MergeSettings
+    from bus.config import ConfigError, from_env
+
+    with pytest.raises(ConfigError, match="rounds only") as e:
+        from_env(AggregatorConfig, {"DILOCO_OUTER_MOMENTUM_DTYPE": "bfloat16", "DILOCO_OUTER_OPTIMIZER": "nesterov"})
+    assert "\n" not in str(e.value)
+    cfg = from_env(AggregatorConfig, {"DILOCO_OUTER_MOMENTUM_DTYPE": "bfloat16"})
+    assert MergeSettings.from_config(cfg).make_optimizer().dtype == "bfloat16"

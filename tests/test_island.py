@@ -476,22 +476,22 @@ def test_an_arrival_is_prepared_off_the_users_thread_and_swapped_in_at_a_step(na
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1  # theta = 2.0, the base still 0.0
         v0 = lr.book.frags[0].base_version
 
-        # V = 1000: the user's own steps (0.5 each) cannot reach it within the 20 s below, so the
+        # V = 1e5: the user's own steps (0.5 each) cannot reach it within the 20 s below, so the
         # loop ends on the swap alone (with V = 10 it ended after 12 plain steps when the machine was
         # loaded and the side thread had not run yet, and the test failed on a swap still to come)
-        _arrive(isl, v0 + 1, 1000.0)
+        _arrive(isl, v0 + 1, 1e5)
         for _ in range(4):  # prepared meanwhile (held): the steps are the user's alone
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
         np.testing.assert_array_equal(np.asarray(p["w"]), 4.0)
         assert lr.book.frags[0].base_version == v0
         release.set()
         t_end = time.monotonic() + 20
-        while float(np.asarray(p["w"]).max()) < 1000 and time.monotonic() < t_end:
+        while float(np.asarray(p["w"]).max()) < 1e5 and time.monotonic() < t_end:
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
             time.sleep(0.01)
         lr._side.submit(lambda: None).result(10)  # bases are written in the side thread: let it finish
-        np.testing.assert_array_equal(np.asarray(p["w"]), 0.5 * steps + 1000.0)  # the progress kept, V added
-        np.testing.assert_array_equal(lr.base[0], 1000.0)
+        np.testing.assert_array_equal(np.asarray(p["w"]), 0.5 * steps + 1e5)  # the progress kept, V added
+        np.testing.assert_array_equal(lr.base[0], 1e5)
         assert lr.book.frags[0].base_version == v0 + 1
         assert [sw.parts is not None for sw in prepared] == [True]  # swapped by the adds, not the plain path
     finally:
@@ -519,22 +519,22 @@ def test_a_swap_prepared_before_an_outer_gradient_of_its_fragment_is_prepared_ag
         v0 = lr.book.frags[0].base_version
         assert lr.book.frags[0].next_round == 0
 
-        _arrive(isl, v0 + 1, 1000.0)  # V = b0 + 1000: beyond the user's own steps, so the loop below ends on the swap
+        _arrive(isl, v0 + 1, 1e5)  # V = b0 + 1e5: beyond the user's own steps, so the loop below ends on the swap
         t_end = time.monotonic() + 20
         while lr.book.frags[0].next_round == 0 and time.monotonic() < t_end:  # an outer gradient begins
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
             time.sleep(0.01)
         assert lr.book.frags[0].next_round == 1, "no outer gradient began"
         release.set()
-        while float(np.asarray(p["w"]).max()) < 1000 and time.monotonic() < t_end:
+        while float(np.asarray(p["w"]).max()) < 1e5 and time.monotonic() < t_end:
             p, steps = isl.step(jax_add(p, 0.5), loss=0.0), steps + 1
             time.sleep(0.01)
         lr._side.submit(lambda: None).result(10)
         w = float(np.asarray(p["w"]).max())
-        np.testing.assert_array_equal(lr.base[0], 1000.0)
+        np.testing.assert_array_equal(lr.base[0], 1e5)
         assert len(prepared) == 2 and all(sw.parts is not None for sw in prepared)  # prepared again
         # V + (theta - theta_k): the progress since the sync step k only (k >= 1 steps of 0.5 sent)
-        assert 1000.0 <= w <= 1000.0 + 0.5 * (steps - 1), (w, steps)
+        assert 1e5 <= w <= 1e5 + 0.5 * (steps - 1), (w, steps)
         np.testing.assert_array_equal(np.asarray(p["w"]), w)
     finally:
         release.set()
@@ -723,7 +723,7 @@ def jax_tree_add(tree, x):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
-def test_an_island_s_residual_loses_no_work_in_either_dtype(nats_server, monkeypatch, dtype):
+def test_an_island_s_residual_loses_no_work_in_either_dtype(nats_server, dtype):
     """Error feedback through an island's side thread: what its outer gradients sent plus the
     residual it keeps is its base's whole movement, the residual in bfloat16 by default (half its
     memory; ``bench.island``) and float32 when asked. With a bfloat16 residual the sum is exact to
@@ -734,20 +734,19 @@ def test_an_island_s_residual_loses_no_work_in_either_dtype(nats_server, monkeyp
     from bus import codec
     from learner.island import Island
 
-    blobs: list[bytes] = []
-    encode = codec.encode_with_feedback
-
-    def spy(*a, **kw):
-        out = encode(*a, **kw)
-        blobs.append(bytes(out[0]))
-        return out
-
-    monkeypatch.setattr(codec, "encode_with_feedback", spy)
+    blobs: list[tuple[int, bytes]] = []  # (fragment, blob) of every outer gradient prepared
     rng = np.random.default_rng(0)
     tree = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
-    isl = Island(tree, run=f"res-{dtype}", nats_url=nats_server.url, learner_id="r", sync_every=2, num_fragments=2,
+    isl = Island(tree, run=f"res-{dtype}", nats_url=nats_server.url, learner_id="r", sync_every=2, num_fragments=4,
                  join_timeout=60, env={"DILOCO_LOG_LEVEL": "error", "DILOCO_SYNC_WINDOW": "0",
                                        "DILOCO_RESIDUAL_DTYPE": dtype})
+    prepared = isl.learner._finish_prepare
+
+    def spy(c, blob):
+        blobs.append((c.fragment, bytes(blob)))
+        return prepared(c, blob)
+
+    isl.learner._finish_prepare = spy  # (before the first step: no sync has begun)
     try:
         base0 = [np.array(b, dtype=np.float64) for b in isl.learner.base]
         p = isl.params
@@ -759,14 +758,14 @@ def test_an_island_s_residual_loses_no_work_in_either_dtype(nats_server, monkeyp
         isl.close(final_sync=False)
     lr = isl.learner
     sent = [np.zeros_like(b) for b in base0]
-    frags = {}
-    for b in blobs:  # every fragment's blobs, in order (a fragment's size tells which it is)
-        v = np.asarray(codec.decode_array(b), dtype=np.float64).reshape(-1)
-        frags.setdefault(v.size, []).append(v)
+    frags: dict[int, list] = {}
+    for p_, b in blobs:  # every fragment's blobs, in order
+        frags.setdefault(p_, []).append(np.asarray(codec.decode_array(b), dtype=np.float64).reshape(-1))
     want = "bfloat16" if dtype == "auto" else "float32"
+    assert (lr._acc is not None) == (want == "bfloat16")  # the bfloat16 syncs went through the scratch
     for p_, b0 in enumerate(base0):
         assert lr.residual[p_] is not None and lr.residual[p_].dtype.name == want
-        got = frags[b0.size]
+        got = frags[p_]
         assert len(got) >= 3, "too few syncs to see the residual carried"
         sent[p_] = np.sum(got, axis=0)
         moved = b0 - np.asarray(lr.base[p_], dtype=np.float64)  # an outer gradient is base - theta

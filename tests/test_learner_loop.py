@@ -241,6 +241,7 @@ def test_extra_sleep_rate_meter_and_memory_formula():
     # a bfloat16 residual: 2 bytes a value, and the float32 scratch of the largest fragment
     half = lp.memory_bytes(n, plan.sizes, error_feedback=True, residual_dtype="bfloat16")
     assert half["residual"] == 2 * n + 4 * max(plan.sizes) and half["total"] == mem["total"] - 2 * n + 4 * max(plan.sizes)
+    assert lp.memory_bytes(n, plan.sizes, error_feedback=True, residual_dtype="bfloat16", scratch=False)["residual"] == 2 * n
     # a quantised downlink: the reader's keyframes (up to one per fragment, N in all) count too
     with_keys = lp.memory_bytes(n, plan.sizes, error_feedback=True, keyframe_params=n)
     assert with_keys["keyframes"] == 4 * n and with_keys["total"] == mem["total"] + 4 * n
