@@ -77,7 +77,7 @@ class Durability:
         a replay needs (the checkpoint is behind), or the store does not take writes (a full disk:
         ``store_watch``)."""
         pos = self.logpos.get(p)
-        return (p in self.uncommitted or len(self.pubq.get(p, ())) >= PUBLISH_QUEUE or self.store_watch.faulted
+        return (p in self.uncommitted or self.publisher.waiting(p) >= PUBLISH_QUEUE or self.store_watch.faulted
                 or self._checkpointing(p)
                 or (pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every))
 
@@ -448,10 +448,10 @@ class Durability:
         try:
             if st.version > published:
                 self.states[p] = st
-                await self._send(self._publish_job(p))
+                await self.publisher.send(self._publish_job(p))
             else:
-                await self._send_event(p, st.version, [list(k) for k in st.last_merge], st.last_scale,
-                                       st.last_per_round)
+                await self.publisher.send_event(p, st.version, [list(k) for k in st.last_merge], st.last_scale,
+                                                st.last_per_round)
             return True
         except Exception as e:
             self.log.warning("recovery_publish_failed", fragment=p, version=st.version, error=repr(e))
@@ -481,7 +481,7 @@ class Durability:
                                       f"{st.version}: is another aggregator owning it?")
                 # republish what a crash may have cut short: the global version (if behind) and
                 # the merge event of the newest version (deduplicated by its message id)
-                self.unpublished.add(p)
+                self.publisher.unpublished.add(p)
                 self.log.info("fragment_recovered", fragment=p, version=st.version,
                               global_behind=gh is None or gh.version < st.version)
             self.states[p] = st

@@ -22,8 +22,8 @@ Several aggregators can share a run, each owning a disjoint fragment range
 (``DILOCO_AGG_FRAGMENTS``), each with its own durable consumer.
 
 This module is the process shell (start-up, recovery, membership, metrics, the main loop,
-``main``); ``aggregator.intake`` takes contributions in, ``aggregator.versions`` merges and
-publishes.
+``main``); ``aggregator.intake`` takes contributions in, ``aggregator.versions`` merges and encodes
+each version, and ``aggregator.publisher`` (an object with its own queues) publishes them.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from aggregator.feedback import FeedbackQueue
 from aggregator.intake import Intake, Pending, VectorPool
 from aggregator.load import BusyMeter, PhaseClock, saturation_change
 from aggregator.mlog import LogPosition, settings_to_dict
+from aggregator.publisher import Publisher
 from aggregator.quorum import ArrivalStats, GracePolicy, input_clock
 from aggregator.shard_plan import fragments_text
 from aggregator.shards import Shards, plan_from_run, wait_for_manifest
@@ -136,12 +137,9 @@ class AggregatorService(Intake, VersionMaker, Durability):
         # a chained downlink (DILOCO_DOWNLINK_CHAIN): per fragment, the newest version as readers
         # reconstruct it; after a restart taken back from the keyframe subjects (_recover_view)
         self.views: dict[int, View] = {}
-        self.unpublished: set[int] = set()
         self.logpos: dict[int, LogPosition] = {}  # per fragment: newest checkpoint, log beyond it
         self.uncommitted: dict[int, tuple] = {}  # fragment -> a merge whose log record is not stored yet
-        self.pubq: dict[int, deque] = {}  # fragment -> versions encoded, waiting for its publisher
-        self.publishers: dict[int, asyncio.Task] = {}
-        self.published: dict[int, int] = {}  # fragment -> newest version whose head and merge event are out
+        self.publisher: Publisher | None = None  # the publishing stage (aggregator.publisher), made in run()
         # the merged outer gradient's buffer, reused, where the merge is not applied block by block
         # (not with the defaults: aggregator.step.fuses); one merge at a time: every fragment merges
         # into its first values (one per fragment size took 4 of 8 fragments' worth at 1B)
@@ -175,6 +173,11 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.store_watch = StoreWatch(self.log, "merging paused: no contribution acknowledged, no version or "
                                                 "checkpoint written until the store takes writes again")
         self.nc = None
+
+    @property
+    def published(self) -> dict[int, int]:
+        """Fragment -> newest version whose head and merge event are out (the publishing stage's)."""
+        return self.publisher.published if self.publisher is not None else {}
 
     def _use(self, model_hash: str, plan) -> None:
         """The model this aggregator merges: its hash and fragment plan (and so the fragments it owns)."""
@@ -472,6 +475,8 @@ class AggregatorService(Intake, VersionMaker, Durability):
         self.gstore = VersionedStore(js, self.common.run, GLOBAL, pub)
         self.kstore = VersionedStore(js, self.common.run, GLOBAL, pub, tag="k")
         self.sstore = VersionedStore(js, self.common.run, STATE, pub)
+        self.publisher = Publisher(js, self.common.run, self.s.event("merge"), self.gstore, self.kstore,
+                                   self.store_watch, self.log)
         self.settings = dataclasses.replace(self.settings, max_inner_lr=self.manifest.max_inner_lr)
         self.settings_dict = settings_to_dict(self.settings)
         self.limits = limits
@@ -515,7 +520,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                     await self._commit(p)
                 clock.lap("commit", time.monotonic())
                 for p in self.owned:
-                    if p in self.unpublished:
+                    if p in self.publisher.unpublished:
                         await self._publish_global(p)
                 clock.lap("publish", time.monotonic())
                 await self._probe_store()  # a full store is noticed even with nothing to merge
@@ -534,7 +539,7 @@ class AggregatorService(Intake, VersionMaker, Durability):
                 clock.lap("other", time.monotonic())
             # a clean stop: the queued versions out, and checkpoints so that nothing is left to
             # replay (bounded: a server that is gone must not hold the stop; a replay covers it)
-            await self._drain_publishers(10.0)
+            await self.publisher.drain(10.0)
             try:
                 await asyncio.wait_for(self._checkpoint_all(), 20.0)
             except asyncio.TimeoutError:

@@ -1,23 +1,21 @@
 """The aggregator's production of global versions: the quorum decision, the write-ahead merge
 (its merge-log record committed before the contributions are acknowledged:
-``aggregator.durability``), publishing version v+1 (whole, or a quantised delta against a
-keyframe) and its merge event.
+``aggregator.durability``), and version v+1 encoded for the downlink (whole, or a quantised delta
+against a keyframe), handed to the publishing stage (``aggregator.publisher``).
 
 A mixin of ``aggregator.service.AggregatorService``; the merge itself is ``aggregator.step``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 
 from aggregator.intake import Pending
+from aggregator.publisher import PublishJob
 from aggregator.mlog import LoggedContribution, MergeRecord, with_clears
 from aggregator.merge import l2_norm
 from aggregator.quorum import AUTO, ArrivalStats, decide
@@ -26,7 +24,7 @@ from aggregator.step import FragmentState, fuses, merge_step, participation_scal
 from aggregator.trust import ew_mean
 from bus import codec, sparse
 from bus.downlink import encode_chain, encode_version
-from bus.transport import VersionConflict, ack_all
+from bus.transport import ack_all
 
 
 class VersionMaker:
@@ -274,96 +272,14 @@ class VersionMaker:
                           st.last_scale, st.last_per_round)
 
     def _queue_publish(self, p: int) -> None:
-        """Hand version ``states[p]`` to fragment p's publisher: merging goes on while its chunks and
-        head are acknowledged (at most PUBLISH_QUEUE versions of a fragment wait; then the fragment
-        waits, :meth:`_log_blocked`)."""
-        self.pubq.setdefault(p, deque()).append(self._publish_job(p))
-        t = self.publishers.get(p)
-        if t is None or t.done():
-            self.publishers[p] = asyncio.create_task(self._publisher(p))
-
-    async def _publisher(self, p: int) -> None:
-        """Publish fragment p's queued versions in order; a failed one is retried (never skipped:
-        learners follow every version's applied keys)."""
-        q = self.pubq[p]
-        delay = 0.1
-        while q:
-            job = q[0]
-            try:
-                await self._send(job)
-            except Exception as e:
-                if not await self.store_watch.failed(e):  # a full store is said once (store_full)
-                    self.log.error("global_publish_failed", fragment=p, version=job.version, error=repr(e),
-                                   retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
-                continue
-            q.popleft()
-            delay = 0.1
-
-    async def _send(self, job: PublishJob) -> None:
-        """One version: its keyframe (if it is one), its chunks and head, then its merge event."""
-        p = job.fragment
-        try:
-            if job.keyframe:  # a keyframe: on its own subjects first, then as the version
-                if job.key_blob is None:
-                    await self.kstore.put(p, job.version, job.blob, job.meta)
-                else:  # a chained version: the whole reconstruction (a keyframe of the view)
-                    await self.kstore.put(p, job.version, job.key_blob,
-                                          {**{k: v for k, v in job.meta.items() if k != "prev"}, "key": job.version})
-            await self.gstore.put(p, job.version, job.blob, {**job.meta, "applied": job.applied})
-        except VersionConflict as e:  # a newer version is out already (a recovery republished it)
-            if e.committed.version < job.version:
-                raise
-            self.log.warning("global_version_superseded", fragment=p, version=job.version,
-                             committed=e.committed.version)
-        await self._send_event(p, job.version, job.applied, job.scale, job.per_round)
-        self.published[p] = max(self.published.get(p, -1), job.version)
-
-    async def _send_event(self, p: int, version: int, applied: list, scale: float, per_round: int) -> None:
-        if version > 0:
-            await self.js.publish(self.s.event("merge"), orjson.dumps(
-                {"fragment": p, "version": version, "applied": applied, "scale": scale, "per_round": per_round,
-                 "ts": time.time()}), headers={"Nats-Msg-Id": f"{self.common.run}.merge.{p}.{version}"})
-
-    async def _drain_publishers(self, timeout: float = 30.0) -> None:
-        tasks = [t for t in self.publishers.values() if not t.done()]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout)
-            for t in pending:
-                t.cancel()
+        """Hand version ``states[p]`` to the publishing stage (``aggregator.publisher``): merging goes
+        on while its chunks and head are acknowledged (at most PUBLISH_QUEUE versions of a fragment
+        wait; then the fragment waits, :meth:`_log_blocked`)."""
+        self.publisher.queue(self._publish_job(p))
 
     async def _publish_global(self, p: int) -> None:
         """After a (re)start: the global version of the state if the global head is behind, and the
         merge event of the newest version (deduplicated by its message id)."""
         st = self.states[p]
-        if self.store_watch.faulted and not self.store_watch.may_write():
-            return  # the store is full: one write every few seconds
-        try:
-            head = await self.gstore.head(p)
-            if head is None or head.version < st.version:
-                await self._send(self._publish_job(p))
-            else:
-                await self._send_event(p, st.version, [list(k) for k in st.last_merge], st.last_scale,
-                                       st.last_per_round)
-            self.published[p] = max(self.published.get(p, -1), st.version)
-            self.unpublished.discard(p)
-        except Exception as e:
-            if not await self.store_watch.failed(e):
-                self.log.error("global_publish_failed", fragment=p, version=st.version, error=repr(e))
-            self.unpublished.add(p)
-
-
-@dataclass(frozen=True)
-class PublishJob:
-    """A global version ready to publish: its downlink blob and metadata, and its merge event."""
-
-    fragment: int
-    version: int
-    blob: bytearray
-    meta: dict
-    keyframe: bool
-    applied: list
-    scale: float
-    per_round: int
-    key_blob: bytearray | bytes | None = None  # a chained downlink: the whole reconstruction
+        await self.publisher.catch_up(p, st.version, lambda: self._publish_job(p),
+                                      ([list(k) for k in st.last_merge], st.last_scale, st.last_per_round))
