@@ -31,6 +31,7 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from aggregator.contribution import from_grad_message
+from aggregator.publisher import Publisher
 from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay, checkpoint_may_start,
                              early_checkpoint_pays, grad_backlog_behind, log_slots, replay_one, stream_overtaking)
 from aggregator.step import FragmentState
@@ -40,7 +41,7 @@ from bus.runs import RunMismatch
 from bus.streams import STATE_ARRAYS, ensure_run
 from bus.transport import TransportError, VersionConflict, fetch_object
 
-#: versions of one fragment encoded and waiting for their publisher (aggregator.versions): beyond
+#: versions of one fragment encoded and waiting for their publisher (aggregator.publisher): beyond
 #: it the fragment merges nothing until one is out
 PUBLISH_QUEUE = 2
 #: seconds without a stored write after which the aggregator writes its ``state_probe``: an
@@ -65,6 +66,7 @@ class Durability:
         _ckpt_tasks: dict[int, asyncio.Task]
         _ckpt_size: dict[int, int]
         _logseqs: dict[int, deque]
+        publisher: Publisher
 
     # -- the log ----------------------------------------------------------------------------------
 

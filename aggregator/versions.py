@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aggregator.intake import Pending
-from aggregator.publisher import PublishJob
+from aggregator.publisher import Publisher, PublishJob
 from aggregator.mlog import LoggedContribution, MergeRecord, with_clears
 from aggregator.merge import l2_norm
 from aggregator.quorum import AUTO, ArrivalStats, decide
@@ -36,7 +36,7 @@ class VersionMaker:
         buffers: dict[int, list[Pending]]
         states: dict[int, FragmentState]
         accum: np.ndarray | None
-        unpublished: set[int]
+        publisher: Publisher
         held_since: dict[int, float]
 
     # -- merging ----------------------------------------------------------------------------------

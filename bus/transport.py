@@ -297,9 +297,11 @@ def _pending_of(status_msg) -> int | None:
 def stale_status(status: str, since_request: float, pending: int | None = None, remaining: int | None = None) -> bool:
     """A status that cannot be the answer to :func:`take_pending`'s request sent ``since_request``
     seconds ago, of which ``remaining`` messages have not come yet: a 408 (a pull request expired)
-    that says another number of messages was pending (``Nats-Pending-Messages``: the server tells
-    each expired request what of its own batch it did not deliver), or that came before half of
-    ``DRAIN_EXPIRES_S`` had passed, since ours is held that long by the server's timer. Such a 408
+    that says fewer messages were pending than we still wait for (``Nats-Pending-Messages``: the
+    server tells each expired request what of its own batch it did not deliver; ours says at least
+    ``remaining``, more when a message an older open request was given reached us and was counted
+    as ours), or, where that does not decide, one that came before half of ``DRAIN_EXPIRES_S`` had
+    passed, since ours is held that long by the server's timer. Such a 408
     is an earlier request's: ``fetch``'s, whose client-side timeout fired before the server's 408
     came (the subscription shares one inbox). Taken as our answer, it ended the read with none of
     the pending messages: a poll returned 1 message of 32
@@ -307,8 +309,11 @@ def stale_status(status: str, since_request: float, pending: int | None = None, 
     with the time rule alone, which a 408 delivered more than 50 ms late passes)."""
     if status != "408":
         return False
-    if pending is not None and remaining is not None and pending != remaining:
-        return True
+    if pending is not None and remaining is not None:
+        if pending < remaining:  # fewer undelivered than we still wait for: another request's
+            return True
+        if pending > remaining:  # ours: an older open request's message was counted among ours
+            return False
     return since_request < DRAIN_EXPIRES_S / 2
 
 

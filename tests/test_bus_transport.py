@@ -369,6 +369,9 @@ def test_an_earlier_requests_expiry_is_not_taken_for_the_answer_to_a_drain():
     # ("1 pending") is not the answer to a drain of 31 however late it comes, and one of ours is
     assert stale_status("408", DRAIN_EXPIRES_S, pending=1, remaining=31)
     assert not stale_status("408", DRAIN_EXPIRES_S, pending=31, remaining=31)
+    # more than we wait for: ours, an older open request's message having been counted as ours (it
+    # must end the drain, not hold it for DRAIN_WAIT_S), however early it comes
+    assert not stale_status("408", 0.001, pending=32, remaining=31)
     assert not stale_status("404", 0.001, pending=1, remaining=31)
     assert not stale_status("404", 0.001)  # no messages: the answer to a no_wait request, at once
     assert not stale_status("409", 0.001)
