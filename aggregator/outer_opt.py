@@ -41,25 +41,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from aggregator.merge import DEFAULT_BLOCK, block_slices
-
-
-#: the dtypes the ``rounds`` momentum may be kept in (``RoundNesterov.dtype``)
-MOMENTUM_DTYPES = ("float32", "bfloat16")
+from bus.codec import STORAGE_DTYPES, storage_dtype
 
 
 def momentum_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a momentum dtype's name (bfloat16 is ``ml_dtypes``', imported only then)."""
-    if name == "float32":
-        return np.dtype(np.float32)
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    raise ValueError(f"momentum dtype {name!r}: expected one of {', '.join(MOMENTUM_DTYPES)}")
+    """The numpy dtype of a momentum dtype's name (``bus.codec.STORAGE_DTYPES``)."""
+    return storage_dtype(name, "momentum dtype")
 
 
 def _check_momentum(x: np.ndarray, n: int) -> None:
-    if not isinstance(x, np.ndarray) or x.dtype.name not in MOMENTUM_DTYPES or x.ndim != 1:
+    if not isinstance(x, np.ndarray) or x.dtype.name not in STORAGE_DTYPES or x.ndim != 1:
         raise ValueError("momentum must be a flat float32 or bfloat16 array")
     if x.size != n:
         raise ValueError(f"momentum has {x.size} elements, expected {n}")

@@ -44,20 +44,21 @@ class CodecError(ValueError):
     """A blob is malformed: the message names what is wrong."""
 
 
-#: the dtypes an error-feedback residual may be kept in
-RESIDUAL_DTYPES = ("float32", "bfloat16")
+#: the dtypes a float32 vector's state may be stored in: an error-feedback residual (learner) or
+#: the ``rounds`` optimizer's momentum (aggregator)
+STORAGE_DTYPES = ("float32", "bfloat16")
 
 
-def residual_dtype_of(name: str) -> np.dtype:
-    """The numpy dtype of a residual dtype's name (``RESIDUAL_DTYPES``; bfloat16 is ``ml_dtypes``',
-    which JAX installs, imported only here: the aggregator never keeps a residual of it)."""
+def storage_dtype(name: str, what: str = "storage dtype") -> np.dtype:
+    """The numpy dtype of a name of ``STORAGE_DTYPES`` (bfloat16 is ``ml_dtypes``', which JAX
+    installs, imported only here); ``what`` names the setting in the error."""
     if name == "float32":
         return np.dtype(np.float32)
     if name == "bfloat16":
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
-    raise CodecError(f"residual dtype {name!r}: expected one of {', '.join(RESIDUAL_DTYPES)}")
+    raise CodecError(f"{what} {name!r}: expected one of {', '.join(STORAGE_DTYPES)}")
 
 
 def residual_dtype_for(setting: str, q: str, sizes: Sequence[int] = ()) -> str:
@@ -71,7 +72,7 @@ def residual_dtype_for(setting: str, q: str, sizes: Sequence[int] = ()) -> str:
         if q in sparse.SPARSE or q == "fp32" or (sizes and 2 * max(sizes) >= sum(sizes)):
             return "float32"
         return "bfloat16"
-    residual_dtype_of(setting)  # (a name it knows)
+    storage_dtype(setting, "residual dtype")  # (a name it knows)
     return setting
 
 
@@ -141,12 +142,12 @@ def encode_with_feedback(delta: np.ndarray, residual: np.ndarray | None, q: str,
         raise CodecError("encode_with_feedback: delta must be a writeable contiguous 1-D float32 array")
     n = x.size
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype.name not in RESIDUAL_DTYPES:
+        if residual.shape != x.shape or residual.dtype.name not in STORAGE_DTYPES:
             raise CodecError(f"residual {residual.shape} {residual.dtype} does not match delta {x.shape} float32 "
                              "(or bfloat16)")
         if keep_residual and not residual.flags.writeable:
             residual = residual.copy()
-    res_dt = residual_dtype_of(residual_dtype) if residual is None else residual.dtype
+    res_dt = storage_dtype(residual_dtype, "residual dtype") if residual is None else residual.dtype
     if in_place and (residual is not None or not keep_residual or res_dt != np.float32):
         raise CodecError("encode_with_feedback: in_place wants residual=None, keep_residual=True and a float32 residual")
     if not (0.0 <= decay <= 1.0):

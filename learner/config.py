@@ -125,7 +125,7 @@ class LearnerConfig:
                          "(the DILOCO_TOPK_K largest of each DILOCO_TOPK_CHUNK values, 2 or 4 bits each, the rest "
                          "kept by error feedback)")
     error_feedback: bool = var(True, boolean(), "keep the quantisation residual and add it to the next sync")
-    residual_dtype: str = var("auto", choice("auto", *codec.RESIDUAL_DTYPES),
+    residual_dtype: str = var("auto", choice("auto", *codec.STORAGE_DTYPES),
                               "dtype of the error-feedback residual kept per fragment (auto: bfloat16 for a dense "
                               "quantiser and 3 or more fragments, half the memory of float32; float32 for the topk "
                               "codecs and 1-2 fragments)")

@@ -40,6 +40,7 @@ class IslandCore:
         def __getattr__(self, name: str) -> Any: ...
         base: list[np.ndarray | None]
         residual: list[np.ndarray | None]
+        residual_dtype: str
         unsent: list[np.ndarray | None]
         pending: dict[int, tuple[int, np.ndarray]]
         applied_in: dict[tuple[int, int], int]
@@ -295,7 +296,7 @@ class IslandCore:
         # unfused encode / decode / feedback_step, tests/test_codec_feedback.py)
         blob, _, residual, self.quant_error = codec.encode_with_feedback(
             delta, self.residual[p] if ef else None, q, keep_residual=ef, want_sent=False,
-            decay=self.cfg.feedback_decay, residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, q, self.plan.sizes),
+            decay=self.cfg.feedback_decay, residual_dtype=self.residual_dtype,
             **codec.codec_args(q, self.cfg.topk_chunk, self.cfg.topk_k))
         if ef:
             self.residual[p] = residual

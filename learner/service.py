@@ -106,6 +106,8 @@ class Learner(IslandCore, Presence):
         self.base: list[np.ndarray | None] = [None] * self.P
         self.residual: list[np.ndarray | None] = [None] * self.P
         self.unsent: list[np.ndarray | None] = [None] * self.P  # work of failed publishes
+        # the dtype residuals are kept in (DILOCO_RESIDUAL_DTYPE for this codec and plan: bus.codec)
+        self.residual_dtype = codec.residual_dtype_for(cfg.residual_dtype, cfg.quantiser, self.plan.sizes)
         self._acc: np.ndarray | None = None  # the float32 scratch a bfloat16 residual's sync folds into (core._scratch)
         self.pending: dict[int, tuple[int, np.ndarray]] = {}
         self.applied_in: dict[tuple[int, int], int] = {}  # sync mode: (p, round) -> version that applied it
@@ -247,7 +249,7 @@ class Learner(IslandCore, Presence):
             data = dict(shard=self.shard_index, shards=self.num_shards, inner=cfg.inner_optimizer,
                         inner_lr=cfg.lr_for(self.run_model.spec.d_model), learners=cfg.num_learners)
         ef = cfg.error_feedback and cfg.quantiser != "fp32"
-        residual = codec.residual_dtype_for(cfg.residual_dtype, cfg.quantiser, self.plan.sizes) if ef else None
+        residual = self.residual_dtype if ef else None
         self.log.info("starting", mode=cfg.mode, model=self.model_hash, plan=self.plan.plan_hash(),
                       fragments=self.P, sizes=list(self.plan.sizes), H=cfg.sync_every,
                       quantiser=cfg.quantiser, residual=residual, **data)
@@ -429,8 +431,7 @@ class Learner(IslandCore, Presence):
         return lp.memory_bytes(self.run_model.num_params, self.plan.sizes,
                                error_feedback=self.cfg.error_feedback and self.cfg.quantiser != "fp32",
                                synthetic=self.cfg.synthetic, keyframe_params=sum(k.params.size for k in keys),
-                               residual_dtype=codec.residual_dtype_for(self.cfg.residual_dtype, self.cfg.quantiser,
-                                                                       self.plan.sizes),
+                               residual_dtype=self.residual_dtype,
                                scratch=hasattr(self.backend, "fold_progress"))
 
 

@@ -70,7 +70,7 @@ def test_bad_input_is_refused():
        decay=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**31 - 1))
 def test_a_bfloat16_residual_is_the_float32_path_with_the_residual_rounded_where_it_is_stored(n, q, chunk, decay,
                                                                                               seed):
-    bf16 = codec.residual_dtype_of("bfloat16")
+    bf16 = codec.storage_dtype("bfloat16")
     rng = np.random.default_rng(seed)
     args = codec.codec_args(q, 64, 4)
     if q == "fp32" or (q in ("topk2", "topk4") and n % 64):
