@@ -90,6 +90,14 @@ def fetch_delay_of(row: Any) -> int | None:
     return delay if mode in ("decoupled", "streaming") else None
 
 
+def period_of(row: Any) -> int | None:
+    """The sync period H a reference row ran with (a results row), or will run with (a ``RefConfig``),
+    for ``--reuse``: recorded since the sixteenth round; a row without it ran 12, the default of its
+    day at every M. None for data-parallel (no period)."""
+    mode, h = (row.get("mode"), row.get("H", 12)) if isinstance(row, dict) else (row.mode, row.period)
+    return None if mode == "dp" else h
+
+
 def finish(results: dict, out: str | None) -> None:
     """Write ``results`` to ``out`` (if given) and print them as one JSON line, last."""
     results = {**results, "machine": machine()}

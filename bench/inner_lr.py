@@ -9,7 +9,8 @@ on batches of M x 8 at the same rate and schedule. ``--modes`` may add ``sync`` 
 ``--at-default`` runs each M at its own default rate only; ``--fetch-delay N`` sets the learners'
 ``DILOCO_FETCH_DELAY`` (-1: the H/4 of the thirteenth round and before); ``--one-slow X`` makes the
 last learner X times slower (its step time; the on-time quorum, the role default), ``bench.hetero``'s
-speed spread at X = 2.
+speed spread at X = 2; ``--sync-every H ...`` runs DiLoCo at those periods (default: the learner's
+for each M, ``learner.config.auto_sync_every``).
 
 Keys, per M: ``dp_best_lr_m<M>`` / ``dp_best_m<M>`` (the tuned baseline), ``<mode>_best_lr_m<M>`` /
 ``<mode>_best_m<M>`` (DiLoCo at its own best rate), ``gap_tuned_m<M>`` = (decoupled at its best rate -
@@ -22,6 +23,7 @@ run is one run: ``--seed`` repeats the sweep on other data.
     python -m bench.inner_lr --M 2 4 8 --lrs 0.008 0.016 0.024 0.032 --jobs 2 --out inner_lr.json
         (24 runs, about 20 min on 2 cores; --reuse FILE.json skips the runs a file holds)
     python -m bench.inner_lr --M 4 8 --at-default --modes sync decoupled --one-slow 2 --jobs 2
+    python -m bench.inner_lr --M 2 4 8 --at-default --sync-every 6 8 12 --jobs 2   (the period, sixteenth round)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import time
 
-from bench.common import fetch_delay_of, finish, parser, progress, reference_options, reused_rows, run_jobs
+from bench.common import fetch_delay_of, finish, parser, period_of, progress, reference_options, reused_rows, run_jobs
 
 MODES = ("dp", "sync", "decoupled")
 
@@ -55,8 +57,9 @@ def default_lr(model: dict, M: int) -> float:
 
 def configs(Ms: list[int], lrs: list[float] | dict[int, list[float]], modes: list[str], model: dict,
             tokens_per_param: float, batch: int, seed: int, quick: bool, fetch_delay: int | None = None,
-            one_slow: float = 1.0) -> list:
-    """The runs: every M at every rate of ``lrs`` (or of ``lrs[M]``) in every mode."""
+            one_slow: float = 1.0, periods: list[int] | None = None) -> list:
+    """The runs: every M at every rate of ``lrs`` (or of ``lrs[M]``) in every mode, DiLoCo at every
+    sync period of ``periods`` (None: the learner's default for M)."""
     from bench.algorithm import model_budget
     from simulation.reference import RefConfig
 
@@ -64,13 +67,14 @@ def configs(Ms: list[int], lrs: list[float] | dict[int, list[float]], modes: lis
     for M, steps in model_budget(model, tokens_per_param, Ms, batch).items():
         for lr in (lrs[M] if isinstance(lrs, dict) else lrs):
             for mode in modes:
-                extra: dict = {}  # (data-parallel and sync fetch nothing late and wait for no one)
-                if mode == "decoupled" and fetch_delay is not None:
-                    extra["fetch_delay"] = fetch_delay
-                if mode == "decoupled" and one_slow != 1.0:
-                    extra.update(step_times=(1.0,) * (M - 1) + (float(one_slow),), K=-1)
-                out.append(RefConfig(mode=mode, M=M, steps=steps, batch=batch, model=model, lr=lr, data_seed=seed,
-                                     eval_points=3 if quick else 8, **extra))
+                for H in ([0] if mode == "dp" or not periods else periods):
+                    extra: dict = {}  # (data-parallel and sync fetch nothing late and wait for no one)
+                    if mode == "decoupled" and fetch_delay is not None:
+                        extra["fetch_delay"] = fetch_delay
+                    if mode == "decoupled" and one_slow != 1.0:
+                        extra.update(step_times=(1.0,) * (M - 1) + (float(one_slow),), K=-1)
+                    out.append(RefConfig(mode=mode, M=M, steps=steps, batch=batch, model=model, lr=lr, data_seed=seed,
+                                         H=H, eval_points=3 if quick else 8, **extra))
     return out
 
 
@@ -81,12 +85,14 @@ def one(cfg) -> dict:
     r = run_reference(cfg)
     slow = max(cfg.step_times) / min(cfg.step_times) if cfg.step_times else 1.0
     return {"M": cfg.M, "mode": cfg.mode, "lr": cfg.lr, "steps": cfg.steps, "seed": cfg.data_seed,
-            "inner": cfg.inner_optimizer, "fetch_delay": fetch_delay_of(cfg),
+            "inner": cfg.inner_optimizer, "fetch_delay": fetch_delay_of(cfg), "H": period_of(cfg),
             "one_slow": slow, "eval_loss": float(r["eval_loss"]), "seconds": round(time.monotonic() - t0, 1)}
 
 
 def summary(rows: list[dict], defaults: dict[int, float]) -> dict:
     """The best rate of each mode and M, and the gaps against tuned data-parallel (module docstring)."""
+    from learner.config import auto_sync_every
+
     out: dict = {}
     for M in sorted({r["M"] for r in rows}):
         default = out[f"default_lr_m{M}"] = defaults[M]
@@ -100,7 +106,7 @@ def summary(rows: list[dict], defaults: dict[int, float]) -> dict:
             dp = best["dp"][0]
             out[f"gap_tuned_m{M}"] = round((best["decoupled"][0] - dp) / dp, 4)
             at_default = [r["eval_loss"] for r in rows if r["M"] == M and r["mode"] == "decoupled"
-                          and abs(r["lr"] - default) < 1e-12]
+                          and abs(r["lr"] - default) < 1e-12 and period_of(r) == auto_sync_every(M)]
             if at_default:
                 out[f"gap_default_m{M}"] = round((at_default[0] - dp) / dp, 4)
     return out
@@ -116,6 +122,8 @@ def main() -> None:
     p.add_argument("--fetch-delay", type=int, default=None,
                    help="the learners' DILOCO_FETCH_DELAY (default: the learner's; -1: H/4, the old default)")
     p.add_argument("--one-slow", type=float, default=1.0, help="the last learner this many times slower")
+    p.add_argument("--sync-every", type=int, nargs="+", default=None,
+                   help="DiLoCo's sync periods H to run (default: the learner's for each M)")
     reference_options(p)
     p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")
     a = p.parse_args()
@@ -131,21 +139,25 @@ def main() -> None:
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
     if a.one_slow < 1.0:
         p.error(f"--one-slow must be >= 1 (how many times slower the last learner is), got {a.one_slow}")
-    # rows of files before the fourteenth round: the learners' H/4 delay, equal speeds
-    old = {(*k[:5], fetch_delay_of(r), r.get("one_slow", 1.0)): r
+    if a.sync_every and min(a.sync_every) < 1:
+        p.error(f"--sync-every takes periods >= 1, got {a.sync_every}")
+    # rows of files before the fourteenth round: the learners' H/4 delay, equal speeds; before the
+    # sixteenth: H = 12
+    old = {(*k[:5], fetch_delay_of(r), r.get("one_slow", 1.0), period_of(r)): r
            for k, r in reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow")).items()}
-    items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick, a.fetch_delay, a.one_slow)
+    items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick, a.fetch_delay, a.one_slow, a.sync_every)
 
     def key(c) -> tuple:
         slow = max(c.step_times) / min(c.step_times) if c.step_times else 1.0
-        return (c.M, c.mode, c.lr, c.steps, c.data_seed, fetch_delay_of(c), slow)
+        return (c.M, c.mode, c.lr, c.steps, c.data_seed, fetch_delay_of(c), slow, period_of(c))
 
     todo = [c for c in items if key(c) not in old]
     reused = [old[key(c)] for c in items if key(c) in old]
     progress(f"{len(todo)} runs ({len(reused)} reused): M {Ms}, rates {lrs}, modes {a.modes}, {tpp} tokens/param, "
-             f"fetch delay {a.fetch_delay if a.fetch_delay is not None else 'default'}, one slow x{a.one_slow}")
-    rows = reused + run_jobs(one, todo, a.jobs,
-                             lambda r: f"M={r['M']} lr={r['lr']} {r['mode']}: {r['eval_loss']:.4f} ({r['seconds']} s)")
+             f"fetch delay {a.fetch_delay if a.fetch_delay is not None else 'default'}, one slow x{a.one_slow}, "
+             f"H {a.sync_every or 'default'}")
+    rows = reused + run_jobs(one, todo, a.jobs, lambda r: f"M={r['M']} lr={r['lr']} {r['mode']} H={r['H']}: "
+                                                          f"{r['eval_loss']:.4f} ({r['seconds']} s)")
     finish({"tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "fetch_delay": a.fetch_delay,
             "one_slow": a.one_slow, "rows": rows, **summary(rows, defaults)}, a.out)
 

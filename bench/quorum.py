@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from aggregator.quorum import AUTO
-from bench.common import fetch_delay_of, finish, parser, progress, reference_options, run_jobs
+from bench.common import fetch_delay_of, finish, parser, period_of, progress, reference_options, run_jobs
 
 SPEEDS = ("equal", "spread")
 QUORUMS = ("all", "half", "2", "1", "auto")
@@ -80,7 +80,7 @@ def item_row(item: tuple[str, Any]) -> dict:
     speeds, cfg = item
     return {"M": cfg.M, "mode": cfg.mode, "K": cfg.K or cfg.M, "speeds": speeds, "steps": cfg.steps,
             "seed": cfg.data_seed, "lr": inner_rate(cfg),
-            "fetch_delay": fetch_delay_of(cfg)}
+            "fetch_delay": fetch_delay_of(cfg), "H": period_of(cfg)}
 
 
 def one(item: tuple[str, Any]) -> dict:
@@ -100,7 +100,8 @@ def kname(K: int, M: int) -> str:
 def key(r: dict) -> tuple:
     """A row's identity (what --reuse matches; rows of before the rate was recorded match nothing: the
     default rate changed with them)."""
-    return (r["M"], r["mode"], r["K"], r["speeds"], r["steps"], r["seed"], r.get("lr"), fetch_delay_of(r))
+    return (r["M"], r["mode"], r["K"], r["speeds"], r["steps"], r["seed"], r.get("lr"), fetch_delay_of(r),
+            period_of(r))
 
 
 def summary(rows: list[dict]) -> dict:

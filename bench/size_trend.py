@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` as well as `python -m be
 
 import time
 
-from bench.common import fetch_delay_of, finish, parser, progress, reference_options, reused_rows, run_jobs
+from bench.common import fetch_delay_of, finish, parser, period_of, progress, reference_options, reused_rows, run_jobs
 
 #: the model sizes (the reference's model dicts); ``tiny`` and ``small`` are the reference's own
 SIZES: dict[str, dict] = {
@@ -77,7 +77,7 @@ def one(item: tuple[str, object]) -> dict:
     r = run_reference(cfg)  # type: ignore[arg-type]
     return {"size": size, "M": cfg.M, "mode": cfg.mode, "steps": cfg.steps, "seed": cfg.data_seed,  # type: ignore[attr-defined]
             "inner": cfg.inner_optimizer, "lr": inner_rate(cfg), "eval_loss": float(r["eval_loss"]),  # type: ignore[attr-defined]
-            "fetch_delay": fetch_delay_of(cfg),  # type: ignore[attr-defined]
+            "fetch_delay": fetch_delay_of(cfg), "H": period_of(cfg),  # type: ignore[attr-defined]
             "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -146,13 +146,13 @@ def main() -> None:
     # rows of before the rate was recorded match nothing (the default rate changed with them), and a
     # decoupled row without a fetch delay ran H/4 (the default before the fourteenth round)
     fields = ("size", "M", "mode", "steps", "seed", "lr", "fetch_delay")
-    old = {(*k[:-1], fetch_delay_of(r)): r for k, r in reused_rows(a.reuse, fields).items()}
+    old = {(*k[:-1], fetch_delay_of(r), period_of(r)): r for k, r in reused_rows(a.reuse, fields).items()}
     items = configs(sizes, Ms, a.modes, tpp, a.batch, a.seed, a.quick)
 
     def key(it: tuple) -> tuple:
         cfg = it[1]
         return (it[0], cfg.M, cfg.mode, cfg.steps, cfg.data_seed, inner_rate(cfg),
-                fetch_delay_of(cfg))
+                fetch_delay_of(cfg), period_of(cfg))
 
     todo = [it for it in items if key(it) not in old]
     reused = [old[key(it)] for it in items if key(it) in old]
