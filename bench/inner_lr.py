@@ -144,7 +144,7 @@ def main() -> None:
     # rows of files before the fourteenth round: the learners' H/4 delay, equal speeds; before the
     # sixteenth: H = 12
     old = {(*k[:5], fetch_delay_of(r), r.get("one_slow", 1.0), period_of(r)): r
-           for k, r in reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow")).items()}
+           for k, r in reused_rows(a.reuse, ("M", "mode", "lr", "steps", "seed", "fetch_delay", "one_slow", "H")).items()}
     items = configs(Ms, lrs, a.modes, model, tpp, a.batch, a.seed, a.quick, a.fetch_delay, a.one_slow, a.sync_every)
 
     def key(c) -> tuple:

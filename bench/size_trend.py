@@ -145,8 +145,8 @@ def main() -> None:
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
     # rows of before the rate was recorded match nothing (the default rate changed with them), and a
     # decoupled row without a fetch delay ran H/4 (the default before the fourteenth round)
-    fields = ("size", "M", "mode", "steps", "seed", "lr", "fetch_delay")
-    old = {(*k[:-1], fetch_delay_of(r), period_of(r)): r for k, r in reused_rows(a.reuse, fields).items()}
+    fields = ("size", "M", "mode", "steps", "seed", "lr", "fetch_delay", "H")
+    old = {(*k[:-2], fetch_delay_of(r), period_of(r)): r for k, r in reused_rows(a.reuse, fields).items()}
     items = configs(sizes, Ms, a.modes, tpp, a.batch, a.seed, a.quick)
 
     def key(it: tuple) -> tuple:
