@@ -94,7 +94,7 @@ def period_of(row: Any) -> int | None:
     """The sync period H a reference row ran with (a results row), or will run with (a ``RefConfig``),
     for ``--reuse``: recorded since the sixteenth round; a row without it ran 12, the default of its
     day at every M. None for data-parallel (no period)."""
-    mode, h = (row.get("mode"), row.get("H", 12)) if isinstance(row, dict) else (row.mode, row.period)
+    mode, h = (row.get("mode"), row.get("H", 12)) if isinstance(row, dict) else (row.mode, row.H)
     return None if mode == "dp" else h
 
 

@@ -9,8 +9,8 @@ on batches of M x 8 at the same rate and schedule. ``--modes`` may add ``sync`` 
 ``--at-default`` runs each M at its own default rate only; ``--fetch-delay N`` sets the learners'
 ``DILOCO_FETCH_DELAY`` (-1: the H/4 of the thirteenth round and before); ``--one-slow X`` makes the
 last learner X times slower (its step time; the on-time quorum, the role default), ``bench.hetero``'s
-speed spread at X = 2; ``--sync-every H ...`` runs DiLoCo at those periods (default: the learner's
-for each M, ``learner.config.auto_sync_every``).
+speed spread at X = 2; ``--sync-every H ...`` runs DiLoCo at those periods (default: the learner's,
+12).
 
 Keys, per M: ``dp_best_lr_m<M>`` / ``dp_best_m<M>`` (the tuned baseline), ``<mode>_best_lr_m<M>`` /
 ``<mode>_best_m<M>`` (DiLoCo at its own best rate), ``gap_tuned_m<M>`` = (decoupled at its best rate -
@@ -59,7 +59,7 @@ def configs(Ms: list[int], lrs: list[float] | dict[int, list[float]], modes: lis
             tokens_per_param: float, batch: int, seed: int, quick: bool, fetch_delay: int | None = None,
             one_slow: float = 1.0, periods: list[int] | None = None) -> list:
     """The runs: every M at every rate of ``lrs`` (or of ``lrs[M]``) in every mode, DiLoCo at every
-    sync period of ``periods`` (None: the learner's default for M)."""
+    sync period of ``periods`` (None: the learner's default)."""
     from bench.algorithm import model_budget
     from simulation.reference import RefConfig
 
@@ -67,7 +67,7 @@ def configs(Ms: list[int], lrs: list[float] | dict[int, list[float]], modes: lis
     for M, steps in model_budget(model, tokens_per_param, Ms, batch).items():
         for lr in (lrs[M] if isinstance(lrs, dict) else lrs):
             for mode in modes:
-                for H in ([0] if mode == "dp" or not periods else periods):
+                for H in ([RefConfig.H] if mode == "dp" or not periods else periods):
                     extra: dict = {}  # (data-parallel and sync fetch nothing late and wait for no one)
                     if mode == "decoupled" and fetch_delay is not None:
                         extra["fetch_delay"] = fetch_delay
@@ -91,8 +91,9 @@ def one(cfg) -> dict:
 
 def summary(rows: list[dict], defaults: dict[int, float]) -> dict:
     """The best rate of each mode and M, and the gaps against tuned data-parallel (module docstring)."""
-    from learner.config import auto_sync_every
+    from learner.config import LearnerConfig
 
+    default_h = LearnerConfig().sync_every
     out: dict = {}
     for M in sorted({r["M"] for r in rows}):
         default = out[f"default_lr_m{M}"] = defaults[M]
@@ -106,7 +107,7 @@ def summary(rows: list[dict], defaults: dict[int, float]) -> dict:
             dp = best["dp"][0]
             out[f"gap_tuned_m{M}"] = round((best["decoupled"][0] - dp) / dp, 4)
             at_default = [r["eval_loss"] for r in rows if r["M"] == M and r["mode"] == "decoupled"
-                          and abs(r["lr"] - default) < 1e-12 and period_of(r) == auto_sync_every(M)]
+                          and abs(r["lr"] - default) < 1e-12 and period_of(r) == default_h]
             if at_default:
                 out[f"gap_default_m{M}"] = round((at_default[0] - dp) / dp, 4)
     return out
@@ -123,7 +124,7 @@ def main() -> None:
                    help="the learners' DILOCO_FETCH_DELAY (default: the learner's; -1: H/4, the old default)")
     p.add_argument("--one-slow", type=float, default=1.0, help="the last learner this many times slower")
     p.add_argument("--sync-every", type=int, nargs="+", default=None,
-                   help="DiLoCo's sync periods H to run (default: the learner's for each M)")
+                   help="DiLoCo's sync periods H to run (default: the learner's, 12)")
     reference_options(p)
     p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")
     a = p.parse_args()

@@ -401,7 +401,7 @@ def model_setup(quick: bool, steps: int, M: int, P: int, workdir: str) -> dict:
     sp = {"d_model": spec.d_model, "n_layers": spec.n_layers, "n_heads": spec.n_heads, "d_ff": spec.d_ff,
           "seq_len": spec.seq_len}
     return {"env": env, "spec": sp, "opt": opt, "params": int(count_params(spec)), "batch": lc.batch_size,
-            "H": lc.period, "P": P, "eval": {"batches": ec.eval_batches, "batch_size": ec.eval_batch_size}}
+            "H": lc.sync_every, "P": P, "eval": {"batches": ec.eval_batches, "batch_size": ec.eval_batch_size}}
 
 
 def children_cpu_s() -> float:

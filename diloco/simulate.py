@@ -95,7 +95,7 @@ def resolve(a: argparse.Namespace) -> dict:
     from learner.config import LearnerConfig, ModelConfig
 
     size = QUICK if a.quick else FULL
-    H = a.sync_every or LearnerConfig(num_learners=a.learners).period  # the roles' defaults (not the environment's)
+    H = a.sync_every or LearnerConfig().sync_every  # the roles' defaults (not the environment's)
     P = a.fragments or (1 if a.mode == "sync" else ModelConfig().num_fragments)
     return {"M": a.learners, "H": int(H), "P": int(P), "mode": a.mode, "K": a.quorum or a.learners,
             "steps": a.steps or size["steps"], "model_preset": a.model_preset or ("tiny" if a.quick else "small"),

@@ -14,12 +14,6 @@ AUTO_LR_AT_64 = 0.008
 #: Muon's default rate is AdamW's times the learners expected over 2, from 1 to this (measured: data-parallel
 #: and Decoupled DiLoCo sweeps at M = 2, 4, 8, docs/BENCHMARKS.md "Thirteenth round")
 MUON_LR_SCALE_MAX = 3.0
-#: the default sync period H (DILOCO_SYNC_EVERY=0): this up to ``AUTO_H_LEARNERS`` learners expected,
-#: then ``AUTO_H * AUTO_H_LEARNERS / M``, at least ``AUTO_H_MIN`` (measured: the reference at M = 2, 4,
-#: 8 and two budgets, docs/BENCHMARKS.md "Sixteenth round")
-AUTO_H = 12
-AUTO_H_LEARNERS = 4
-AUTO_H_MIN = 6
 INNER_OPTIMIZERS = ("adamw", "muon")
 
 
@@ -37,18 +31,6 @@ def auto_inner_lr(d_model: int, optimizer: str, learners: int) -> float:
     if optimizer == "muon":
         rate *= min(MUON_LR_SCALE_MAX, max(1.0, int(learners) / 2))
     return rate
-
-
-def auto_sync_every(learners: int) -> int:
-    """The default sync period H for ``learners`` expected (DILOCO_NUM_LEARNERS): 12 up to 4, then
-    48 / M rounded, at least 6 (6 at 8 and beyond). More islands drift further apart in a period;
-    at M = 8 syncing twice as often gave a 1.4-2.1% lower held-out loss at one and at twice the
-    budget, while at M = 2 it cost 1.3% and at M = 4 it was a wash. Not measured past 8 islands, so
-    it does not go below 6 there."""
-    m = max(1, int(learners))
-    if m <= AUTO_H_LEARNERS:
-        return AUTO_H
-    return max(AUTO_H_MIN, round(AUTO_H * AUTO_H_LEARNERS / m))
 
 
 def warmup_for(warmup_steps: int, total_steps: int, fraction: float) -> int:
@@ -111,8 +93,7 @@ class LearnerConfig:
     compute: str = var("model", choice("model", "synthetic"),
                        "model: the JAX transformer; synthetic: sleep DILOCO_STEP_TIME per step with pseudo-gradients "
                        "(any mode; DILOCO_MODE=synthetic is async + synthetic)")
-    sync_every: int = var(0, integer(0, 1_000_000), "H: inner steps between two syncs of the same fragment (0: by "
-                          "the learners expected, DILOCO_NUM_LEARNERS: 12 up to 4, then 48 / M, at least 6)")
+    sync_every: int = var(12, integer(1, 1_000_000), "H: inner steps between two syncs of the same fragment")
     sync_window: int = var(1, integer(0, 1_000_000),
                            "rounds of a fragment sent and not yet merged into this learner's base before its next sync "
                            "of that fragment is deferred (the steps go out with the deferred sync; bounds staleness "
@@ -181,8 +162,8 @@ class LearnerConfig:
                              "to the schedule's rate at its step (0: at once; bench.restart measured 50 against 0)")
     shard_index: int = var(-1, integer(-1), "this learner's data shard (-1: derived from DILOCO_LEARNER_ID)")
     num_shards: int = var(0, integer(0), "data shards (0: DILOCO_NUM_LEARNERS)")
-    num_learners: int = var(4, integer(1, 100_000), "learners expected in the run (for data sharding, the default "
-                            "sync period DILOCO_SYNC_EVERY, and the built-in model's default Muon rate: DILOCO_INNER_LR)")
+    num_learners: int = var(4, integer(1, 100_000), "learners expected in the run (for data sharding, and the "
+                            "built-in model's default Muon rate: DILOCO_INNER_LR)")
     heartbeat_interval: float = var(1.0, number(0.05, 60), "seconds between heartbeats")
     step_time: float = var(0.05, number(0.0, 3600), "synthetic mode: seconds per inner step")
     slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer")
@@ -215,11 +196,6 @@ class LearnerConfig:
             return self.inner_lr
         n = self.num_learners if learners is None else learners
         return auto_inner_lr(d_model, self.inner_optimizer, n) if d_model else 0.0
-
-    @property
-    def period(self) -> int:
-        """H in force: DILOCO_SYNC_EVERY, or (0) by the learners expected (:func:`auto_sync_every`)."""
-        return self.sync_every or auto_sync_every(self.num_learners)
 
     @property
     def warmup(self) -> int:

@@ -176,9 +176,9 @@ class Presence:
 
     def _update_period(self, peers: dict[str, float]) -> None:
         mine = self.rate.rate(time.monotonic())
-        h = lp.dynamic_period(self.cfg.period, mine, list(peers.values()), current=self.book.period)
+        h = lp.dynamic_period(self.cfg.sync_every, mine, list(peers.values()), current=self.book.period)
         if self.book.set_period(h):
-            self.log.info("period_changed", period=h, H=self.cfg.period, tokens_per_s=round(mine, 1),
+            self.log.info("period_changed", period=h, H=self.cfg.sync_every, tokens_per_s=round(mine, 1),
                           fastest=round(max(peers.values(), default=mine), 1))
 
     # -- what became of our work (learner.fate) ----------------------------------------------------

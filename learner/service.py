@@ -164,7 +164,7 @@ class Learner(IslandCore, Presence):
 
     def _new_book(self, start_step: int) -> lp.Bookkeeper:
         cfg = self.cfg
-        return lp.Bookkeeper(self.P, cfg.period, self.tokens_per_step, staggered=cfg.mode != "sync",
+        return lp.Bookkeeper(self.P, cfg.sync_every, self.tokens_per_step, staggered=cfg.mode != "sync",
                              window=cfg.sync_window if cfg.mode != "sync" else 0, start_step=start_step,
                              hold=cfg.sync_hold)
 
@@ -251,7 +251,7 @@ class Learner(IslandCore, Presence):
         ef = cfg.error_feedback and cfg.quantiser != "fp32"
         residual = self.residual_dtype if ef else None
         self.log.info("starting", mode=cfg.mode, model=self.model_hash, plan=self.plan.plan_hash(),
-                      fragments=self.P, sizes=list(self.plan.sizes), H=cfg.period,
+                      fragments=self.P, sizes=list(self.plan.sizes), H=cfg.sync_every,
                       quantiser=cfg.quantiser, residual=residual, **data)
         if residual == "bfloat16" and cfg.quantiser in codec.sparse.SPARSE:
             self.log.warning("residual_rounded", quantiser=cfg.quantiser,

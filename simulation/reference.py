@@ -210,7 +210,7 @@ class Reference:
                 batches = corrupted(batches, cfg.byzantine_seed * 1000 + m)
             be = s.backend(batches)
             be.load(v0)
-            book = Bookkeeper(self.P, cfg.period, s.tokens_per_step, staggered=staggered)
+            book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered)
             for p in range(self.P):
                 book.on_merged(p, 0)
             self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * self.P,

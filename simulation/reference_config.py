@@ -69,7 +69,7 @@ class RefConfig:
     inner_optimizer: str = _L("inner_optimizer")  # adamw or muon (learner.inner)
     muon_rms: float = _L("muon_rms")  # Muon's update RMS as a share of the rate
     # outer schedule: the learner's and the model's defaults
-    H: int = _L("sync_every")  # 0: the learner's default for M (learner.config.auto_sync_every)
+    H: int = _L("sync_every")
     P: int = _MODEL("num_fragments")
     quantiser: str = _L("quantiser")
     error_feedback: bool = _L("error_feedback")
@@ -139,18 +139,11 @@ class RefConfig:
     # record every merge's cosines between its contributions (the trust check's inputs; bench.noniid)
     record_trust: bool = False
 
-    @property
-    def period(self) -> int:
-        """H in force: ``H``, or (0) the learner's default for M (learner.config.auto_sync_every)."""
-        from learner.config import auto_sync_every
-
-        return self.H or auto_sync_every(self.M)
-
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.M < 1 or self.steps < 1 or self.batch < 1 or self.H < 0 or self.P < 1:
-            raise ValueError("M, steps, batch and P must be >= 1, H >= 0")
+        if self.M < 1 or self.steps < 1 or self.batch < 1 or self.H < 1 or self.P < 1:
+            raise ValueError("M, steps, batch, H and P must be >= 1")
         if self.step_times is not None and len(self.step_times) != self.M:
             raise ValueError(f"step_times needs {self.M} values, got {len(self.step_times)}")
         if self.byzantine not in BYZANTINE:

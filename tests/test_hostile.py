@@ -103,7 +103,7 @@ def test_every_variable_refuses_a_bad_value_with_one_line():
 
 
 @pytest.mark.parametrize("role, var, value", [
-    ("learner", "DILOCO_SYNC_EVERY", "-1"),
+    ("learner", "DILOCO_SYNC_EVERY", "0"),
     ("aggregator", "DILOCO_QUORUM", "many"),
     ("monitor", "DILOCO_EVICT_AFTER", "-1"),
 ])

@@ -176,27 +176,6 @@ def test_the_learner_takes_its_inner_optimizer_from_diloco_inner_optimizer():
         from_env(LearnerConfig, {"DILOCO_INNER_OPTIMIZER": "sgd"})
 
 
-def test_the_default_sync_period_follows_the_learners_expected():
-    """docs/learner.md, "Defaults": H is 12 up to 4 learners expected, then 48 / M, at least 6 (the
-    reference at M = 2, 4, 8, docs/BENCHMARKS.md "Sixteenth round"); a number in DILOCO_SYNC_EVERY
-    wins, a negative one is a one-line error; the reference takes the same default for its M."""
-    from bus.config import ConfigError, from_env
-    from learner.config import LearnerConfig, auto_sync_every
-    from simulation.reference_config import RefConfig
-
-    def period(**env) -> int:
-        return from_env(LearnerConfig, {k: str(v) for k, v in env.items()}).period
-
-    assert [period(DILOCO_NUM_LEARNERS=m) for m in (1, 2, 4, 5, 6, 8, 16, 10**5)] == [12, 12, 12, 10, 8, 6, 6, 6]
-    assert period() == 12  # DILOCO_NUM_LEARNERS' default: 4
-    assert period(DILOCO_SYNC_EVERY=30, DILOCO_NUM_LEARNERS=8) == 30
-    assert period(DILOCO_SYNC_EVERY=0, DILOCO_NUM_LEARNERS=8) == 6
-    with pytest.raises(ConfigError, match="DILOCO_SYNC_EVERY='-1'"):
-        from_env(LearnerConfig, {"DILOCO_SYNC_EVERY": "-1"})
-    assert [RefConfig(M=m).period for m in (2, 4, 8)] == [auto_sync_every(m) for m in (2, 4, 8)] == [12, 12, 6]
-    assert RefConfig(M=8, H=12).period == 12
-
-
 def test_the_default_rate_follows_width_inner_optimizer_and_the_learners_expected():
     """docs/learner.md, "Defaults": AdamW 0.008 at d_model <= 64, then 1/width; Muon that times
     DILOCO_NUM_LEARNERS / 2, from 1 to 3 (the reference's sweeps, docs/BENCHMARKS.md "Thirteenth
