@@ -51,6 +51,10 @@ class Int8Vector:
         start, stop, step = sl.indices(self.size)
         if step != 1 or not out.flags.c_contiguous:
             raise ValueError("an Int8Vector is read by step-1 slices into a contiguous buffer")
+        with np.errstate(over="ignore", invalid="ignore"):  # a forged scale gives inf or nan: validation
+            return self._read(start, stop, out)  # rejects it (all_finite), without a RuntimeWarning
+
+    def _read(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
         q = self.qblock
         o = out[:max(0, stop - start)]
         i = start

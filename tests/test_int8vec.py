@@ -55,6 +55,7 @@ def test_norm_merge_and_sample_equal_the_decoded_bit_for_bit(n):
     assert n <= SAMPLE or samples(lazy).shape[1] <= SAMPLE
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a forged scale is rejected, not warned about on stderr
 def test_a_non_finite_scale_is_caught_as_the_decoded_array_would_be():
     from aggregator.validate import validate
     from tests.test_aggregator_validate import context, make
