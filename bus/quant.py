@@ -27,6 +27,10 @@ import numpy as np
 
 QUANTISERS = ("fp32", "bf16", "int8", "int4", "e3m0", "int2")
 DEFAULT_BLOCK = 256
+#: the smallest block scale that is inverted: below it (a subnormal scale, a block of values under
+#: about 1e-36) 1/scale overflows float32, and the block is sent as the codes of zero instead of
+#: garbage (int2, without a zero level, as a third of its largest value)
+_INVERTIBLE = np.finfo(np.float32).tiny
 
 
 class QuantError(ValueError):
@@ -110,21 +114,21 @@ def quantise(x: np.ndarray, name: str, block: int = DEFAULT_BLOCK) -> list[np.nd
     if name == "int8" or name == "int4":
         levels = 127.0 if name == "int8" else 7.0
         scale = amax / np.float32(levels)
-        inv = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale > 0)
+        inv = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale >= _INVERTIBLE)
         q = np.rint(xb * inv[:, None])
         if name == "int8":
             return [scale, q.astype(np.int8).reshape(-1)[: x.size]]
         codes = (q.astype(np.int8) + 8).astype(np.uint8).reshape(-1)
         return [scale, _pack_nibbles(codes)]
     if name == "int2":
-        inv = np.divide(np.float32(1.0), amax, out=np.zeros_like(amax), where=amax > 0)
+        inv = np.divide(np.float32(1.0), amax, out=np.zeros_like(amax), where=amax >= _INVERTIBLE)
         c = np.rint((xb * inv[:, None] * 3 + 3) * 0.5)
         np.clip(c, 0, 3, out=c)
         return [amax, _pack_crumbs(c.astype(np.uint8).reshape(-1))]
     # e3m0: magnitude level k in 1..7 means s * 2**(k-7); k = 0 means zero. With y = |x| / s in
     # [0, 1] written as 1.m * 2**E, the nearest power of two in linear space is 2**(E+1) when the
     # top mantissa bit is set (1.m >= 1.5), else 2**E: pure integer work on the float bits.
-    inv = np.divide(np.float32(1.0), amax, out=np.zeros_like(amax), where=amax > 0)
+    inv = np.divide(np.float32(1.0), amax, out=np.zeros_like(amax), where=amax >= _INVERTIBLE)
     y = np.abs(xb) * inv[:, None]
     bits = y.view(np.uint32)
     k = (bits >> 23).astype(np.int16) - np.int16(127 - 7) + ((bits >> 22) & 1).astype(np.int16)
@@ -145,7 +149,7 @@ def quantise_int8_into(x: np.ndarray, scales: np.ndarray, codes: np.ndarray, scr
     xb = x.reshape(nb, block)
     amax = _absmax(xb)
     np.divide(amax, np.float32(127.0), out=scales)
-    inv = np.divide(np.float32(1.0), scales, out=np.zeros_like(scales), where=scales > 0)
+    inv = np.divide(np.float32(1.0), scales, out=np.zeros_like(scales), where=scales >= _INVERTIBLE)
     t = scratch[:n].reshape(nb, block)
     np.multiply(xb, inv[:, None], out=t)
     np.rint(t, out=t)

@@ -59,6 +59,25 @@ def test_error_bound_property(x, name, block):
     assert np.all(err <= bound + 1e-30)
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_block_of_subnormal_values_goes_as_zeros_without_a_warning():
+    """A block whose scale is subnormal: 1/scale would overflow (inf, then nan codes cast to int8:
+    garbage, and RuntimeWarnings in the learner's log); it is sent as the codes of zero (int2, which
+    has no zero level, as a third of the block's largest value); a block beside it is unaffected, and
+    the in-place int8 path agrees bit for bit."""
+    x = np.zeros(512, np.float32)
+    x[:256] = np.linspace(-1e-39, 1e-39, 256, dtype=np.float32)  # subnormal values, scale ~8e-42
+    x[256:] = np.linspace(-1.0, 1.0, 256, dtype=np.float32)
+    for name in quant.QUANTISERS:
+        y = quant.roundtrip(x, name, 256)
+        assert np.all(np.abs(y[:256].astype(np.float64) - x[:256]) <= 2 * np.abs(x[:256]).max()), name
+        assert np.array_equal(y[256:], quant.roundtrip(x[256:], name, 256)), name
+    scales, codes = np.empty(2, np.float32), np.empty(512, np.int8)
+    quant.quantise_int8_into(x, scales, codes, np.empty(512, np.float32), 256)
+    ref = quant.quantise(x, "int8", 256)
+    assert np.array_equal(scales, ref[0]) and np.array_equal(codes, ref[1]) and not codes[:256].any()
+
+
 def test_int8_and_4bit_are_small_and_e3m0_keeps_sign_and_scale():
     x = _vec(1 << 16)
     sizes = {q: len(codec.encode_array(x, q)) for q in quant.QUANTISERS}
