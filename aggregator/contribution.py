@@ -85,7 +85,12 @@ def from_grad_message(meta: dict, blob, out=None) -> Contribution:
     meta = parse_grad_meta(meta)
     h, shape, parts = codec.decode_parts(blob)
     lazy = from_parts(parts, math.prod(shape), h["b"]) if h["q"] == "int8" and len(shape) == 1 else None
-    vec = lazy if lazy is not None else np.asarray(codec.decode_array(blob, out))  # its shape is checked, never mended
+    vec: Vector
+    if lazy is not None:
+        vec = lazy
+    else:  # its shape is checked, never mended; a forged inf/nan scale is caught by validation (non_finite)
+        with np.errstate(over="ignore", invalid="ignore"):
+            vec = np.asarray(codec.decode_array(blob, out))
     return Contribution(run=meta["run"], model_hash=meta["model"], learner=meta["learner"],
                         incarnation=meta["inc"], fragment=meta["frag"], round=meta["round"],
                         base_version=meta["base"], inner_steps=meta["steps"], tokens=meta["tokens"], vector=vec,

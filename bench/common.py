@@ -93,7 +93,8 @@ def fetch_delay_of(row: Any) -> int | None:
 def period_of(row: Any) -> int | None:
     """The sync period H a reference row ran with (a results row), or will run with (a ``RefConfig``),
     for ``--reuse``: recorded since the sixteenth round; a row without it ran 12, the default of its
-    day at every M. None for data-parallel (no period)."""
+    day at every M (except rows written by a tree of 2026-12-05 13:07-13:26, when an M rule was the
+    default for a while: do not reuse those). None for data-parallel (no period)."""
     mode, h = (row.get("mode"), row.get("H", 12)) if isinstance(row, dict) else (row.mode, row.H)
     return None if mode == "dp" else h
 

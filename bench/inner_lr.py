@@ -13,9 +13,10 @@ speed spread at X = 2; ``--sync-every H ...`` runs DiLoCo at those periods (defa
 12).
 
 Keys, per M: ``dp_best_lr_m<M>`` / ``dp_best_m<M>`` (the tuned baseline), ``<mode>_best_lr_m<M>`` /
-``<mode>_best_m<M>`` (DiLoCo at its own best rate), ``gap_tuned_m<M>`` = (decoupled at its best rate -
-tuned data-parallel) / tuned data-parallel, ``gap_default_m<M>`` = (decoupled at the default rate -
-tuned data-parallel) / tuned data-parallel (what a user gets against a tuned baseline), and
+``<mode>_best_m<M>`` (DiLoCo at its own best rate, and period of ``--sync-every``: ``<mode>_best_H_m<M>``),
+``gap_tuned_m<M>`` = (decoupled at its best rate and period - tuned data-parallel) / tuned
+data-parallel, ``gap_default_m<M>`` = (decoupled at the default rate and period - tuned
+data-parallel) / tuned data-parallel (what a user gets against a tuned baseline), and
 ``default_lr_m<M>`` (``learner.config``'s rate for the model's width, inner optimizer and M learners). A figure of one
 run is one run: ``--seed`` repeats the sweep on other data.
 
@@ -97,12 +98,14 @@ def summary(rows: list[dict], defaults: dict[int, float]) -> dict:
     out: dict = {}
     for M in sorted({r["M"] for r in rows}):
         default = out[f"default_lr_m{M}"] = defaults[M]
-        best: dict[str, tuple[float, float]] = {}
+        best: dict[str, tuple[float, float, int | None]] = {}
         for r in rows:
             if r["M"] == M and (r["mode"] not in best or r["eval_loss"] < best[r["mode"]][0]):
-                best[r["mode"]] = (r["eval_loss"], r["lr"])
-        for mode, (loss, lr) in best.items():
+                best[r["mode"]] = (r["eval_loss"], r["lr"], period_of(r))
+        for mode, (loss, lr, h) in best.items():
             out[f"{mode}_best_m{M}"], out[f"{mode}_best_lr_m{M}"] = round(loss, 4), lr
+            if h is not None:
+                out[f"{mode}_best_H_m{M}"] = h
         if "dp" in best and "decoupled" in best:
             dp = best["dp"][0]
             out[f"gap_tuned_m{M}"] = round((best["decoupled"][0] - dp) / dp, 4)
@@ -160,7 +163,7 @@ def main() -> None:
     rows = reused + run_jobs(one, todo, a.jobs, lambda r: f"M={r['M']} lr={r['lr']} {r['mode']} H={r['H']}: "
                                                           f"{r['eval_loss']:.4f} ({r['seconds']} s)")
     finish({"tokens_per_param": tpp, "seed": a.seed, "quick": a.quick, "fetch_delay": a.fetch_delay,
-            "one_slow": a.one_slow, "rows": rows, **summary(rows, defaults)}, a.out)
+            "one_slow": a.one_slow, "sync_every": a.sync_every, "rows": rows, **summary(rows, defaults)}, a.out)
 
 
 if __name__ == "__main__":

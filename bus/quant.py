@@ -27,10 +27,11 @@ import numpy as np
 
 QUANTISERS = ("fp32", "bf16", "int8", "int4", "e3m0", "int2")
 DEFAULT_BLOCK = 256
-#: the smallest block scale that is inverted: below it (a subnormal scale, a block of values under
-#: about 1e-36) 1/scale overflows float32, and the block is sent as the codes of zero instead of
-#: garbage (int2, without a zero level, as a third of its largest value)
-_INVERTIBLE = np.finfo(np.float32).tiny
+#: the smallest block scale whose reciprocal is finite in float32 (just above 2**-128): below it
+#: 1/scale overflowed (inf, then nan codes cast to int8), and the block is sent as the codes of zero
+#: instead (int2, without a zero level, as a third of its largest value); every block with a scale
+#: at or above it is coded exactly as before
+_INVERTIBLE = np.nextafter(np.float32(2.0**-128), np.float32(1.0))
 
 
 class QuantError(ValueError):

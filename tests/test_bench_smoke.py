@@ -137,5 +137,6 @@ def test_inner_lr_summary_reads_the_gap_against_tuned_data_parallel():
     rows8 = [{"M": 8, "mode": "dp", "lr": 0.024, "eval_loss": 1.5}, {"M": 8, "mode": "decoupled", "lr": 0.024,
              "eval_loss": 1.65}, {"M": 8, "mode": "decoupled", "lr": 0.024, "H": 6, "eval_loss": 1.62}]
     s = summary(rows8, {8: 0.024})
-    assert s["gap_default_m8"] == 0.1 and s["gap_tuned_m8"] == 0.08
+    assert s["gap_default_m8"] == 0.1 and s["gap_tuned_m8"] == 0.08 and s["decoupled_best_H_m8"] == 6
+    assert "dp_best_H_m8" not in s
     assert "gap_default_m8" not in summary([rows8[0], rows8[2]], {8: 0.024})

@@ -295,18 +295,21 @@ async def test_versioned_store_newest_complete_version_and_monotonic_watch(js):
                 stop.set()
 
     t = asyncio.create_task(watcher())
-    # the watcher is subscribed once it has the newest of both fragments (a fixed sleep here lost
-    # the race on a loaded CI machine: it subscribed after version 4 and saw the stale head last)
-    for _ in range(200):
-        if len(seen) == 2:
-            break
-        await asyncio.sleep(0.05)
-    assert sorted(seen) == [(0, 3), (1, 3)]
-    await store.put(0, 4, codec.encode_array(np.full(10, 4, np.float32)))
-    # a stale head (an older version's, published by hand) is not delivered to watchers
-    await js.publish(S.versioned_head(GLOBAL, 0), committed.to_bytes())
-    await store.put(0, 5, codec.encode_array(np.full(10, 5, np.float32)))
-    await asyncio.wait_for(t, 10)
+    try:
+        # the watcher is subscribed once it has the newest of both fragments (a fixed sleep here lost
+        # the race on a loaded CI machine: it subscribed after version 4 and saw the stale head last)
+        for _ in range(200):
+            if len(seen) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(seen) == [(0, 3), (1, 3)]
+        await store.put(0, 4, codec.encode_array(np.full(10, 4, np.float32)))
+        # a stale head (an older version's, published by hand) is not delivered to watchers
+        await js.publish(S.versioned_head(GLOBAL, 0), committed.to_bytes())
+        await store.put(0, 5, codec.encode_array(np.full(10, 5, np.float32)))
+        await asyncio.wait_for(t, 10)
+    finally:
+        stop.set()
     assert sorted(seen) == [(0, 3), (0, 4), (0, 5), (1, 3)]
 
 

@@ -74,5 +74,20 @@ def test_a_non_finite_scale_is_caught_as_the_decoded_array_would_be():
         v.read(slice(0, 512, 2), np.empty(512, np.float32))
     nan = Int8Vector(np.full(1, np.nan, np.float32), np.zeros(256, np.int8), 256)
     assert validate(make(vector=nan), context(fragment_sizes={0: 256}, max_inner_lr=None)) == Reason.non_finite
+    # the eager decode of the other codecs (and of int8 that is not whole blocks) is as quiet
+    from aggregator.contribution import from_grad_message
+    from bus import codec
+    from bus.protocol import grad_meta
+
+    meta = grad_meta(run="r", model="h", learner="l", incarnation="i", fragment=0, round_=0, base_version=0,
+                     inner_steps=1, tokens=1, region="x")
+    for q in ("int4", "e3m0", "int2", "int8"):
+        blob = codec.encode_array(np.linspace(-1, 1, 300, dtype=np.float32), q)
+        _, off = codec.decode_header(blob)
+        blob[off:off + 4] = np.float32(np.inf).tobytes()  # the first block's scale
+        vec = from_grad_message(meta, blob).vector
+        assert isinstance(vec, np.ndarray) and not np.isfinite(vec).all(), q
+        assert validate(make(vector=vec), context(fragment_sizes={0: 300}, max_inner_lr=None,
+                                                  norm_outlier_factor=None)) == Reason.non_finite, q
     ok = Int8Vector(np.full(1, 1e-3, np.float32), np.ones(256, np.int8), 256)
     assert validate(make(vector=ok), context(fragment_sizes={0: 256}, norm_outlier_factor=None)) is None
