@@ -1,7 +1,6 @@
-"""The aggregator's durability: the merge log, checkpoints, and recovery by replay.
-
-A mixin of ``aggregator.service.AggregatorService``; the pure parts (records, replay, the
-checkpoint policy) are ``aggregator.mlog``.
+"""The merge-log stage of a fragment's pipeline: the write-ahead record of each merge, checkpoints,
+and recovery by replay (:class:`MergeLog`). The pure parts (records, replay, the checkpoint
+policy) are ``aggregator.mlog``.
 
 * **Write-ahead**: a merge of fragment p into version v+1 is committed by its
   :class:`~aggregator.mlog.MergeRecord` on ``state.<p>.log.<slot>`` (STATE stream, message id
@@ -18,6 +17,13 @@ checkpoint policy) are ``aggregator.mlog``.
   ``DILOCO_STREAM_MAX_AGE``, or evicted at its byte limit) cannot be replayed: its version is
   taken as applied without its effect, logged as an error, counted (``replay_lost``) and recorded in
   an ``events.recovered`` event.
+
+The stage's own state: per fragment its log position (the newest checkpoint, what the log holds
+beyond it, the GRAD sequences it points to), the merge waiting for its record (the merge stage's
+queue into this stage: one per fragment, the fragment merges nothing else meanwhile), the
+checkpoints being stored, and what it last saw of the GRAD stream. The fragments' states are the
+merge stage's (``aggregator.versions``): this stage reads them to checkpoint them, and hands back
+a state it read from the store (:class:`Committed`); it never replaces one itself.
 """
 
 from __future__ import annotations
@@ -25,133 +31,177 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from nats.js.errors import NotFoundError
 
-from aggregator.contribution import from_grad_message
-from aggregator.publisher import Publisher
+from aggregator.contribution import Contribution, from_grad_message
 from aggregator.mlog import (CheckpointPolicy, LogPosition, MergeRecord, applied_without_replay, checkpoint_may_start,
                              early_checkpoint_pays, grad_backlog_behind, log_slots, replay_one, stream_overtaking)
 from aggregator.step import FragmentState
 from bus import codec
 from bus.chunks import Gather
 from bus.runs import RunMismatch
-from bus.streams import STATE_ARRAYS, ensure_run
+from bus.streams import STATE_ARRAYS
+from bus.subjects import Subjects
 from bus.transport import TransportError, VersionConflict, fetch_object
 
-#: versions of one fragment encoded and waiting for their publisher (aggregator.publisher): beyond
-#: it the fragment merges nothing until one is out
-PUBLISH_QUEUE = 2
-#: seconds without a stored write after which the aggregator writes its ``state_probe``: an
-#: aggregator with nothing to merge learns of a full store too (and says so)
-STORE_IDLE_PROBE = 10.0
-#: bytes of that probe: as much as a chunk of a small fragment, more than a filesystem block, so
-#: that it does not fit in the unused end of a block the stream has already written (a tiny write
-#: is stored there on a full disk: measured on tmpfs, docs/RELIABILITY.md)
-STATE_PROBE_BYTES = 64 * 1024
+#: ``republish(p, state, published)``: a replayed version the global store lacks, published in
+#: order while recovering (the merge stage's; False if the server refused)
+Republish = Callable[[int, FragmentState, int], Awaitable[bool]]
 
 
-class Durability:
-    """Merge log, checkpoints and replay for an ``AggregatorService``."""
+@dataclass
+class Uncommitted:
+    """A merge whose record is not stored yet: the fragment's version before it, the record, its
+    contributions (acknowledged once the record is stored), their first arrival, why it merged,
+    and when the merge began."""
 
-    if TYPE_CHECKING:
-        def __getattr__(self, name: str) -> Any: ...
-        states: dict[int, FragmentState]
-        logpos: dict[int, LogPosition]
-        _grad_checked: float
-        _grad_limit: int
-        _grad_behind: bool
-        _ckpt_tasks: dict[int, asyncio.Task]
-        _ckpt_size: dict[int, int]
-        _logseqs: dict[int, deque]
-        publisher: Publisher
+    before: int
+    rec: MergeRecord
+    items: list
+    first: float
+    reason: str
+    t0: float
+
+
+@dataclass
+class Committed:
+    """What :meth:`MergeLog.commit` did with a merge. ``stored``: its record is in the log (False:
+    the store was full, and the merge was undone). ``done``: the contributions it applied, to be
+    acknowledged; ``back``: those to buffer again, unacknowledged, for a later merge; ``state``: the
+    fragment's state read back from the store, which replaces the one in memory (None: the merge's
+    own stands)."""
+
+    merge: Uncommitted
+    stored: bool
+    done: list
+    back: list
+    state: FragmentState | None = None
+
+
+class MergeLog:
+    """The merge log, checkpoints and replay of an aggregator's fragments."""
+
+    def __init__(self, js: Any, run: str, cfg: Any, plan: Any, model_hash: str, owned: range, momentum_dtype: str,
+                 sstore: Any, store_watch: Any, stats: Any, log: Any, states: dict[int, FragmentState]):
+        self.js, self.run, self.s, self.cfg = js, run, Subjects(run), cfg
+        self.plan, self.model_hash, self.owned, self.momentum_dtype = plan, model_hash, owned, momentum_dtype
+        self.sstore, self.store_watch, self.stats, self.log = sstore, store_watch, stats, log
+        self.states = states  # the merge stage's, read here (checkpoints), never replaced here
+        self.logpos: dict[int, LogPosition] = {}  # per fragment: newest checkpoint, log beyond it
+        self.uncommitted: dict[int, Uncommitted] = {}  # fragment -> a merge whose record is not stored yet
+        self.ckpt_size: dict[int, int] = {}  # fragment -> bytes of its newest checkpoint
+        self.ckpt_tasks: dict[int, asyncio.Task] = {}  # fragment -> its checkpoint being stored
+        self.logseqs: dict[int, deque] = {}  # fragment -> (version, oldest GRAD seq, bytes) of records committed
+        self.grad_checked = 0.0  # when the GRAD stream's first sequence was last looked at
+        self.grad_limit = 0  # ... and its byte limit then
+        self.grad_behind = False  # ... and whether it held mostly work not read yet (aggregator.mlog)
 
     # -- the log ----------------------------------------------------------------------------------
 
-    def _slots(self) -> int:
+    def slots(self) -> int:
         return log_slots(self.cfg.checkpoint_every)
 
-    def _log_blocked(self, p: int) -> bool:
+    def blocks(self, p: int) -> bool:
         """Fragment p may not merge: its last record is not committed yet, its checkpoint is being
-        stored from its arrays (``_snapshot``), its log since the newest checkpoint fills the slots
+        stored from its arrays (``snapshot``), its log since the newest checkpoint fills the slots
         a replay needs (the checkpoint is behind), or the store does not take writes (a full disk:
         ``store_watch``)."""
         pos = self.logpos.get(p)
-        return (p in self.uncommitted or self.publisher.waiting(p) >= PUBLISH_QUEUE or self.store_watch.faulted
-                or self._checkpointing(p)
+        return (p in self.uncommitted or self.store_watch.faulted or self.checkpointing(p)
                 or (pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every))
 
-    async def _undo(self, p: int, rec: MergeRecord, items: list) -> bool:
-        """The store is full and merge ``rec`` of fragment p could not be stored: go back to what is
-        durable (its checkpoint and log, read back as a restart would) and put the contributions
-        back in the buffer, unacknowledged, for a merge once the store writes again. The state in
-        memory is then never ahead of the stored one while merging is paused. False if that cannot
-        be read, or the record turns out to be stored: the record is then retried as it is."""
+    def note_restart(self, p: int, norms: list) -> None:
+        """An outlier-reference restart of fragment p (``aggregator.validate.OutlierWatch``): logged
+        with the fragment's next merge, so a replay makes it at the same point."""
+        if p in self.logpos:
+            self.logpos[p].restarts.append([float(x) for x in norms])
+
+    def take_restarts(self, p: int) -> tuple:
+        """The restarts the next merge of p carries in its record (and forgets them here)."""
+        pos = self.logpos[p]
+        restarts = tuple(tuple(r) for r in pos.restarts)
+        pos.restarts = []
+        return restarts
+
+    def started(self, p: int, version: int) -> None:
+        """Fragment p starts at ``version`` with a checkpoint of it stored and nothing logged."""
+        self.logpos[p] = LogPosition(version, time.monotonic())
+
+    def add(self, p: int, merge: Uncommitted) -> None:
+        """A merge of p to commit (:meth:`commit`); p merges nothing else until it is committed."""
+        assert p not in self.uncommitted, f"fragment {p} has a merge waiting for its record"
+        self.uncommitted[p] = merge
+
+    async def commit(self, p: int) -> Committed | None:
+        """Write-ahead: store the record of p's waiting merge. None while it is not stored (retried
+        as it is on a later call: a lost ack may hide a stored record); else what was committed, or
+        undone when the store is full (the state read back from the store, and every contribution
+        to buffer again)."""
+        u = self.uncommitted[p]
+        if self.store_watch.faulted and not self.store_watch.may_write():
+            return None  # the store is full: one write every few seconds
+        other = None
+        items = u.items
+        back: list = []
+        state = None
+        try:
+            other = await self._put(u.rec)
+            if other is not None:
+                state, items, back = await self._adopt(p, other, u.items)
+        except Exception as e:  # not committed: nothing acked; the same record is retried
+            if await self.store_watch.failed(e):  # a full store (said once): back to what is stored
+                return await self._undo(p, u)
+            self.log.error("merge_log_failed", fragment=p, version=u.rec.version, error=repr(e))
+            return None
+        self.store_watch.stored()
+        del self.uncommitted[p]
+        pos = self.logpos[p]
+        seqs = [q for x in items for q in x.seqs]
+        nbytes = sum(x.nbytes for x in items)
+        if other is None:  # (an adopted record is in the log position the recovery rebuilt)
+            pos.versions_since += 1
+            pos.bytes_since += nbytes
+        if seqs:
+            pos.oldest_seq = min(seqs) if pos.oldest_seq is None else min(pos.oldest_seq, *seqs)
+            self.logseqs.setdefault(p, deque()).append((u.rec.version, min(seqs), nbytes))
+        return Committed(u, True, items, back, state)
+
+    async def _undo(self, p: int, u: Uncommitted) -> Committed | None:
+        """The store is full and merge ``u`` of fragment p could not be stored: go back to what is
+        durable (its checkpoint and log, read back as a restart would) and hand every contribution
+        back, unacknowledged, for a merge once the store writes again. The state in memory is then
+        never ahead of the stored one while merging is paused. None if that cannot be read, or the
+        record turns out to be stored: the record is then retried as it is."""
         before = self.logpos.get(p)
         try:
-            st = await self._recover_fragment(p, announce=False)
+            st = await self.recover_fragment(p, announce=False)
         except Exception as e:  # noqa: BLE001 - reads failing too: keep the record, retried as it is
-            self.log.debug("merge_undo_failed", fragment=p, version=rec.version, error=repr(e))
+            self.log.debug("merge_undo_failed", fragment=p, version=u.rec.version, error=repr(e))
             st = None
-        if st is None or st.version >= rec.version:
+        if st is None or st.version >= u.rec.version:
             if before is not None:
                 self.logpos[p] = before
-            return False
-        for r in rec.restarts:  # the outlier-reference restarts it carried go with the next record
+            return None
+        for r in u.rec.restarts:  # the outlier-reference restarts it carried go with the next record
             st.norms.restart(p, list(r))
             self.logpos[p].restarts.append(list(r))
-        self.states[p] = st
-        self.buffers[p] = list(items) + self.buffers[p]
         del self.uncommitted[p]
-        self.log.info("merge_undone", fragment=p, version=rec.version, durable_version=st.version,
-                      contributions=len(items), hint="merged again once the store writes")
-        return True
+        self.log.info("merge_undone", fragment=p, version=u.rec.version, durable_version=st.version,
+                      contributions=len(u.items), hint="merged again once the store writes")
+        return Committed(u, False, [], list(u.items), st)
 
-    async def _provision(self, js, limits, stop: asyncio.Event) -> None:
-        """``ensure_run(update=True)``; while the store is full (a stream update rewrites its metadata
-        file: "no space left on device") it is retried every few seconds, said once, instead of the
-        aggregator failing at start (what a restart during a full disk did)."""
-        while True:
-            try:
-                await ensure_run(js, self.common.run, limits, update=True)
-            except Exception as e:
-                if stop.is_set() or not await self.store_watch.failed(e):
-                    raise
-                try:
-                    await asyncio.wait_for(stop.wait(), self.store_watch.health.probe_every)
-                except asyncio.TimeoutError:
-                    pass
-                if stop.is_set():
-                    raise
-                continue
-            self.store_watch.stored()
-            return
-
-    async def _write_probe(self, timeout: float = 5.0) -> None:
-        """``STATE_PROBE_BYTES`` to ``state_probe`` (the STATE stream keeps one message of it)."""
-        await self.js.publish(self.s.state_probe, bytes(STATE_PROBE_BYTES), timeout=timeout)
-
-    async def _probe_store(self) -> None:
-        """A probe write: every few seconds while the store is faulted (merging resumes once one is
-        stored), and after ``STORE_IDLE_PROBE`` seconds without a stored write."""
-        if not self.store_watch.probe_due(STORE_IDLE_PROBE):
-            return
-        try:
-            await self._write_probe()
-        except Exception as e:  # noqa: BLE001 - still full, or the server restarting
-            await self.store_watch.failed(e)
-        else:
-            self.store_watch.stored()
-
-    async def _log_put(self, rec: MergeRecord) -> MergeRecord | None:
+    async def _put(self, rec: MergeRecord) -> MergeRecord | None:
         """Store ``rec``; returns None when it is stored, or the *other* record the stream already
         held for this version (an earlier attempt whose publish reported a failure although it was
         stored, within the 2-minute dedupe window: that one is the committed merge)."""
         blob = rec.to_bytes()
-        ack = await self.js.publish(self.s.merge_log(rec.fragment, rec.version % self._slots()), blob, timeout=5,
-                                    headers={"Nats-Msg-Id": f"{self.common.run}.mlog.{rec.fragment}.{rec.version}"})
+        ack = await self.js.publish(self.s.merge_log(rec.fragment, rec.version % self.slots()), blob, timeout=5,
+                                    headers={"Nats-Msg-Id": f"{self.run}.mlog.{rec.fragment}.{rec.version}"})
         self.stats.log_bytes += len(blob)
         if not getattr(ack, "duplicate", False):
             return None
@@ -160,22 +210,21 @@ class Durability:
             return None  # our own retry
         return MergeRecord.from_bytes(stored.data)
 
-    async def _adopt(self, p: int, rec: MergeRecord, items: list) -> list:
+    async def _adopt(self, p: int, rec: MergeRecord, items: list) -> tuple[FragmentState, list, list]:
         """The stream committed another merge of this version than ours (``rec``): our state was
         advanced in place by a merge that is not the committed one, so fragment p is recovered
-        again from its checkpoint and log, which hold that merge. Returns the items it applied (to
-        be acknowledged); the others go back to the buffer for the next merge."""
-        st = await self._recover_fragment(p)
+        again from its checkpoint and log, which hold that merge. Returns that state, the items it
+        applied (to be acknowledged) and the others (to buffer again for the next merge)."""
+        st = await self.recover_fragment(p)
         if st is None:
             raise RunMismatch(f"fragment {p}: a merge record of version {rec.version} but no checkpoint")
-        self.states[p] = st
         done = [x for x in items if st.applied.is_duplicate(x.c)]
-        self.buffers[p] = [x for x in items if not st.applied.is_duplicate(x.c)] + self.buffers[p]
+        back = [x for x in items if not st.applied.is_duplicate(x.c)]
         self.log.error("merge_log_conflict", fragment=p, version=rec.version, adopted=len(done),
-                       kept=len(items) - len(done), recovered=st.version)
-        return done
+                       kept=len(back), recovered=st.version)
+        return st, done, back
 
-    async def _read_log(self, p: int) -> dict[int, MergeRecord]:
+    async def read_log(self, p: int) -> dict[int, MergeRecord]:
         """Every record of fragment p the STATE stream holds on its log subjects, by version (the
         newest stored copy). The subjects and how many messages each holds come from the server
         (``stream_info`` with a subject filter); a subject holding one is read by its last message,
@@ -185,80 +234,63 @@ class Durability:
         of the stream for the log's wildcard from sequence 1 timed out past the JetStream timeout at
         1B parameters, where STATE holds tens of GB of checkpoint chunks, and the restarted
         aggregator exited."""
-        stream = self.s.stream("state")
-        info = await self.js.stream_info(stream, subjects_filter=self.s.merge_log_filter(p))
-        counts = dict(info.state.subjects or {}) if info.state else {}
-
-        async def read(subject: str, count: int) -> list:
-            if count <= 1:
-                try:
-                    return [await self.js.get_last_msg(stream, subject, direct=True)]
-                except NotFoundError:  # purged or replaced between the two requests
-                    return []
-            got: list = []
-            seq = 1
-            while True:
-                try:
-                    m = await self.js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
-                except NotFoundError:
-                    return got
-                got.append(m)
-                seq = int(m.seq) + 1
-
-        out: dict[int, MergeRecord] = {}
-        for msgs in await asyncio.gather(*(read(x, n) for x, n in sorted(counts.items()))):
-            for m in sorted(msgs, key=lambda m: int(m.seq)):  # the newest copy of a version last
-                try:
-                    rec = MergeRecord.from_bytes(m.data)
-                    out[rec.version] = rec
-                except Exception as e:
-                    self.log.error("bad_merge_record", fragment=p, seq=m.seq, error=repr(e))
-        return out
+        return await read_log(self.js, self.s, p, self.log)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _policy(self) -> CheckpointPolicy:
+    def policy(self) -> CheckpointPolicy:
         return CheckpointPolicy(self.cfg.checkpoint_every, self.cfg.checkpoint_seconds)
 
     def _snapshot(self, p: int) -> tuple[int, int, Gather, float]:
         """Fragment p's state as checkpoint bytes now: (fragment, version, blob, when). The blob is
         the state's own arrays (``FragmentState.checkpoint``): the fragment does not merge until it
-        is stored (``_log_blocked``)."""
+        is stored (:meth:`blocks`)."""
         st = self.states[p]
         blob = st.checkpoint()
-        self._ckpt_size[p] = blob.nbytes
+        self.ckpt_size[p] = blob.nbytes
         return p, st.version, blob, time.monotonic()
 
-    def _checkpointing(self, p: int) -> bool:
+    def checkpointing(self, p: int) -> bool:
         """A checkpoint of fragment p is being stored (from its arrays: they must not change)."""
-        task = self._ckpt_tasks.get(p)
+        task = self.ckpt_tasks.get(p)
         return task is not None and not task.done()
 
-    async def _checkpoint(self, p: int) -> bool:
+    async def initialise(self, st: FragmentState) -> None:
+        """A fragment that starts here (no aggregator state yet): its first checkpoint, no merge."""
+        await self.sstore.put(st.fragment, st.version, st.checkpoint(), {"model": self.model_hash})
+        self.started(st.fragment, st.version)
+
+    async def checkpoint(self, p: int) -> bool:
         """Checkpoint fragment p now and wait until it is stored (after the one being stored)."""
-        task = self._ckpt_tasks.get(p)
+        task = self.ckpt_tasks.get(p)
         if task is not None and not task.done():
             await asyncio.gather(task, return_exceptions=True)
         return await self._store_checkpoint(self._snapshot(p))
 
-    def _start_checkpoint(self, p: int) -> bool:
+    def checkpoint_if_due(self, p: int) -> None:
+        """After a merge of p was committed: its checkpoint, if the policy says so."""
+        pos = self.logpos[p]
+        if self.policy().due(pos.versions_since, time.monotonic() - pos.checkpoint_time):
+            self.start_checkpoint(p)
+
+    def start_checkpoint(self, p: int) -> bool:
         """Checkpoint fragment p without holding the loop: stored from the fragment's own arrays by
         a task while intake and the other fragments' merges go on; this fragment's merges wait
-        until it is stored (``_log_blocked``: no copy of its state is taken). False if one is being
+        until it is stored (:meth:`blocks`: no copy of its state is taken). False if one is being
         stored already, or the checkpoints being stored leave no room for it
         (``aggregator.mlog.checkpoint_may_start``), unless this fragment's log is full (its merges
         wait for this checkpoint: it never waits for a slot). At 4 x 100M the loop spent half its
         time waiting for checkpoints to be stored (``loop_s``, bench.scale_synth,
         docs/BENCHMARKS.md)."""
-        task = self._ckpt_tasks.get(p)
+        task = self.ckpt_tasks.get(p)
         if task is not None and not task.done():
             return False
         pos = self.logpos.get(p)
         full = pos is not None and pos.versions_since >= 2 * self.cfg.checkpoint_every  # merges wait for it
-        busy = [self._checkpoint_bytes(q) for q, t in self._ckpt_tasks.items() if not t.done()]
-        if not full and not checkpoint_may_start(busy, self._checkpoint_bytes(p)):
+        busy = [self.checkpoint_bytes(q) for q, t in self.ckpt_tasks.items() if not t.done()]
+        if not full and not checkpoint_may_start(busy, self.checkpoint_bytes(p)):
             return False  # (its turn comes at a later pass: the log holds its merges meanwhile)
-        task = self._ckpt_tasks[p] = asyncio.create_task(self._store_checkpoint(self._snapshot(p)))
+        task = self.ckpt_tasks[p] = asyncio.create_task(self._store_checkpoint(self._snapshot(p)))
         task.add_done_callback(self._checkpoint_done)
         return True
 
@@ -268,7 +300,7 @@ class Durability:
             self.log.error("checkpoint_task_failed", error=repr(task.exception()))
 
     async def _checkpoints_settled(self) -> None:
-        tasks = [t for t in self._ckpt_tasks.values() if not t.done()]
+        tasks = [t for t in self.ckpt_tasks.values() if not t.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -290,7 +322,7 @@ class Durability:
         pos = self.logpos[p]
         if version > pos.checkpoint_version:
             # what the log holds beyond this checkpoint: the merges committed since it was taken
-            seqs = self._logseqs.setdefault(p, deque())  # (version, oldest GRAD seq, bytes) per record
+            seqs = self.logseqs.setdefault(p, deque())  # (version, oldest GRAD seq, bytes) per record
             while seqs and seqs[0][0] <= version:
                 seqs.popleft()
             # (its time is when it was taken: the log's age bound, DILOCO_CHECKPOINT_SECONDS, counts from
@@ -307,23 +339,24 @@ class Durability:
                        seconds=round(time.monotonic() - t0, 3))
         return True
 
-    async def _checkpoints_due(self, now: float) -> None:
+    async def checkpoints_due(self, now: float, durable: str) -> None:
         """Checkpoint what the policy says, and at once any fragment whose log points into the part
-        of the GRAD stream it is about to drop (looked at every 2 s: one stream-info request)."""
+        of the GRAD stream it is about to drop (looked at every 2 s: one stream-info request, and
+        the aggregator's ``durable`` consumer's info when one is)."""
         if self.store_watch.faulted:  # no writes while the store is full (checkpoints are big)
             return
-        policy = self._policy()
+        policy = self.policy()
         overtaken: set[int] = set()
-        if now - self._grad_checked > 2.0 and any(pos.oldest_seq is not None for pos in self.logpos.values()):
-            self._grad_checked = now
+        if now - self.grad_checked > 2.0 and any(pos.oldest_seq is not None for pos in self.logpos.values()):
+            self.grad_checked = now
             try:
                 info = await self.js.stream_info(self.s.stream("grad"))
                 st, limit = info.state, info.config.max_bytes or 0
-                self._grad_limit = limit
+                self.grad_limit = limit
                 overtaken = {p for p, pos in self.logpos.items()
                              if stream_overtaking(pos.oldest_seq, st.first_seq, st.last_seq, st.bytes, limit)}
                 if overtaken:
-                    ci = await self.js.consumer_info(self.s.stream("grad"), self.consumer.durable)
+                    ci = await self.js.consumer_info(self.s.stream("grad"), durable)
                     self._note_behind(grad_backlog_behind(ci.num_pending or 0, st.messages, len(self.owned),
                                                           self.plan.num_fragments), ci.num_pending or 0, st.messages)
             except Exception as e:
@@ -333,70 +366,77 @@ class Durability:
             if p in self.uncommitted:
                 continue
             due = policy.due(pos.versions_since, now - pos.checkpoint_time)
-            share = self._grad_limit * int(self.plan.sizes[p]) // max(1, sum(int(n) for n in self.plan.sizes))
+            share = self.grad_limit * int(self.plan.sizes[p]) // max(1, sum(int(n) for n in self.plan.sizes))
             if not due and p in overtaken and not early_checkpoint_pays(
-                    pos.bytes_since, self._checkpoint_bytes(p), share, self._grad_behind):
+                    pos.bytes_since, self.checkpoint_bytes(p), share, self.grad_behind):
                 self.stats.checkpoints_early_skipped += 1
                 continue
-            if (due or p in overtaken) and self._start_checkpoint(p) and not due:
+            if (due or p in overtaken) and self.start_checkpoint(p) and not due:
                 self.stats.checkpoints_early += 1
 
     def _note_behind(self, behind: bool, undelivered: int, messages: int) -> None:
         """Say once per change that the GRAD stream holds mostly work not read yet: early checkpoints
         are then bounded (aggregator.mlog.early_checkpoint_pays), and a crash meanwhile loses merges."""
-        if behind and not self._grad_behind:
+        if behind and not self.grad_behind:
             self.log.warning("grad_stream_behind", undelivered=undelivered, stream_messages=messages,
                              message="the GRAD stream holds mostly contributions not read yet: the oldest are "
                                      "dropped unmerged, early checkpoints are bounded to a quarter of the bytes "
                                      "merged, and a crash now loses the merges the stream no longer holds "
                                      "(replay_lost); give the aggregator more CPU (DILOCO_AGG_SHARDS) or the "
                                      "learners a longer DILOCO_SYNC_EVERY")
-        elif not behind and self._grad_behind:
+        elif not behind and self.grad_behind:
             self.log.info("grad_stream_caught_up", undelivered=undelivered, stream_messages=messages)
-        self._grad_behind = behind
+        self.grad_behind = behind
 
-    def _checkpoint_bytes(self, p: int) -> int:
+    def checkpoint_bytes(self, p: int) -> int:
         """Bytes a checkpoint of fragment p writes: its last one's, or its state's arrays."""
         st = self.states.get(p)
-        return self._ckpt_size.get(p) or (st.array_bytes() if st is not None else STATE_ARRAYS * 4 * int(self.plan.sizes[p]))
+        return self.ckpt_size.get(p) or (st.array_bytes() if st is not None else STATE_ARRAYS * 4 * int(self.plan.sizes[p]))
 
-    async def _checkpoint_all(self) -> None:
+    async def checkpoint_all(self) -> None:
         """At a clean stop: nothing left to replay."""
         await self._checkpoints_settled()
         for p, pos in list(self.logpos.items()):
             if pos.versions_since > 0 and p not in self.uncommitted:
-                await self._checkpoint(p)
+                await self.checkpoint(p)
+
+    async def close(self) -> None:
+        """Cancel the checkpoints being stored (one cut short: the log covers it)."""
+        tasks = list(self.ckpt_tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- recovery ---------------------------------------------------------------------------------
 
-    async def _replay_contribution(self, lc) -> Any:
+    async def _replay_contribution(self, lc) -> Contribution:
         obj = await fetch_object(self.js, self.s.stream("grad"), lc.seqs)
         c = from_grad_message(obj.meta, obj.blob)
         if c.key != lc.key:
             raise NotFoundError  # the sequences hold another object now
         return c
 
-    async def _recover_fragment(self, p: int, published: int | None = None,
-                                announce: bool = True) -> FragmentState | None:
+    async def recover_fragment(self, p: int, published: int | None = None, announce: bool = True,
+                               republish: Republish | None = None) -> FragmentState | None:
         """The newest checkpoint of p with its log replayed; None when p has no checkpoint yet.
 
-        ``published``: the global head's version. Every replayed version after it is published as
-        it is reached (the crashed process had them queued: learners follow every version's
-        applied keys), and the merge events from it on (deduplicated by their message ids).
-        ``announce``: publish an ``events.recovered`` event (not while the store is full)."""
+        ``published``: the global head's version. Every replayed version after it is handed to
+        ``republish`` as it is reached (the crashed process had them queued: learners follow every
+        version's applied keys), and the merge events from it on (deduplicated by their message
+        ids). ``announce``: publish an ``events.recovered`` event (not while the store is full)."""
         got = await self.sstore.get(p)
         if got is None:
             return None
         st = FragmentState.from_bytes(got[1])
         ckpt = st.version
         kept = getattr(st.opt, "momentum", None)
-        if kept is not None and kept.dtype.name != self.settings.momentum_dtype and announce:
+        if kept is not None and kept.dtype.name != self.momentum_dtype and announce:
             # the dtype a fragment started with stays (a replay must be bit for bit): said once per fragment
             self.log.warning("momentum_dtype_kept", fragment=p, checkpoint=kept.dtype.name,
-                             setting=self.settings.momentum_dtype,
+                             setting=self.momentum_dtype,
                              hint="DILOCO_OUTER_MOMENTUM_DTYPE takes effect for a fragment that starts after it; "
                                   "this fragment's checkpoint keeps the dtype it was written with")
-        records = await self._read_log(p)
+        records = await self.read_log(p)
         t0 = time.monotonic()
         replayed = lost = nbytes = 0
         oldest: int | None = None
@@ -414,7 +454,8 @@ class Durability:
                                hint="the GRAD stream no longer holds them: its DILOCO_STREAM_MAX_AGE or byte limit "
                                     "is too short for the time the aggregator was down")
             else:
-                if published is not None and st.version >= published and not await self._republish(p, st, published):
+                if (published is not None and republish is not None and st.version >= published
+                        and not await republish(p, st, published)):
                     published = None  # the rest waits for the main loop (``unpublished``: the newest version)
             seqs = [q for lc in rec.contribs for q in lc.seqs]
             nbytes += sum(lc.nbytes for lc in rec.contribs)
@@ -443,49 +484,35 @@ class Durability:
             self.log.warning("recovered_event_failed", fragment=p, error=repr(e))
         return st
 
-    async def _republish(self, p: int, st: FragmentState, published: int) -> bool:
-        """A replayed version the global store lacks (or holds as its head without, maybe, its
-        merge event): publish it now, in order. False if the server refused (then recovery goes on
-        without publishing; the main loop publishes the newest version)."""
-        try:
-            if st.version > published:
-                self.states[p] = st
-                await self.publisher.send(self._publish_job(p))
-            else:
-                await self.publisher.send_event(p, st.version, [list(k) for k in st.last_merge], st.last_scale,
-                                                st.last_per_round)
-            return True
-        except Exception as e:
-            self.log.warning("recovery_publish_failed", fragment=p, version=st.version, error=repr(e))
-            return False
 
-    async def _recover(self, js) -> None:
-        gstore, sstore = self.gstore, self.sstore
-        for p in self.owned:
-            gh = await gstore.head(p)
-            if self.cfg.downlink_chain:
-                await self._recover_view(p)
-            st = await self._recover_fragment(p, -1 if gh is None else gh.version)
-            if st is None:
-                if gh is None:
-                    raise RuntimeError(f"fragment {p} has neither state nor global version (the run's creator writes version 0 before the manifest)")
-                gh, blob = await gstore.get(p)
-                if "ref" in gh.meta or "prev" in gh.meta:
-                    raise RunMismatch(f"fragment {p}: no aggregator state, and global version {gh.version} is a "
-                                      "delta against a keyframe: the state stream was lost")
-                st = FragmentState.initial(p, gh.version, codec.decode_array(blob), self.settings)  # (copied there)
-                await sstore.put(p, st.version, st.checkpoint(), {"model": self.model_hash})  # (no merge yet)
-                self.logpos[p] = LogPosition(st.version, time.monotonic())
-                self.log.info("fragment_initialised", fragment=p, version=st.version)
-            else:
-                if gh is not None and gh.version > st.version:
-                    raise RunMismatch(f"fragment {p}: global version {gh.version} is ahead of our state "
-                                      f"{st.version}: is another aggregator owning it?")
-                # republish what a crash may have cut short: the global version (if behind) and
-                # the merge event of the newest version (deduplicated by its message id)
-                self.publisher.unpublished.add(p)
-                self.log.info("fragment_recovered", fragment=p, version=st.version,
-                              global_behind=gh is None or gh.version < st.version)
-            self.states[p] = st
-            if p not in self.keys:  # (a replay that published versions started from a keyframe)
-                await self._recover_keyframe(p, st)
+async def read_log(js: Any, s: Subjects, p: int, log: Any) -> dict[int, MergeRecord]:
+    """:meth:`MergeLog.read_log`: fragment p's records on the STATE stream, by version."""
+    stream = s.stream("state")
+    info = await js.stream_info(stream, subjects_filter=s.merge_log_filter(p))
+    counts = dict(info.state.subjects or {}) if info.state else {}
+
+    async def read(subject: str, count: int) -> list:
+        if count <= 1:
+            try:
+                return [await js.get_last_msg(stream, subject, direct=True)]
+            except NotFoundError:  # purged or replaced between the two requests
+                return []
+        got: list = []
+        seq = 1
+        while True:
+            try:
+                m = await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+            except NotFoundError:
+                return got
+            got.append(m)
+            seq = int(m.seq) + 1
+
+    out: dict[int, MergeRecord] = {}
+    for msgs in await asyncio.gather(*(read(x, n) for x, n in sorted(counts.items()))):
+        for m in sorted(msgs, key=lambda m: int(m.seq)):  # the newest copy of a version last
+            try:
+                rec = MergeRecord.from_bytes(m.data)
+                out[rec.version] = rec
+            except Exception as e:
+                log.error("bad_merge_record", fragment=p, seq=m.seq, error=repr(e))
+    return out

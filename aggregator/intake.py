@@ -2,7 +2,11 @@
 for the merge, hold until the learner is admitted (``aggregator.admission``), or reject (counted,
 logged, and published as an ``events.reject`` audit event before the messages are terminated).
 
-A mixin of ``aggregator.service.AggregatorService``; the checks themselves are
+The first stage of a fragment's pipeline (:class:`Intake`, an object with its own state): its
+output is a buffer per fragment, which the merge stage (``aggregator.versions``) empties at each
+merge of that fragment; its other state is the admission hold, the rejections whose audit events
+are not stored yet, the notices to learners, the decode buffers (:class:`VectorPool`) and the
+arrival statistics the quorum's grace window reads. The checks themselves are
 ``aggregator.validate``.
 """
 
@@ -11,19 +15,22 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import orjson
 
+from aggregator.admission import AdmissionHold
 from aggregator.contribution import Contribution, from_grad_message
+from aggregator.feedback import FeedbackQueue
 from aggregator.influence import outlier_steps
 from aggregator.merge import l2_norm
 from aggregator.quorum import ArrivalStats
 from aggregator.step import FragmentState
-from aggregator.validate import Reason, ValidationContext, validate
+from aggregator.validate import OutlierWatch, Reason, ValidationContext, validate
 from bus import codec
 from bus.chunks import Assembled, Dropped
+from bus.subjects import Subjects
 from bus.transport import term_all
 
 _AUDIT = ("learner", "incarnation", "fragment", "round", "base", "obj", "subject", "claimed", "detail")
@@ -75,30 +82,76 @@ def chunk_seqs(tokens: list) -> tuple[int, ...]:
 
 
 class Intake:
-    """Contributions into an ``AggregatorService``: buffered, held or rejected."""
+    """Contributions into an aggregator: buffered per fragment for the merge, held, or rejected."""
 
-    if TYPE_CHECKING:  # the state is the AggregatorService's (set in its __init__)
-        def __getattr__(self, name: str) -> Any: ...
-        arrivals: ArrivalStats
+    def __init__(self, cfg: Any, run: str, log: Any, stats: Any, membership: Any, states: dict[int, FragmentState],
+                 store_watch: Any):
+        self.cfg, self.run, self.s, self.log, self.stats = cfg, run, Subjects(run), log, stats
+        self.membership = membership
+        self.states = states  # the merge stage's, read here (versions, applied sets, norm references)
+        self.store_watch = store_watch
+        self.buffers: dict[int, list[Pending]] = {}  # fragment -> accepted, not merged yet (the merge's input)
+        # contributions whose learner the monitor has not admitted yet (aggregator/admission.py)
+        self.hold = AdmissionHold(cfg.admission_wait, int(cfg.admission_hold_mb * 2**20))
+        self.outliers = OutlierWatch()
+        self.audit: list[tuple[dict, list]] = []  # (rejection event, its messages): published, then terminated
+        self.feedback = FeedbackQueue()  # notices to learners of their work rejected or held
+        self.pool = VectorPool()  # decoded contributions' buffers, reused; back here once merged
+        self.arrivals = ArrivalStats()  # what the quorum's grace window reads (and the merges' times)
+        self.plan: Any = None
+        self.owned: range = range(0)
+        self.model_hash = ""
+        self.manifest: Any = None
+        self.nc: Any = None
+        self.js: Any = None
+        self.merge_log: Any = None
+
+    def use(self, plan: Any, owned: range, model_hash: str, manifest: Any) -> None:
+        """The model whose fragments ``owned`` this intake takes in (a buffer each)."""
+        self.plan, self.owned, self.model_hash, self.manifest = plan, owned, model_hash, manifest
+        self.buffers = {p: [] for p in owned}
+
+    def bind(self, nc: Any, js: Any, merge_log: Any) -> None:
+        """The connection (notices, audit events) and the merge-log stage (outlier-reference restarts
+        are logged with the fragment's next merge)."""
+        self.nc, self.js, self.merge_log = nc, js, merge_log
+
+    def take(self, p: int) -> list[Pending]:
+        """Everything buffered for fragment p, for its merge (the buffer is empty after)."""
+        items, self.buffers[p] = self.buffers[p], []
+        return items
+
+    def put_back(self, p: int, items: list[Pending]) -> None:
+        """Contributions of a merge undone or not committed, ahead of what arrived since."""
+        self.buffers[p] = list(items) + self.buffers[p]
+
+    def merged(self, items: list[Pending]) -> None:
+        """Their merge is committed: their decode buffers serve the next contributions."""
+        for x in items:
+            self.pool.give(x.pooled)
+
+    def note_sync(self, seconds: float) -> None:
+        """A merge took ``seconds`` from its start to its record stored (the grace window's input)."""
+        self.arrivals = self.arrivals.observe_sync(seconds)
 
     # -- contributions ----------------------------------------------------------------------------
 
-    def _reject(self, reason: str, tokens=(), **kw) -> None:
+    def reject(self, reason: str, tokens=(), **kw) -> None:
         """Count, log and queue the audit event; the rejected messages (``tokens``) are terminated
-        only once their event is stored (``_publish_audit``)."""
+        only once their event is stored (:meth:`publish_audit`)."""
         self.stats.rejected[reason] += 1
         self.log.warning("contribution_rejected", reason=reason, **kw)
         if kw.get("learner") and "incarnation" in kw:  # the learner is told too (aggregator.feedback)
             self.feedback.rejected(str(kw["learner"]), str(kw["incarnation"]), reason, kw.get("fragment"),
                                    kw.get("round"))
-        self._audit.append(({"reason": reason, "ts": time.time(), **{k: v for k, v in kw.items() if k in _AUDIT}},
-                            list(tokens)))
+        self.audit.append(({"reason": reason, "ts": time.time(), **{k: v for k, v in kw.items() if k in _AUDIT}},
+                           list(tokens)))
 
-    async def _handle(self, r: Assembled | Dropped, now: float) -> None:
+    async def handle(self, r: Assembled | Dropped, now: float) -> None:
         if isinstance(r, Dropped):
             if r.reason == "duplicate":
                 return  # a redelivery of something held or done: its original handle settles it
-            self._reject(f"transport_{r.reason}", r.tokens, obj=r.obj_id, detail=r.detail)
+            self.reject(f"transport_{r.reason}", r.tokens, obj=r.obj_id, detail=r.detail)
             return
         taken: list[np.ndarray] = []
 
@@ -114,7 +167,7 @@ class Intake:
         try:
             c = from_grad_message(r.meta, r.blob, into)
         except (ValueError, codec.CodecError) as e:
-            self._reject("malformed", r.tokens, obj=r.obj_id, detail=str(e)[:200])
+            self.reject("malformed", r.tokens, obj=r.obj_id, detail=str(e)[:200])
             return
         vec = c.vector
         subject = getattr(r.tokens[0], "subject", "") if r.tokens else ""
@@ -122,58 +175,54 @@ class Intake:
         if len(parts) == 5 and (parts[4] != c.learner or parts[3] != str(c.fragment)):
             # the subject is what NATS permissions bind to a learner's credentials: metadata that
             # names another learner or fragment than the subject it came on is forged
-            self._reject("forged_subject", r.tokens, obj=r.obj_id, subject=subject, claimed=c.learner)
+            self.reject("forged_subject", r.tokens, obj=r.obj_id, subject=subject, claimed=c.learner)
             return
-        if not self.cfg.require_membership and c.run == self.common.run:
-            self.seen.add(c.learner)
-            if c.final:  # its final sync: no round waits for it any more (a monitor's "left")
-                self.finished[c.learner] = c.incarnation
-            elif self.finished.get(c.learner, c.incarnation) != c.incarnation and not any(
-                    c.incarnation in st.applied.incarnations(c.learner) for st in self.states.values()):
-                del self.finished[c.learner]  # a new process of that learner id (not an earlier one's late work)
+        if c.run == self.run:
+            self.membership.saw(c.learner, c.incarnation, c.final)
         norm = l2_norm(vec) if vec.dtype == np.float32 and vec.ndim == 1 else float("nan")
-        self._consider(Pending(c, norm, r.tokens, now, chunk_seqs(r.tokens), len(r.blob),
-                               taken[0] if taken else None), now)
+        self.consider(Pending(c, norm, r.tokens, now, chunk_seqs(r.tokens), len(r.blob),
+                              taken[0] if taken else None), now)
 
-    def _consider(self, x: Pending, now: float, since: float | None = None) -> None:
+    def consider(self, x: Pending, now: float, since: float | None = None) -> None:
         """Validate a contribution: buffer it for the merge, hold it until its learner is admitted,
         or reject it. ``since``: when it was first held (an item handed back by the hold)."""
         c = x.c
         p = c.fragment
         st = self.states.get(p)
         pending = {b.c.key for b in self.buffers.get(p, [])}
+        m = self.membership
         ctx = ValidationContext(
-            run=self.common.run, model_hash=self.model_hash,
+            run=self.run, model_hash=self.model_hash,
             fragment_sizes={q: self.plan.sizes[q] for q in self.owned},
             current_version={q: self.states[q].version for q in self.owned},
-            active=self.active() | self.leavers(), known=self.known(),
-            applied=st.applied if st else None, pending=pending,
-            norms=st.norms if st else None, max_staleness=self.cfg.max_staleness,
-            per_round=max(1, len(self.participants(now))),  # as the merge counts rounds
+            active=m.active() | m.leavers(), known=m.known(),
+            applied=st.applied, pending=pending,
+            norms=st.norms, max_staleness=self.cfg.max_staleness,
+            per_round=max(1, len(m.participants(now))),  # as the merge counts rounds
             norm_outlier_factor=self.cfg.norm_outlier_factor, norm_min_history=self.cfg.norm_min_history,
             max_tokens_per_step=self.manifest.max_tokens_per_step, max_inner_lr=self.manifest.max_inner_lr,
         ) if st else None
         reason = "wrong_fragment" if ctx is None else validate(c, ctx, norm=x.norm)
         if (reason in (Reason.unknown_learner, Reason.inactive_learner) and self.cfg.require_membership
-                and self.hold.offer(x, c.learner, self.members.get(c.learner), getattr(c.vector, "nbytes", 0),
+                and self.hold.offer(x, c.learner, m.state(c.learner), getattr(c.vector, "nbytes", 0),
                                     now, since)):
             if since is None:
                 self.feedback.held(c.learner, c.incarnation)
-                self.log.info("contribution_held", learner=c.learner, state=self.members.get(c.learner),
+                self.log.info("contribution_held", learner=c.learner, state=m.state(c.learner),
                               fragment=p, round=c.round, held=len(self.hold))
             return
         if reason == Reason.norm_outlier and st is not None:
             self._watch_outliers(st, c, x.norm)
         if reason is not None:
-            self._reject(str(getattr(reason, "value", reason)), x.tokens, learner=c.learner, incarnation=c.incarnation,
-                         fragment=p, round=c.round, base=c.base_version, version=st.version if st else None,
-                         **({"held_s": round(now - since, 3)} if since is not None else {}))
+            self.reject(str(getattr(reason, "value", reason)), x.tokens, learner=c.learner, incarnation=c.incarnation,
+                        fragment=p, round=c.round, base=c.base_version, version=st.version if st else None,
+                        **({"held_s": round(now - since, 3)} if since is not None else {}))
             return
         if since is not None:
             self.log.info("contribution_admitted", learner=c.learner, fragment=p, round=c.round,
                           held_s=round(now - since, 3))
         self.buffers[p].append(dataclasses.replace(x, arrived=now))
-        self.recent[c.learner] = now
+        m.heard(c.learner, now)
         self.arrivals = self.arrivals.observe_arrival(c.learner, c.incarnation, now, c.inner_steps, c.fragment,
                                                       c.step_s, c.period)
         self.stats.accepted += 1
@@ -181,22 +230,33 @@ class Intake:
     def _watch_outliers(self, st: FragmentState, c: Contribution, norm: float) -> None:
         """Most learners refused as outliers on a fragment: its norm reference is stale (OutlierWatch)."""
         restart = self.outliers.refused(st.fragment, c.learner, norm / outlier_steps(c.inner_steps, c.period),
-                                        self.active())
+                                        self.membership.active())
         if restart is not None:
             st.norms.restart(st.fragment, restart)  # logged with the fragment's next merge (replayed)
-            if st.fragment in self.logpos:
-                self.logpos[st.fragment].restarts.append([float(x) for x in restart])
+            self.merge_log.note_restart(st.fragment, restart)
             self.stats.reference_restarts += 1
             self.log.warning("norm_reference_restarted", fragment=st.fragment, refused_learners=len(restart),
                              norms=[round(x, 6) for x in restart])
 
-    def _release_held(self, now: float) -> None:
+    def release_held(self, now: float) -> None:
         """Decide the held contributions whose learner was admitted, evicted, or waited too long."""
         if len(self.hold):
-            for h in self.hold.sweep(self.members.get, now):
-                self._consider(h.item, now, since=h.since)
+            for h in self.hold.sweep(self.membership.state, now):
+                self.consider(h.item, now, since=h.since)
 
-    async def _send_feedback(self) -> None:
+    async def keep_alive(self) -> None:
+        """Tell JetStream we still work on buffered and held chunks so they are not redelivered."""
+        now = time.monotonic()
+        for buf in [*self.buffers.values(), [h.item for h in self.hold.items]]:
+            for x in buf:
+                if now - x.arrived > self.cfg.ack_wait / 3:
+                    for m in x.tokens:
+                        try:
+                            await m.in_progress()
+                        except Exception:
+                            pass
+
+    async def send_feedback(self) -> None:
         """Each learner's notices of this pass on its feedback subject (core NATS: best effort)."""
         for learner, msg in self.feedback.take(time.time()):
             try:
@@ -205,7 +265,7 @@ class Intake:
                 self.log.debug("feedback_failed", learner=learner, error=repr(e))
                 return
 
-    async def _publish_audit(self, limit: int = 256) -> None:
+    async def publish_audit(self, limit: int = 256) -> None:
         """Rejections as JetStream events (``events.reject``): an audit trail that survives restarts.
 
         Each rejected contribution is terminated only after its event is stored. Before, it was
@@ -216,14 +276,14 @@ class Intake:
         for the next round (it used to drop them)."""
         if not self.store_watch.may_write():  # the store is full: one write every few seconds
             return
-        for _ in range(min(limit, len(self._audit))):
-            event, tokens = self._audit[0]
+        for _ in range(min(limit, len(self.audit))):
+            event, tokens = self.audit[0]
             try:
                 await self.js.publish(self.s.event("reject"), orjson.dumps(event), timeout=2)
             except Exception as e:
                 if not await self.store_watch.failed(e):  # a full store is said once (store_full)
-                    self.log.warning("audit_publish_failed", error=repr(e), queued=len(self._audit))
+                    self.log.warning("audit_publish_failed", error=repr(e), queued=len(self.audit))
                 return
             self.store_watch.stored()
-            self._audit.pop(0)
+            self.audit.pop(0)
             await term_all(tokens)

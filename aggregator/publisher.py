@@ -3,7 +3,7 @@
 The merge stage (``aggregator.versions``) encodes each new version for the downlink at once (the
 merge updates the parameters in place, so the blob is taken before the next merge) and hands it
 here as a :class:`PublishJob`. Each fragment has its own queue, bounded at ``PUBLISH_QUEUE``
-(``aggregator.durability``: beyond it the fragment merges nothing until one is out), drained in
+(beyond it the fragment merges nothing until one is out), drained in
 order by its own task: the keyframe if the version is one, the version's chunks and head, then its
 ``merge`` event. A failed publish is retried, never skipped: learners follow every version's
 applied keys. Merging goes on while a fragment's versions are being acknowledged.
@@ -24,6 +24,11 @@ from typing import Any
 import orjson
 
 from bus.transport import VersionConflict
+
+
+#: versions of one fragment encoded and waiting for their publisher: beyond it the fragment merges
+#: nothing until one is out (``aggregator.versions``)
+PUBLISH_QUEUE = 2
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ class FragmentState:
         arrays, and where each array lies), then the float32 arrays raw, as a :class:`Gather` whose
         arrays are this state's own: no copy (a copy of every array took 8 bytes per value of the
         fragment while it was stored). The state must not change until the blob is stored: the
-        service's merges of the fragment wait for it (``Durability._log_blocked``)."""
+        service's merges of the fragment wait for it (``MergeLog.blocks``)."""
         opt = self.opt.to_dict()
         arrays = {"params": self.params, **{f"opt.{k}": v for k, v in opt.items() if isinstance(v, np.ndarray)}}
         layout, off = {}, 0

@@ -224,7 +224,7 @@ async def test_the_log_is_read_by_subject_every_record_a_slot_holds(js):
     import structlog
     from nats.js.api import StreamConfig
 
-    from aggregator.durability import Durability
+    from aggregator.durability import read_log
     from aggregator.mlog import MergeRecord, settings_to_dict
     from aggregator.step import MergeSettings
     from bus.subjects import Subjects
@@ -244,12 +244,8 @@ async def test_the_log_is_read_by_subject_every_record_a_slot_holds(js):
     await put(1, 9, 1)  # another fragment's
     await js.publish(f"{s.prefix}.state.0.ckpt", b"not a record")
 
-    class Reader:
-        pass
-
-    r = Reader()
-    r.js, r.s, r.log = js, s, structlog.get_logger()
-    got = await Durability._read_log(r, 0)  # type: ignore[arg-type]
+    log = structlog.get_logger()
+    got = await read_log(js, s, 0, log)
     assert sorted(got) == [1, 2, 3, 4, 5] and got[3].scale == 0.5 and got[5].fragment == 0
-    assert sorted(await Durability._read_log(r, 1)) == [9]  # type: ignore[arg-type]
-    assert await Durability._read_log(r, 2) == {}  # type: ignore[arg-type]
+    assert sorted(await read_log(js, s, 1, log)) == [9]
+    assert await read_log(js, s, 2, log) == {}

@@ -90,7 +90,7 @@ async def test_every_rejection_reason_is_counted_and_leaves_global_state_unchang
                                    norm_outlier_factor=5.0, norm_min_history=5, admission_wait=0.5)
     n = PLAN.sizes[0]
     await set_members(js, RUN, {"good": "active", "sleepy": "evicted"})
-    await _until(lambda: svc.members.get("good") == "active")
+    await _until(lambda: svc.membership.members.get("good") == "active")
     store = VersionedStore(js, RUN, GLOBAL)
     before = {p: (await store.get(p)) for p in range(PLAN.num_fragments)}
     good = FakeLearner(js, RUN, "good")
@@ -161,7 +161,7 @@ async def test_merge_publishes_version_with_applied_keys_and_nesterov_step(nats_
     svc, stop, task = await _start(nats_server, grace="fixed", grace_seconds=0.2, merge="mean", quorum=2,
                                    outer_momentum=0.9)
     await set_members(js, RUN, {"a": "active", "b": "active"})
-    await _until(lambda: len(svc.active()) == 2)
+    await _until(lambda: len(svc.membership.active()) == 2)
     store = VersionedStore(js, RUN, GLOBAL)
     _, blob0 = await store.get(0)
     theta0 = np.array(codec.decode_array(blob0))
@@ -191,7 +191,7 @@ async def test_without_a_monitor_rounds_stop_waiting_for_a_learner_after_its_fin
     a, b_old = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 4)
     await a.send(0, base=0)
     await b_old.send(0, base=0)
-    assert await _until(lambda: svc.seen == {"a", "b"})  # both known
+    assert await _until(lambda: svc.membership.seen == {"a", "b"})  # both known
     b = FakeLearner(js, RUN, "b", 2)  # b restarted once
     await a.send(1, base=0)
     await asyncio.sleep(0.5)
@@ -200,7 +200,7 @@ async def test_without_a_monitor_rounds_stop_waiting_for_a_learner_after_its_fin
     assert await _until(lambda: svc.published.get(1) == 1)
     head, _ = await VersionedStore(js, RUN, GLOBAL).get(1)
     assert kb in [tuple(k) for k in head.meta["applied"]] and len(head.meta["applied"]) == 2  # a's and b's
-    assert svc.active() == {"a"} and svc.leavers() == {"b"}
+    assert svc.membership.active() == {"a"} and svc.membership.leavers() == {"b"}
     v = svc.states[0].version
     ka = await a.send(0, base=v)
     # b is not waited for (the version published, not only merged: its head is read next; waiting
@@ -210,12 +210,12 @@ async def test_without_a_monitor_rounds_stop_waiting_for_a_learner_after_its_fin
     assert ka in [tuple(k) for k in head.meta["applied"]]
     assert svc.stats.contributions["b"] == 2  # b's earlier process's round and b's final one
     await b_old.send(0, base=v)  # a late message of b's earlier process: b stays done
-    assert await _until(lambda: any(x.c.learner == "b" for x in svc.buffers[0]))
-    assert svc.finished == {"b": b.inc} and svc.active() == {"a"}
+    assert await _until(lambda: any(x.c.learner == "b" for x in svc.intake.buffers[0]))
+    assert svc.membership.finished == {"b": b.inc} and svc.membership.active() == {"a"}
     b2 = FakeLearner(js, RUN, "b", 3)  # b restarted: a new incarnation, active again
     await b2.send(1, base=1)
-    assert await _until(lambda: "b" not in svc.finished)
-    assert svc.active() == {"a", "b"}
+    assert await _until(lambda: "b" not in svc.membership.finished)
+    assert svc.membership.active() == {"a", "b"}
     stop.set()
     await task
 
@@ -294,7 +294,7 @@ async def test_a_learner_that_finished_keeps_its_share_of_the_run(nats_server, j
         await fast.send(0, base=2, final=1)  # its step budget reached: it sends nothing more
         await slow.send(0, base=2)
         assert await _until(lambda: svc.states[0].version == 3)
-        assert svc.leavers() == {"fast"} and svc.active() == {"slow"}
+        assert svc.membership.leavers() == {"fast"} and svc.membership.active() == {"slow"}
         for v in (3, 4):
             await asyncio.sleep(0.1)  # past the window: only the leaver's share keeps it in
             await slow.send(0, base=v)
@@ -327,9 +327,9 @@ async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritt
         norm = float(np.sqrt(np.dot(vec, vec)))
         seq = (await js.stream_info(S.stream("grad"))).state.last_seq + 1  # where round 1's one chunk will land
         rec = MergeRecord(0, 1, (LoggedContribution("a", learner.inc, 0, 1, 0, (seq,), norm, 0),), 0.5, 1,
-                          svc.settings_dict)
-        await js.publish(S.merge_log(0, 1 % svc._slots()), rec.to_bytes(), headers={"Nats-Msg-Id": f"{RUN}.mlog.0.1"})
-        ahead = merge_step(st0, [c1], svc.settings, [norm], 0.5, 1)  # not what the service would compute
+                          svc.versions.settings_dict)
+        await js.publish(S.merge_log(0, 1 % svc.merge_log.slots()), rec.to_bytes(), headers={"Nats-Msg-Id": f"{RUN}.mlog.0.1"})
+        ahead = merge_step(st0, [c1], svc.versions.settings, [norm], 0.5, 1)  # not what the service would compute
         assert svc.states[0].version == 0
         # round 1 arrives and round 2 after it
         await learner.send(0, base=0, vector=vec)
@@ -339,7 +339,7 @@ async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritt
         head = await VersionedStore(js, RUN, GLOBAL).head(0)
         assert head.version == 2
         # the log since the checkpoint counts each version once (the adopted one was counted twice)
-        pos = svc.logpos[0]
+        pos = svc.merge_log.logpos[0]
         assert pos.versions_since == svc.states[0].version - pos.checkpoint_version
         # version 1 is the committed one (its merge event says so), version 2 holds round 2 only
         events = await _merge_events(js, 2)
@@ -414,14 +414,14 @@ async def test_a_checkpoint_is_stored_from_the_live_state_while_other_fragments_
         for r in range(2):  # fragment 0 waits for its checkpoint: buffered, not merged
             await learner.send(0, base=3)
         await _send_merged(svc, learner, 1, range(4))  # fragment 1 merges meanwhile (checkpointed at 3)
-        assert await _until(lambda: len(svc.buffers[0]) == 2, 5)
+        assert await _until(lambda: len(svc.intake.buffers[0]) == 2, 5)
         assert svc.states[0].version == 3 and svc.states[0].to_bytes() == at3
-        assert (1, 3) in started and svc.logpos[0].checkpoint_version == 0
+        assert (1, 3) in started and svc.merge_log.logpos[0].checkpoint_version == 0
         held.set()  # stored: what was taken at version 3, and fragment 0 merges what waited
-        assert await _until(lambda: svc.logpos[0].checkpoint_version == 3, 15)
+        assert await _until(lambda: svc.merge_log.logpos[0].checkpoint_version == 3, 15)
         assert [b for p, v, b in stored if (p, v) == (0, 3)] == [at3]
         assert await _until(lambda: svc.published.get(0) == 4, 15)  # (one merge of both)
-        assert svc.logpos[0].versions_since == 1 and svc.states[0].last_merge and len(svc.states[0].last_merge) == 2
+        assert svc.merge_log.logpos[0].versions_since == 1 and svc.states[0].last_merge and len(svc.states[0].last_merge) == 2
         live = {p: svc.states[p].to_bytes() for p in (0, 1)}
     finally:
         await _crash(svc, task)
@@ -449,21 +449,21 @@ async def test_a_crash_while_a_checkpoint_is_stored_replays_from_the_one_before_
         assert await _until(lambda: started == [(0, 3)], 5), started
         for r in range(2):
             await learner.send(0, base=3)
-        assert await _until(lambda: len(svc.buffers[0]) == 2, 5)
+        assert await _until(lambda: len(svc.intake.buffers[0]) == 2, 5)
         at3 = svc.states[0].to_bytes()
-        assert svc.states[0].version == 3 and svc.logpos[0].checkpoint_version == 0
+        assert svc.states[0].version == 3 and svc.merge_log.logpos[0].checkpoint_version == 0
     finally:
         await _crash(svc, task)  # the checkpoint never stored
     svc2, stop2, task2 = await _start(nats_server, require_membership=False, quorum=1, ack_wait=2)
     try:
         assert svc2.stats.replayed == 3 and svc2.stats.replay_lost == 0
-        assert svc2.logpos[0].checkpoint_version == 0
+        assert svc2.merge_log.logpos[0].checkpoint_version == 0
         assert svc2.states[0].version >= 3
         if svc2.states[0].version == 3:
             assert svc2.states[0].to_bytes() == at3
         # the two that waited, delivered again and merged (rounds 4 and 5 of the learner)
         assert await _until(lambda: svc2.states[0].applied.highest_round("a", learner.inc, 0) == 5, 20)
-        assert svc2.states[0].version in (4, 5) and not svc2.buffers[0]
+        assert svc2.states[0].version in (4, 5) and not svc2.intake.buffers[0]
     finally:
         stop2.set()
         await asyncio.wait_for(task2, 15)
@@ -504,22 +504,22 @@ async def test_an_early_checkpoint_is_written_only_once_enough_was_merged_since_
     try:
         # the fake stream holds mostly work not read (the consumer's backlog against the stream's
         # messages, below): behind, so 4 checkpoints' bytes
-        ckpt = EARLY_CHECKPOINT_RATIO * svc._checkpoint_bytes(0)
+        ckpt = EARLY_CHECKPOINT_RATIO * svc.merge_log.checkpoint_bytes(0)
         learner = FakeLearner(js, RUN, "a", 1)
         r = 0
-        while svc.logpos[0].bytes_since < ckpt:
+        while svc.merge_log.logpos[0].bytes_since < ckpt:
             await learner.send(0, base=r)
             r += 1
             assert await _until(lambda: svc.published.get(0) == r, 15)
-            if svc.logpos[0].bytes_since < ckpt:  # a look at the stream (every 2 s) finds it overtaken: skipped
+            if svc.merge_log.logpos[0].bytes_since < ckpt:  # a look at the stream (every 2 s) finds it overtaken: skipped
                 skipped = svc.stats.checkpoints_early_skipped
                 assert await _until(lambda: svc.stats.checkpoints_early_skipped > skipped, 10)
-                assert svc.stats.checkpoints_early == 0 and svc.logpos[0].checkpoint_version == 0
+                assert svc.stats.checkpoints_early == 0 and svc.merge_log.logpos[0].checkpoint_version == 0
         assert r >= 8  # one fp32 contribution holds a third of a checkpoint's bytes
-        assert svc._grad_behind  # (said once: grad_stream_behind)
+        assert svc.merge_log.grad_behind  # (said once: grad_stream_behind)
         assert await _until(lambda: svc.stats.checkpoints_early == 1, 10)
-        assert await _until(lambda: svc.logpos[0].checkpoint_version == r, 10)
-        assert svc.logpos[0].bytes_since == 0 and svc.logpos[0].versions_since == 0
+        assert await _until(lambda: svc.merge_log.logpos[0].checkpoint_version == r, 10)
+        assert svc.merge_log.logpos[0].bytes_since == 0 and svc.merge_log.logpos[0].versions_since == 0
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
@@ -532,7 +532,7 @@ async def test_a_rejection_is_settled_only_once_its_audit_event_is_stored(nats_s
     event lost the record of an acknowledged contribution: the chaos run's ``none_lost``.)"""
     svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.1)
     await set_members(js, RUN, {"good": "active"})
-    await _until(lambda: svc.members.get("good") == "active")
+    await _until(lambda: svc.membership.members.get("good") == "active")
     real_publish = svc.js.publish
     events = Subjects(RUN).event("reject")
     outage = {"on": True}
@@ -548,11 +548,11 @@ async def test_a_rejection_is_settled_only_once_its_audit_event_is_stored(nats_s
         await bad.send(0, base=0, run="other")  # wrong_run
     assert await _until(lambda: svc.stats.rejected.get("wrong_run") == 3)
     await asyncio.sleep(0.5)  # a few rounds of the main loop with the publish failing
-    assert len(svc._audit) == 3  # kept, not dropped
+    assert len(svc.intake.audit) == 3  # kept, not dropped
     info = await js.consumer_info(Subjects(RUN).stream("grad"), "agg_0_1")
     assert info.num_ack_pending >= 3  # not settled: a crash now would redeliver them
     outage["on"] = False
-    assert await _until(lambda: not svc._audit)
+    assert await _until(lambda: not svc.intake.audit)
     sub = await js.subscribe(events, deliver_policy=DeliverPolicy.ALL)
     got = [orjson.loads((await sub.next_msg(timeout=5)).data)["reason"] for _ in range(3)]
     assert got == ["wrong_run"] * 3
@@ -571,27 +571,27 @@ async def test_a_contribution_that_beats_its_learners_admission_is_held_then_mer
     before the monitor admitted it and were rejected as unknown_learner (work lost)."""
     svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.05, admission_wait=30)
     await set_members(js, RUN, {"other": "active"})
-    await _until(lambda: "other" in svc.members)
+    await _until(lambda: "other" in svc.membership.members)
     new, joining = FakeLearner(js, RUN, "new", 1), FakeLearner(js, RUN, "joiner", 2)
     for who, p in ((new, 0), (new, 1), (joining, 0)):
         await who.send(p, base=0)
     await set_members(js, RUN, {"joiner": "joining"})
-    assert await _until(lambda: len(svc.hold) == 3), len(svc.hold)
+    assert await _until(lambda: len(svc.intake.hold) == 3), len(svc.intake.hold)
     await asyncio.sleep(0.5)  # nothing is merged or rejected while they wait
-    assert len(svc.hold) == 3 and not svc.stats.rejected and svc.stats.merges == 0
+    assert len(svc.intake.hold) == 3 and not svc.stats.rejected and svc.stats.merges == 0
     await set_members(js, RUN, {"new": "active"})
     assert await _until(lambda: svc.stats.contributions["new"] == 2), dict(svc.stats.contributions)
-    assert len(svc.hold) == 1 and svc.states[0].version == 1 and svc.states[1].version == 1
+    assert len(svc.intake.hold) == 1 and svc.states[0].version == 1 and svc.states[1].version == 1
     await set_members(js, RUN, {"joiner": "active"})
     assert await _until(lambda: svc.stats.contributions["joiner"] == 1)
-    assert len(svc.hold) == 0 and not svc.stats.rejected
+    assert len(svc.intake.hold) == 0 and not svc.stats.rejected
     # an eviction while held rejects at once, for the current reason
     late = FakeLearner(js, RUN, "late", 3)
     await late.send(0, base=svc.states[0].version)
-    assert await _until(lambda: len(svc.hold) == 1)
+    assert await _until(lambda: len(svc.intake.hold) == 1)
     await set_members(js, RUN, {"late": "evicted"})
     assert await _until(lambda: svc.stats.rejected == {"inactive_learner": 1}), dict(svc.stats.rejected)
-    assert len(svc.hold) == 0
+    assert len(svc.intake.hold) == 0
     stop.set()
     await task
 
@@ -604,7 +604,7 @@ async def test_a_stale_outlier_reference_restarts_when_most_learners_are_refused
                                    norm_outlier_factor=5.0, norm_min_history=5)
     n = PLAN.sizes[0]
     await set_members(js, RUN, {"a": "active", "b": "active"})
-    await _until(lambda: len(svc.active()) == 2)
+    await _until(lambda: len(svc.membership.active()) == 2)
     a, b = FakeLearner(js, RUN, "a"), FakeLearner(js, RUN, "b")
     for v in range(5):  # the reference: small honest norms
         await a.send(0, base=v)
@@ -631,17 +631,17 @@ async def test_a_lock_step_round_merges_its_fragments_together_and_never_waits_p
     fragment 0 for the grace window only."""
     svc, stop, task = await _start(nats_server, grace="fixed", grace_seconds=1.5, quorum=2)
     await set_members(js, RUN, {"a": "active", "b": "active"})
-    await _until(lambda: len(svc.active()) == 2)
+    await _until(lambda: len(svc.membership.active()) == 2)
     a, b = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2)
     for p in (0, 1):
         await a.send(p, base=0, lockstep=1)
     await b.send(0, base=0, lockstep=1)
-    await _until(lambda: len(svc.buffers[0]) == 2 and len(svc.buffers[1]) == 1)
+    await _until(lambda: len(svc.intake.buffers[0]) == 2 and len(svc.intake.buffers[1]) == 1)
     await asyncio.sleep(0.6)  # fragment 0 has its quorum, but b's round is not complete
     assert svc.states[0].version == 0 and svc.stats.round_holds == 1
     await b.send(1, base=0, lockstep=1)
     assert await _until(lambda: svc.published.get(0) == 1 and svc.published.get(1) == 1)
-    assert svc.stats.round_holds_expired == 0 and not svc.held_since
+    assert svc.stats.round_holds_expired == 0 and not svc.versions.held_since
     # round 2: b's fragment 1 never comes (its publish failed): fragment 0 merges after the grace
     t0 = time.monotonic()
     for p in (0, 1):
@@ -649,7 +649,7 @@ async def test_a_lock_step_round_merges_its_fragments_together_and_never_waits_p
     await b.send(0, base=1, lockstep=1)
     assert await _until(lambda: svc.published.get(0) == 2, 5)
     assert time.monotonic() - t0 >= 1.4 and svc.stats.round_holds_expired == 1
-    assert svc.states[1].version == 1 and len(svc.buffers[1]) == 1  # still waiting for b
+    assert svc.states[1].version == 1 and len(svc.intake.buffers[1]) == 1  # still waiting for b
     stop.set()
     await task
 
@@ -661,7 +661,7 @@ async def test_the_membership_is_watched_anew_when_the_server_comes_back(nats_se
     svc, stop, task = await _start(nats_server, quorum=1)
     try:
         await set_members(js, RUN, {"l0": "evicted"})
-        assert await _until(lambda: svc.members.get("l0") == "evicted")
+        assert await _until(lambda: svc.membership.members.get("l0") == "evicted")
         nats_server.kill()
         await asyncio.get_running_loop().run_in_executor(None, nats_server.start)
         assert await _until(lambda: svc.nc.is_connected, 20)
@@ -670,7 +670,7 @@ async def test_the_membership_is_watched_anew_when_the_server_comes_back(nats_se
             kv = await client.jetstream(timeout=10).key_value(Subjects(RUN).bucket("members"))
             t0 = time.monotonic()
             await kv.put("l0", orjson.dumps({"learner": "l0", "state": "active"}))
-            assert await _until(lambda: svc.members.get("l0") == "active", 4.0), svc.members
+            assert await _until(lambda: svc.membership.members.get("l0") == "active", 4.0), svc.membership.members
             print(f"seen {time.monotonic() - t0:.2f} s after the restart's first write")
         finally:
             await client.close()
@@ -688,7 +688,7 @@ async def test_an_operators_trust_clear_reaches_every_fragments_next_merge_and_s
     svc, stop, task = await _start(nats_server, quorum=4, grace="fixed", grace_seconds=5.0, trust="weigh")
     names = ["l0", "l1", "l2", "l3"]
     await set_members(js, RUN, {x: "active" for x in names})
-    await _until(lambda: len(svc.active()) == 4)
+    await _until(lambda: len(svc.membership.active()) == 4)
     fakes = {x: FakeLearner(js, RUN, x, i) for i, x in enumerate(names)}
     rng = np.random.default_rng(0)
     version = {0: 0, 1: 0}
@@ -707,7 +707,7 @@ async def test_an_operators_trust_clear_reaches_every_fragments_next_merge_and_s
     assert all(svc.states[p].trust.learners["l0"].reason == "opposes" for p in (0, 1))
     assert all(svc.states[p].last_trust[0] == 0.0 for p in (0, 1))  # l0 sent first: weight 0
     cid = await request_clear(js, RUN, "l0", by="test")
-    assert await _until(lambda: svc.trust_clears.get("l0") == cid, timeout=10)
+    assert await _until(lambda: svc.versions.trust_clears.get("l0") == cid, timeout=10)
     await one_round()
     for p in (0, 1):
         tr = svc.states[p].trust
@@ -734,7 +734,7 @@ async def test_the_default_quorum_closes_a_round_on_time_and_waits_for_every_loc
     svc, stop, task = await _start(nats_server, trust="off")
     assert svc.cfg.quorum == AUTO
     await set_members(js, RUN, {"a": "active", "b": "active", "c": "active"})
-    await _until(lambda: len(svc.active()) == 3)
+    await _until(lambda: len(svc.membership.active()) == 3)
     store = VersionedStore(js, RUN, GLOBAL)
     a, b, c = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2), FakeLearner(js, RUN, "c", 3)
     pace = {"period": 10, "step_s": 0.2}
@@ -768,7 +768,7 @@ async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(n
     did to half its rounds."""
     svc, stop, task = await _start(nats_server, trust="off", quorum=AUTO)
     await set_members(js, RUN, {"a": "active", "b": "active"})
-    await _until(lambda: len(svc.active()) == 2)
+    await _until(lambda: len(svc.membership.active()) == 2)
     store = VersionedStore(js, RUN, GLOBAL)
     a, b = FakeLearner(js, RUN, "a", 1), FakeLearner(js, RUN, "b", 2)
     pace = {"period": 10, "step_s": 0.02}  # a round time of 0.2 s: its deadline half of that
@@ -796,7 +796,7 @@ async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(n
     thread = threading.Thread(target=other_learner)
     thread.start()
     assert await asyncio.to_thread(ready.wait, 10)
-    handle = svc._handle
+    handle = svc.intake.handle
 
     async def busy_after_a(r, now):
         await handle(r, now)
@@ -805,7 +805,7 @@ async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(n
             assert sent.wait(10)  # b is stored on the server while this loop is blocked
             time.sleep(0.6)
 
-    monkeypatch.setattr(svc, "_handle", busy_after_a)
+    monkeypatch.setattr(svc.intake, "handle", busy_after_a)
     ka = await a.send(0, base=1, **pace)
     assert await _until(lambda: svc.published.get(0) == 2)
     await asyncio.to_thread(thread.join, 10)

@@ -17,7 +17,7 @@ async def test_sparse_contributions_merge_and_hostile_ones_are_refused(nats_serv
     svc, stop, task = await _start(nats_server, quorum=1, grace="fixed", grace_seconds=0.1)
     n = PLAN.sizes[0]
     await set_members(js, RUN, {"good": "active"})
-    await _until(lambda: svc.members.get("good") == "active")
+    await _until(lambda: svc.membership.members.get("good") == "active")
     good = FakeLearner(js, RUN, "good")
     rng = np.random.default_rng(3)
     for v, name in enumerate(sparse.SPARSE):

@@ -112,7 +112,7 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
             metas[head.version] = {k: head.meta[k] for k in ("key", "ref") if k in head.meta}
             got = await reader.read(head)
             exact = svc.states[0].params
-            span = np.abs(exact - svc.keys[0].params).max()
+            span = np.abs(exact - svc.versions.encoder.keys[0].params).max()
             assert np.abs(got - exact).max() <= span / 127 * 1.01 + 1e-7
         # version 0 is the first keyframe; then keyframes at 3 and 6 (every 3 versions); the rest
         # are deltas against the newest keyframe
@@ -135,7 +135,7 @@ async def test_aggregator_publishes_keyframes_and_deltas_that_readers_reconstruc
     svc, stop, task = await _start(nats_server, require_membership=False, grace="fixed", grace_seconds=0.02,
                                    quorum=1, downlink_quantiser="int8", keyframe_every=4, max_staleness=100)
     try:
-        assert svc.keys[0].version == 6 and svc.keys[1].version == 0
+        assert svc.versions.encoder.keys[0].version == 6 and svc.versions.encoder.keys[1].version == 0
         await learner.send(0, base=8)
         assert await _until(lambda: svc.published.get(0) == 9)
         head = await store.head(0)
@@ -224,7 +224,7 @@ async def test_aggregator_chains_versions_that_readers_follow_and_recover(nats_s
     learner = FakeLearner(js, RUN, "a", 1, scale=1e-2)
     try:
         head, _ = await reader.newest(0)
-        assert head.version == 0 and svc.views[0].version == 0
+        assert head.version == 0 and svc.versions.encoder.views[0].version == 0
         head, _ = await local.newest(0)
         assert head.version == 0 and local.local_hits == 1 and local.bytes_received == 0
         sizes = []
@@ -234,7 +234,7 @@ async def test_aggregator_chains_versions_that_readers_follow_and_recover(nats_s
             head = await store.head(0)
             assert head.version == v + 1 and head.meta.get("prev") == v and head.meta.get("chain") == 1
             got = await reader.read(head)
-            assert np.array_equal(got, svc.views[0].params)  # bit for bit the aggregator's view
+            assert np.array_equal(got, svc.versions.encoder.views[0].params)  # bit for bit the aggregator's view
             assert np.array_equal(await local.read(head), got)
             sizes.append(head.size)
         # the first delta needed the whole view of version 1 (the reader held version 0 only as the
@@ -244,10 +244,10 @@ async def test_aggregator_chains_versions_that_readers_follow_and_recover(nats_s
         assert local.views_fetched == 0 and local.views_built == 1 and local.bytes_received == sum(sizes)
         assert max(sizes) < 0.2 * 4 * svc.states[0].params.size
         # the view lags the exact parameters by what is still to send (error feedback)
-        assert not np.array_equal(svc.views[0].params, svc.states[0].params)
+        assert not np.array_equal(svc.versions.encoder.views[0].params, svc.states[0].params)
         late = GlobalReader(js, RUN, lambda head, vec: vec)
         head, vec = await late.newest(0)
-        assert head.version == 6 and late.views_fetched == 1 and np.array_equal(vec, svc.views[0].params)
+        assert head.version == 6 and late.views_fetched == 1 and np.array_equal(vec, svc.versions.encoder.views[0].params)
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
@@ -255,13 +255,13 @@ async def test_aggregator_chains_versions_that_readers_follow_and_recover(nats_s
     # against version 6, and a reader that followed needs nothing whole
     svc, stop, task = await _start(nats_server, **opts)
     try:
-        assert svc.views[0].version == 6
+        assert svc.versions.encoder.views[0].version == 6
         await learner.send(0, base=6)
         assert await _until(lambda: svc.published.get(0) == 7)
         head = await store.head(0)
         assert head.meta.get("prev") == 6
         got = await reader.read(head)
-        assert reader.views_fetched == 1 and np.array_equal(got, svc.views[0].params)
+        assert reader.views_fetched == 1 and np.array_equal(got, svc.versions.encoder.views[0].params)
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)

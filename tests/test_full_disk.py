@@ -391,13 +391,13 @@ async def test_a_merge_the_store_refuses_is_undone_kept_unacked_and_merged_once_
         await learner.send(0, base=2)
         await asyncio.sleep(1.0)  # several passes of the main loop, the store still full
         assert svc.states[0].version == 2 and svc.states[0].to_bytes() == stored  # undone: what is stored
-        assert not svc.uncommitted and len(svc.buffers[0]) == 2 and svc.published[0] == 2
+        assert not svc.merge_log.uncommitted and len(svc.intake.buffers[0]) == 2 and svc.published[0] == 2
         assert svc.stats.merges == 2
         info = await js.consumer_info(s.stream("grad"), "agg_0_1")
         assert info.num_ack_pending >= 2  # neither acknowledged: a crash now redelivers both
         assert (await VersionedStore(js, run, GLOBAL).head(0)).version == 2
         full["on"] = False  # the probe (every 5 s) is stored: merging resumes by itself
-        assert await until(lambda: _true(svc.published.get(0, 0) >= 3 and not svc.buffers[0]), 15)
+        assert await until(lambda: _true(svc.published.get(0, 0) >= 3 and not svc.intake.buffers[0]), 15)
         assert not svc.store_watch.faulted and svc.store_watch.health.episodes == 1
         applied = sorted(k[3] for k in svc.states[0].last_merge) if svc.states[0].version == 3 else None
         assert applied in ([3, 4], None), applied
