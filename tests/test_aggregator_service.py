@@ -306,6 +306,33 @@ async def test_a_learner_that_finished_keeps_its_share_of_the_run(nats_server, j
         await asyncio.wait_for(task, 15)
 
 
+async def test_an_adopted_merge_record_that_applied_none_of_ours_publishes_it_then_merges_ours(nats_server, js):
+    """The STATE stream holds a merge record of version 1 that applied another learner's work only
+    (here one the GRAD stream no longer holds: replayed as applied without its effect). Adopting it
+    acknowledges nothing of ours: version 1 is published as the record says, and our contribution
+    goes back to the buffer and is merged into version 2. (The adoption used to end the aggregator:
+    an IndexError counting the quorum wait of a merge with no contribution of its own.)"""
+    from aggregator.mlog import LoggedContribution, MergeRecord
+
+    svc, stop, task = await _start(nats_server, require_membership=False, quorum=1, grace="fixed",
+                                   grace_seconds=0.05, max_staleness=100)
+    S = Subjects(RUN)
+    try:
+        learner = FakeLearner(js, RUN, "a", 1)
+        gone = LoggedContribution("b", "b-inc", 0, 1, 0, (10**9,), 0.01, 0)  # sequences the stream never held
+        rec = MergeRecord(0, 1, (gone,), 1.0, 2, svc.versions.settings_dict)
+        await js.publish(S.merge_log(0, 1 % svc.merge_log.slots()), rec.to_bytes(), headers={"Nats-Msg-Id": f"{RUN}.mlog.0.1"})
+        key = await learner.send(0, base=0)
+        assert await _until(lambda: svc.published.get(0) == 2, 15), (svc.published, task.done())
+        assert not task.done() and svc.stats.replay_lost == 1
+        events = await _merge_events(js, 2)
+        assert [k[0] for k in events[1]["applied"]] == ["b"]
+        assert [tuple(k) for k in events[2]["applied"]] == [tuple(key)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
 async def test_a_merge_record_committed_behind_our_back_is_adopted_not_overwritten(nats_server, js):
     """The STATE stream holds a merge record of version v+1 that this process does not know about
     (a publish that was stored although it reported a failure): the aggregator's own record of v+1
