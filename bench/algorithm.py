@@ -106,6 +106,18 @@ def out_of_step(M: int) -> dict:
     return {"step_times": tuple(round(1.0 + 0.06 * m, 2) for m in range(M)), "up_delay": 0.5, "down_delay": 0.5}
 
 
+def steps_by_speed(total: int, step_times: tuple[float, ...]) -> tuple[int, ...]:
+    """``total`` inner steps shared among learners in proportion to their speeds (1 / step time), so
+    that all of them finish at about the same time; the largest remainders round up, every learner
+    has at least 1, and the sum is ``total`` (or the learners' count, if that is more)."""
+    rates = [1.0 / t for t in step_times]
+    exact = [total * r / sum(rates) for r in rates]
+    out = [max(1, int(x)) for x in exact]
+    for i in sorted(range(len(out)), key=lambda i: int(exact[i]) - exact[i])[:max(0, total - sum(out))]:
+        out[i] += 1
+    return tuple(out)
+
+
 def budget_steps(params: int, tokens_per_param: float, M: int, batch: int, seq_len: int) -> int:
     """Inner steps per learner for ``tokens_per_param`` x params tokens over M learners."""
     return max(1, round(tokens_per_param * params / (M * batch * seq_len)))

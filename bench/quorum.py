@@ -7,8 +7,10 @@ Every run trains one built-in model (``--size``, default ``small``; ``--quick``:
 ``--tokens-per-param`` x its parameters tokens at the roles' defaults, K the only change. The quorums
 (``--quorums``): all (M), M/2, 2 and 1 (those within 1..M), and auto (``DILOCO_QUORUM=auto``: rounds
 that close on time, ``aggregator.quorum``). The speeds: ``equal`` (every step 1.0 virtual seconds, no
-transfer time) and ``spread`` (learner i steps in 1 + 0.06 i, every contribution and every version
-0.5 s in flight: the unequal speeds of learners sharing a machine or of mixed hardware).
+transfer time), ``spread`` (learner i steps in 1 + 0.06 i, every contribution and every version
+0.5 s in flight: the unequal speeds of learners sharing a machine or of mixed hardware), and
+``budget`` (the spread, with the run's inner steps shared in proportion to speed, each learner's
+schedule spanning its own share: all finish together; ``RefConfig.learner_steps``).
 
 Keys: ``gap_k<K>_m<M>_<speeds>`` = (decoupled - data-parallel) / data-parallel;
 ``async_cost_k<K>_m<M>_<speeds>`` = (decoupled - synchronous) / synchronous (the cost of asynchrony,
@@ -36,7 +38,7 @@ import orjson
 from aggregator.quorum import AUTO
 from bench.common import fetch_delay_of, finish, parser, period_of, progress, reference_options, run_jobs
 
-SPEEDS = ("equal", "spread")
+SPEEDS = ("equal", "spread", "budget")
 QUORUMS = ("all", "half", "2", "1", "auto")
 
 
@@ -47,10 +49,13 @@ def quorums(M: int, which: tuple[str, ...] = QUORUMS) -> list[int]:
     return ks + ([AUTO] if "auto" in which else [])
 
 
-def timing(speeds: str, M: int) -> dict[str, Any]:
-    from bench.algorithm import out_of_step
+def timing(speeds: str, M: int, steps: int) -> dict[str, Any]:
+    from bench.algorithm import out_of_step, steps_by_speed
 
-    return {} if speeds == "equal" else out_of_step(M)
+    if speeds == "equal":
+        return {}
+    t = out_of_step(M)
+    return {**t, "learner_steps": steps_by_speed(steps * M, t["step_times"])} if speeds == "budget" else t
 
 
 def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float, batch: int, seed: int,
@@ -69,7 +74,7 @@ def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float
         out.append(("equal", replace(base, mode="sync")))
         for sp in speeds:
             for K in quorums(M, which):
-                out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, **timing(sp, M))))
+                out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, **timing(sp, M, steps))))
     return out
 
 
@@ -128,7 +133,7 @@ def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--size", default=None, choices=list(SIZES), help="the model (default small; quick: tiny)")
     p.add_argument("--M", type=int, nargs="+", default=None, help="learner counts (default: 2 4 8; quick: 2)")
-    p.add_argument("--speeds", nargs="+", default=list(SPEEDS), choices=SPEEDS)
+    p.add_argument("--speeds", nargs="+", default=["equal", "spread"], choices=SPEEDS)
     p.add_argument("--quorums", nargs="+", default=list(QUORUMS), choices=QUORUMS)
     reference_options(p)
     p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")

@@ -65,7 +65,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from simulation.reference_config import MODES, SMALL_MODEL, TINY_MODEL, RefConfig, failure_trace, quorum  # noqa: F401
+from simulation.reference_config import MODES, SMALL_MODEL, TINY_MODEL, RefConfig, failure_trace, quorum, run_steps  # noqa: F401
 from simulation.reference_setup import Setup, TreeSetup  # noqa: F401 (public names)
 
 
@@ -92,6 +92,7 @@ class _Learner:
     byzantine: str = ""  # RefConfig.byzantine, for a lying learner
     kept: dict = field(default_factory=dict)  # p -> its earlier whole-round vectors (a replaying learner)
     rng: Any = None
+    steps: int = 0  # its inner steps (RefConfig.learner_steps, or steps)
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Reference:
         t0 = time.perf_counter()
         result = self._run_dp() if cfg.mode == "dp" else self._run_diloco()
         wall = time.perf_counter() - t0
-        tokens = cfg.steps * cfg.M * s.tokens_per_step
+        tokens = run_steps(cfg) * (cfg.M if cfg.mode == "dp" else 1) * s.tokens_per_step
         result.update({"mode": cfg.mode, "M": cfg.M, "params": s.params, "tokens": tokens,
                        "tokens_per_param": round(tokens / s.params, 2), "wall_s": round(wall, 2),
                        "tokens_per_s": round(tokens / wall, 1)})
@@ -135,7 +136,7 @@ class Reference:
     def _eval_marks(self) -> list[int]:
         """Total inner steps (over all learners) after which to evaluate the global model."""
         cfg = self.cfg
-        total = cfg.steps * (1 if cfg.mode == "dp" else cfg.M)
+        total = run_steps(cfg)
         n = max(1, cfg.eval_points)
         return sorted({max(1, round(total * k / n)) for k in range(1, n + 1)})
 
@@ -208,14 +209,16 @@ class Reference:
                 from simulation.byzantine_attacks import corrupted
 
                 batches = corrupted(batches, cfg.byzantine_seed * 1000 + m)
-            be = s.backend(batches)
+            own = cfg.learner_steps[m] if cfg.learner_steps else None
+            be = s.backend(batches, own)
             be.load(v0)
             book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered)
             for p in range(self.P):
                 book.on_merged(p, 0)
             self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * self.P,
                                           float(times[m]), incarnation=inc or "r0", byzantine=byz,
-                                          rng=np.random.Generator(np.random.PCG64(cfg.byzantine_seed * 1000 + m))))
+                                          rng=np.random.Generator(np.random.PCG64(cfg.byzantine_seed * 1000 + m)),
+                                          steps=own or cfg.steps))
         for m, down, back in cfg.failures:
             self._at(down, 3, self._fail, m)
             self._at(back, 3, self._return, m)
@@ -239,8 +242,8 @@ class Reference:
         # (the same as the aggregator's parameters with a whole fp32 downlink)
         quantised = cfg.downlink != "fp32" or cfg.downlink_chain
         published = s.evaluate_fragments([vec for _, vec in self.published]) if quantised else final
-        if not self.curve or self.curve[-1][0] != cfg.steps * cfg.M * s.tokens_per_step:
-            self.curve.append([cfg.steps * cfg.M * s.tokens_per_step, final])
+        if not self.curve or self.curve[-1][0] != run_steps(cfg) * s.tokens_per_step:
+            self.curve.append([run_steps(cfg) * s.tokens_per_step, final])
         else:
             self.curve[-1][1] = final
         return {"eval_loss": final, "eval_loss_published": published, "curve": self.curve, "merges": self.merges,
@@ -277,7 +280,7 @@ class Reference:
         self.total_steps += 1
         for p in due:
             self._contribute(ln, p)
-        if ln.book.step >= cfg.steps:
+        if ln.book.step >= ln.steps:
             ln.done = True
             if cfg.final_sync:
                 for p in ln.book.unsent_fragments():
@@ -435,7 +438,7 @@ class Reference:
             ev = s.evaluate_fragments([st.params for st in self.states])
             self.curve.append([self.total_steps * s.tokens_per_step, ev])
             if self.progress:
-                self.progress(f"{self.cfg.mode} steps {self.total_steps}/{self.cfg.steps * self.cfg.M} "
+                self.progress(f"{self.cfg.mode} steps {self.total_steps}/{run_steps(self.cfg)} "
                               f"held-out {ev:.4f} (global, t={self.now:.1f})")
 
     # -- the aggregator -----------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class RefConfig:
     mode: str = "decoupled"
     M: int = 2
     steps: int = 200  # inner steps per learner (dp: steps of batch M x batch)
+    # decoupled and streaming: each learner's own inner steps, its learning-rate schedule spanning
+    # them (a budget shared by speed: bench.quorum's ``budget`` speeds); None: ``steps`` each
+    learner_steps: tuple[int, ...] | None = None
     batch: int = 8  # sequences per learner step
     # model: the built-in transformer (learner.config.ModelConfig fields), or ``island`` (below)
     model: dict = field(default_factory=lambda: dict(SMALL_MODEL))
@@ -144,12 +147,23 @@ class RefConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.M < 1 or self.steps < 1 or self.batch < 1 or self.H < 1 or self.P < 1:
             raise ValueError("M, steps, batch, H and P must be >= 1")
+        if self.learner_steps is not None and (len(self.learner_steps) != self.M or min(self.learner_steps) < 1
+                                               or self.mode not in ("decoupled", "streaming")):
+            raise ValueError(f"learner_steps needs {self.M} values >= 1, in decoupled or streaming mode, "
+                             f"got {self.learner_steps} in {self.mode}")
         if self.step_times is not None and len(self.step_times) != self.M:
             raise ValueError(f"step_times needs {self.M} values, got {len(self.step_times)}")
         if self.byzantine not in BYZANTINE:
             raise ValueError(f"byzantine must be one of {BYZANTINE}, got {self.byzantine!r}")
         if self.incarnations is not None and len(self.incarnations) != self.M:
             raise ValueError(f"incarnations needs {self.M} values, got {len(self.incarnations)}")
+
+
+def run_steps(cfg: RefConfig) -> int:
+    """Inner steps of the whole run: every learner's (dp: its own steps)."""
+    if cfg.mode == "dp":
+        return cfg.steps
+    return sum(cfg.learner_steps) if cfg.learner_steps else cfg.steps * cfg.M
 
 
 def quorum(cfg: RefConfig) -> int:

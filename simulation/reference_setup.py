@@ -49,6 +49,7 @@ class Setup:
                                         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None,
                                         kind=cfg.inner_optimizer, muon_rms=cfg.muon_rms)
         self.train_step = make_train_step(self.spec, self.optimizer, donate=True)
+        self._schedules: dict[int, tuple] = {total: (self.optimizer, self.train_step)}
         # the held-out loss weighs every group's corpus alike (the same number of batches of each)
         self.heldout = np.concatenate([c.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)
                                        for c in self.corpora])
@@ -85,7 +86,21 @@ class Setup:
 
         return self.evaluate(to_jax(params_from_fragments(self.plan, vectors)))
 
-    def backend(self, batches):
+    def schedule(self, total: int | None = None) -> tuple:
+        """(optimizer, train step) of an inner schedule spanning ``total`` steps, its warm-up the
+        learner's share of it (None: the run's schedule)."""
+        from learner.inner import make_optimizer, make_train_step
+
+        cfg = self.cfg
+        total = total or cfg.total_steps or cfg.steps
+        if total not in self._schedules:
+            opt = make_optimizer(self.lr, min(warmup_of(cfg, total), total - 1), total, weight_decay=cfg.weight_decay,
+                                 clip_norm=cfg.clip_norm or None, kind=cfg.inner_optimizer, muon_rms=cfg.muon_rms)
+            self._schedules[total] = (opt, make_train_step(self.spec, opt, donate=True))
+        return self._schedules[total]
+
+    def backend(self, batches, total: int | None = None):
+        """A learner's backend; ``total``: its own schedule's length (None: the run's)."""
         import jax
 
         from learner.builtin import builtin_tree
@@ -97,9 +112,10 @@ class Setup:
         # and set_fragment's leaves are: a step called on a mix of committed and uncommitted leaves
         # compiles again for each new mix (3 compiles instead of 1 for 2 learners of the tiny model)
         device = jax.devices()[0]
-        return TrainBackend(self.train_step, batches, builtin_tree(self.spec), self.plan,
+        optimizer, train_step = self.schedule(total)
+        return TrainBackend(train_step, batches, builtin_tree(self.spec), self.plan,
                             build=lambda vectors: jax.device_put(to_jax(params_from_fragments(self.plan, vectors)), device),
-                            init_opt=lambda params: jax.device_put(self.optimizer.init(params), device))
+                            init_opt=lambda params: jax.device_put(optimizer.init(params), device))
 
     def v0_fragments(self) -> list[np.ndarray]:
         out = []
@@ -116,10 +132,15 @@ def group_of(m: int, M: int, groups: int) -> int:
 
 def resolved_warmup(cfg: RefConfig) -> int:
     """The warm-up in force: ``cfg.warmup``, or (-1, the learner's default) its share of the schedule."""
+    return warmup_of(cfg, cfg.total_steps or cfg.steps)
+
+
+def warmup_of(cfg: RefConfig, total: int) -> int:
+    """The warm-up of a schedule of ``total`` steps: ``cfg.warmup``, or the learner's default share."""
     from learner.config import LearnerConfig, warmup_for
 
     fraction = LearnerConfig.__dataclass_fields__["warmup_fraction"].default
-    return warmup_for(cfg.warmup, cfg.total_steps or cfg.steps, float(fraction))  # type: ignore[arg-type]
+    return warmup_for(cfg.warmup, total, float(fraction))  # type: ignore[arg-type]
 
 
 class TreeSetup:
@@ -171,9 +192,11 @@ class TreeSetup:
     def v0_fragments(self) -> list[np.ndarray]:
         return [v.copy() for v in self._v0]
 
-    def backend(self, batches):
+    def backend(self, batches, total: int | None = None):
         from learner.backends import TrainBackend
 
+        if total is not None:
+            raise ValueError("learner_steps needs the built-in model: a user's train step brings its own schedule")
         return TrainBackend(self.train_step, batches, self.tree, self.plan, params=self._copy(),
                             init_opt=self.init_opt)
 

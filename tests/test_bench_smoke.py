@@ -140,3 +140,14 @@ def test_inner_lr_summary_reads_the_gap_against_tuned_data_parallel():
     assert s["gap_default_m8"] == 0.1 and s["gap_tuned_m8"] == 0.08 and s["decoupled_best_H_m8"] == 6
     assert "dp_best_H_m8" not in s
     assert "gap_default_m8" not in summary([rows8[0], rows8[2]], {8: 0.024})
+
+
+def test_a_budget_shared_by_speed_sums_to_the_run_and_follows_the_speeds():
+    from bench.algorithm import out_of_step, steps_by_speed
+
+    times = out_of_step(8)["step_times"]
+    got = steps_by_speed(582 * 8, times)
+    assert sum(got) == 582 * 8 and list(got) == sorted(got, reverse=True)
+    assert max(abs(n * t - got[0] * times[0]) for n, t in zip(got, times)) <= 2  # all finish together
+    assert steps_by_speed(5, (1.0, 1.0, 1.0)) in ((2, 2, 1), (2, 1, 2), (1, 2, 2)) and steps_by_speed(1, (1.0, 9.0)) == (1, 1)
+

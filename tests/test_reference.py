@@ -73,6 +73,23 @@ def test_with_a_full_quorum_learners_out_of_step_train_as_streaming():
     assert lagging["train_losses"] != streaming["train_losses"]
 
 
+def test_each_learner_can_have_its_own_steps_and_its_schedule_spans_them():
+    """RefConfig.learner_steps: learner m runs its own number of steps, on a learning-rate schedule of
+    that length (a budget shared by speed); equal shares are the plain run bit for bit."""
+    base = replace(BASE, mode="decoupled", M=2, steps=16, H=4, P=2, warmup=-1)
+    setup = Setup(base)
+    plain = run_reference(base, setup)
+    same = run_reference(replace(base, learner_steps=(16, 16)), setup)
+    assert same["train_losses"] == plain["train_losses"] and same["eval_loss"] == plain["eval_loss"]
+    shared = run_reference(replace(base, learner_steps=(22, 10), step_times=(1.0, 2.2)), setup)
+    assert shared["learner_steps"] == [22, 10] and [len(x) for x in shared["train_losses"]] == [22, 10]
+    assert shared["tokens"] == plain["tokens"]
+    # learner 1's schedule spans its 10 steps: within its first round (its own steps from version 0,
+    # on the same batches, before any merge) its losses part from the 16-step schedule's
+    assert shared["train_losses"][1][0] == plain["train_losses"][1][0]
+    assert shared["train_losses"][1][1:4] != plain["train_losses"][1][1:4]
+
+
 def test_failure_trace_is_seeded():
     a = failure_trace(3, M=4, horizon=100.0, rate=0.02, mean_down=5.0)
     assert a == failure_trace(3, M=4, horizon=100.0, rate=0.02, mean_down=5.0) != failure_trace(4, 4, 100.0, 0.02, 5.0)
@@ -84,6 +101,10 @@ def test_bad_configurations_are_refused_in_one_line():
         RefConfig(mode="async")
     with pytest.raises(ValueError, match="step_times needs 2 values"):
         RefConfig(M=2, step_times=(1.0,))
+    with pytest.raises(ValueError, match="learner_steps needs 2 values"):
+        RefConfig(M=2, learner_steps=(3,))
+    with pytest.raises(ValueError, match="in decoupled or streaming mode"):
+        RefConfig(M=2, mode="sync", learner_steps=(3, 3))
 
 
 def _regression_setup(cfg: RefConfig) -> TreeSetup:
