@@ -118,6 +118,15 @@ def steps_by_speed(total: int, step_times: tuple[float, ...]) -> tuple[int, ...]
     return tuple(out)
 
 
+def periods_by_speed(H: int, step_times: tuple[float, ...]) -> tuple[int, ...]:
+    """Dynamic Local Updates at fixed speeds (``learner.loop.dynamic_period``): each learner syncs
+    every floor(v / v_max x H) steps, so every round lasts about as long as the fastest's."""
+    from learner.loop import dynamic_period
+
+    rates = [1.0 / t for t in step_times]
+    return tuple(dynamic_period(H, r, [x for j, x in enumerate(rates) if j != i]) for i, r in enumerate(rates))
+
+
 def budget_steps(params: int, tokens_per_param: float, M: int, batch: int, seq_len: int) -> int:
     """Inner steps per learner for ``tokens_per_param`` x params tokens over M learners."""
     return max(1, round(tokens_per_param * params / (M * batch * seq_len)))

@@ -10,7 +10,9 @@ that close on time, ``aggregator.quorum``). The speeds: ``equal`` (every step 1.
 transfer time), ``spread`` (learner i steps in 1 + 0.06 i, every contribution and every version
 0.5 s in flight: the unequal speeds of learners sharing a machine or of mixed hardware), and
 ``budget`` (the spread, with the run's inner steps shared in proportion to speed, each learner's
-schedule spanning its own share: all finish together; ``RefConfig.learner_steps``).
+schedule spanning its own share: all finish together; ``RefConfig.learner_steps``), ``dlu`` (the
+spread with Dynamic Local Updates at those speeds, ``DILOCO_DYNAMIC_H``: a slower learner syncs
+after proportionally fewer steps; ``RefConfig.learner_periods``) and ``budget_dlu`` (both).
 
 Keys: ``gap_k<K>_m<M>_<speeds>`` = (decoupled - data-parallel) / data-parallel;
 ``async_cost_k<K>_m<M>_<speeds>`` = (decoupled - synchronous) / synchronous (the cost of asynchrony,
@@ -38,7 +40,7 @@ import orjson
 from aggregator.quorum import AUTO
 from bench.common import fetch_delay_of, finish, parser, period_of, progress, reference_options, run_jobs
 
-SPEEDS = ("equal", "spread", "budget")
+SPEEDS = ("equal", "spread", "budget", "dlu", "budget_dlu")
 QUORUMS = ("all", "half", "2", "1", "auto")
 
 
@@ -49,13 +51,17 @@ def quorums(M: int, which: tuple[str, ...] = QUORUMS) -> list[int]:
     return ks + ([AUTO] if "auto" in which else [])
 
 
-def timing(speeds: str, M: int, steps: int) -> dict[str, Any]:
-    from bench.algorithm import out_of_step, steps_by_speed
+def timing(speeds: str, M: int, steps: int, H: int) -> dict[str, Any]:
+    from bench.algorithm import out_of_step, periods_by_speed, steps_by_speed
 
     if speeds == "equal":
         return {}
     t = out_of_step(M)
-    return {**t, "learner_steps": steps_by_speed(steps * M, t["step_times"])} if speeds == "budget" else t
+    if speeds in ("budget", "budget_dlu"):
+        t["learner_steps"] = steps_by_speed(steps * M, t["step_times"])
+    if speeds in ("dlu", "budget_dlu"):
+        t["learner_periods"] = periods_by_speed(H, t["step_times"])
+    return t
 
 
 def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float, batch: int, seed: int,
@@ -74,7 +80,7 @@ def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float
         out.append(("equal", replace(base, mode="sync")))
         for sp in speeds:
             for K in quorums(M, which):
-                out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, **timing(sp, M, steps))))
+                out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, **timing(sp, M, steps, base.H))))
     return out
 
 

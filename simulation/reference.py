@@ -212,7 +212,8 @@ class Reference:
             own = cfg.learner_steps[m] if cfg.learner_steps else None
             be = s.backend(batches, own)
             be.load(v0)
-            book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered)
+            book = Bookkeeper(self.P, cfg.learner_periods[m] if cfg.learner_periods else cfg.H, s.tokens_per_step,
+                              staggered=staggered)
             for p in range(self.P):
                 book.on_merged(p, 0)
             self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * self.P,

@@ -49,6 +49,9 @@ class RefConfig:
     # decoupled and streaming: each learner's own inner steps, its learning-rate schedule spanning
     # them (a budget shared by speed: bench.quorum's ``budget`` speeds); None: ``steps`` each
     learner_steps: tuple[int, ...] | None = None
+    # decoupled and streaming: each learner's own sync period (Dynamic Local Updates at a fixed speed,
+    # DILOCO_DYNAMIC_H: a slower learner syncs after fewer steps); None: ``H`` each
+    learner_periods: tuple[int, ...] | None = None
     batch: int = 8  # sequences per learner step
     # model: the built-in transformer (learner.config.ModelConfig fields), or ``island`` (below)
     model: dict = field(default_factory=lambda: dict(SMALL_MODEL))
@@ -151,6 +154,10 @@ class RefConfig:
                                                or self.mode not in ("decoupled", "streaming")):
             raise ValueError(f"learner_steps needs {self.M} values >= 1, in decoupled or streaming mode, "
                              f"got {self.learner_steps} in {self.mode}")
+        if self.learner_periods is not None and (len(self.learner_periods) != self.M or min(self.learner_periods) < 1
+                                                 or self.mode not in ("decoupled", "streaming")):
+            raise ValueError(f"learner_periods needs {self.M} values >= 1, in decoupled or streaming mode, "
+                             f"got {self.learner_periods} in {self.mode}")
         if self.step_times is not None and len(self.step_times) != self.M:
             raise ValueError(f"step_times needs {self.M} values, got {len(self.step_times)}")
         if self.byzantine not in BYZANTINE:

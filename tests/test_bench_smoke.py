@@ -151,3 +151,10 @@ def test_a_budget_shared_by_speed_sums_to_the_run_and_follows_the_speeds():
     assert max(abs(n * t - got[0] * times[0]) for n, t in zip(got, times)) <= 2  # all finish together
     assert steps_by_speed(5, (1.0, 1.0, 1.0)) in ((2, 2, 1), (2, 1, 2), (1, 2, 2)) and steps_by_speed(1, (1.0, 9.0)) == (1, 1)
 
+
+def test_dynamic_local_updates_at_fixed_speeds_follow_the_learner_s_rule():
+    from bench.algorithm import out_of_step, periods_by_speed
+
+    assert periods_by_speed(12, out_of_step(8)["step_times"]) == (12, 11, 10, 10, 9, 9, 8, 8)
+    assert periods_by_speed(12, (1.0, 1.0)) == (12, 12) and periods_by_speed(4, (1.0, 9.0)) == (4, 1)
+

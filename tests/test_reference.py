@@ -90,6 +90,18 @@ def test_each_learner_can_have_its_own_steps_and_its_schedule_spans_them():
     assert shared["train_losses"][1][1:4] != plain["train_losses"][1][1:4]
 
 
+def test_each_learner_can_have_its_own_sync_period():
+    """RefConfig.learner_periods (Dynamic Local Updates at fixed speeds): the learner with the
+    shorter period sends more outer gradients for the same steps; equal periods are the plain run."""
+    base = replace(BASE, mode="decoupled", M=2, steps=16, H=4, P=2)
+    setup = Setup(base)
+    plain = run_reference(base, setup)
+    assert run_reference(replace(base, learner_periods=(4, 4)), setup)["train_losses"] == plain["train_losses"]
+    short = run_reference(replace(base, learner_periods=(4, 2)), setup)
+    assert short["merges"] > plain["merges"] and short["train_losses"] != plain["train_losses"]
+    assert short["learner_steps"] == [16, 16]
+
+
 def test_failure_trace_is_seeded():
     a = failure_trace(3, M=4, horizon=100.0, rate=0.02, mean_down=5.0)
     assert a == failure_trace(3, M=4, horizon=100.0, rate=0.02, mean_down=5.0) != failure_trace(4, 4, 100.0, 0.02, 5.0)
@@ -105,6 +117,8 @@ def test_bad_configurations_are_refused_in_one_line():
         RefConfig(M=2, learner_steps=(3,))
     with pytest.raises(ValueError, match="in decoupled or streaming mode"):
         RefConfig(M=2, mode="sync", learner_steps=(3, 3))
+    with pytest.raises(ValueError, match="learner_periods needs 2 values"):
+        RefConfig(M=2, learner_periods=(3, 0))
 
 
 def _regression_setup(cfg: RefConfig) -> TreeSetup:
