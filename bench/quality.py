@@ -21,7 +21,9 @@ variant. Targets: <= 1% at M=2, <= 3% at M=4 (about 20 tokens per parameter).
 ``--corpus PATH`` trains on another corpus (``DILOCO_DATA``: a text file or a folder of them).
 ``--slowdown X`` stretches each learner step X times (``DILOCO_SLOWDOWN``): the small model's steps
 take about 17 ms here, so a merge's round trip through the bus is several steps long, which a
-model whose steps take seconds never sees.
+model whose steps take seconds never sees. ``--spread S`` makes learner i's steps (1 + S x i) times
+the slowdown's (the reference's speed spread is S = 0.06): learners of unequal speeds set by their
+pacing, not by how the machine's cores are shared (give a slowdown that leaves cores idle).
 
     python -m bench.quality --quick --out quality.json     (small model, 80 steps, ~40 s)
     python -m bench.quality --quick --M 2 --steps 2400     (small model, 20 tokens per parameter)
@@ -73,17 +75,22 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
                      variants: tuple[str, ...] = ("defaults", "k1"), corpus: str | None = None,
                      dp_lrs: tuple[float, ...] = (), slowdown: float = 1.0, agg_slowdown: float = 1.0,
                      agg_env: dict | None = None, learner_env: dict | None = None,
-                     keep_logs: str | None = None, dp_inner: tuple[str, ...] = (), monitor: bool = False) -> dict:
+                     keep_logs: str | None = None, dp_inner: tuple[str, ...] = (), monitor: bool = False,
+                     spread: float = 0.0) -> dict:
     env = settings(quick, steps, corpus)
     runs = {}
     slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
+    paced = {i: {"DILOCO_SLOWDOWN": str(round(slowdown * (1 + spread * i), 4))} for i in range(M)} if spread else {}
+    if paced:
+        slow = {}  # (each learner's own, in ``paced``)
     for v in variants:
         progress(f"decoupled ({v}): M={M} learners x {steps} steps, settings {env} {slow}")
         lag = {"DILOCO_AGG_SLOWDOWN": str(agg_slowdown)} if agg_slowdown != 1.0 else {}
         dec = await run_learners(env, M, steps, label=f"decoupled {v}",
                                  agg={**aggregator_settings(v, M), **lag, **(agg_env or {})},
                                  learner={**learner_settings(v), **slow, **(learner_env or {})},
-                                 keep_logs=f"{keep_logs}/{v}" if keep_logs else None, monitor=monitor)
+                                 keep_logs=f"{keep_logs}/{v}" if keep_logs else None, monitor=monitor,
+                                 per_learner=paced)
         progress(f"decoupled ({v}) eval {dec['eval']['eval_loss']:.4f} ({dec['wall_s']} s)")
         agg = dec["aggregator"]
         runs[v] = {"loss": dec["eval"]["eval_loss"], "aggregator": aggregator_settings(v, M),
@@ -119,7 +126,7 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
         r["loss_gap"] = (r["loss"] - b) / b
         r["loss_gap_same_lr"] = (r["loss"] - dp["eval_loss"]) / dp["eval_loss"]
     d = runs[variants[0]]["loss"]
-    return {"M": M, "steps": steps, "settings": env, "slowdown": slowdown, "agg_slowdown": agg_slowdown,
+    return {"M": M, "steps": steps, "settings": env, "slowdown": slowdown, "spread": spread, "agg_slowdown": agg_slowdown,
             "agg_env": agg_env or {}, "learner_env": learner_env or {}, "corpus": corpus or "(stdlib)",
             "params": dp["params"],
             "tokens": dp["tokens"], "tokens_per_param": round(dp["tokens"] / dp["params"], 2),
@@ -159,7 +166,11 @@ def main() -> None:
                    help="run a membership monitor, as a user's run has (the aggregator then admits learners, and "
                         "an admitted learner holds its steps when its sync waited a period): without it every "
                         "learner is accepted, and holds once one of its rounds was merged")
+    p.add_argument("--spread", type=float, default=0.0,
+                   help="learner i's steps (1 + SPREAD x i) times the --slowdown's (0.06: the reference's spread)")
     a = p.parse_args()
+    if a.spread < 0:
+        p.error(f"--spread must be >= 0, got {a.spread}")
     steps = a.steps or (80 if a.quick else 300)
     if a.corpus:
         import os
@@ -170,7 +181,7 @@ def main() -> None:
     variants = a.variants or ("defaults" if a.quick and a.steps is None else "defaults,k1")
     r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(variants.split(",")), a.corpus, lrs,
                                a.slowdown, a.agg_slowdown, kv(a.agg_env), kv(a.learner_env), a.keep_logs,
-                               tuple(x for x in a.dp_inner.split(",") if x.strip()), a.monitor))
+                               tuple(x for x in a.dp_inner.split(",") if x.strip()), a.monitor, a.spread))
     finish({"bench": "quality", "quick": a.quick, "monitor": a.monitor, **r}, a.out)
 
 
