@@ -45,6 +45,7 @@ from aggregator.step import FragmentState
 from bus import codec
 from bus.chunks import Gather
 from bus.runs import RunMismatch
+from bus.signals import cancel_all
 from bus.streams import STATE_ARRAYS
 from bus.subjects import Subjects
 from bus.transport import TransportError, VersionConflict, fetch_object
@@ -402,10 +403,7 @@ class MergeLog:
 
     async def close(self) -> None:
         """Cancel the checkpoints being stored (one cut short: the log covers it)."""
-        tasks = list(self.ckpt_tasks.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self.ckpt_tasks.values())
 
     # -- recovery ---------------------------------------------------------------------------------
 

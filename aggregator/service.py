@@ -67,7 +67,7 @@ from aggregator.step import FragmentState
 from aggregator.trust import summary as trust_summary
 from aggregator.versions import VersionMaker
 from bus import codec
-from bus.signals import install_stop
+from bus.signals import cancel_all, install_stop
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect
 from bus.log import get_logger, setup
@@ -350,9 +350,7 @@ class AggregatorService:
             except asyncio.TimeoutError:
                 self.log.warning("stop_checkpoints_timed_out", hint="the next start replays the merge log")
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
             await self.merge_log.close()  # (a checkpoint cut short: the log covers it)
             await self.consumer.unsubscribe()
             await self.nc.close()

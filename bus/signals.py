@@ -20,6 +20,24 @@ def install_stop(stop: asyncio.Event) -> None:
             pass
 
 
+async def cancel_all(tasks: Iterable[asyncio.Task], every: float = 1.0) -> None:
+    """Cancel ``tasks`` and wait until every one has ended, cancelling again those that run on. On
+    Python 3.11 ``asyncio.wait_for`` can swallow a cancellation that arrives as the wait it guards
+    completes (CPython gh-86296, fixed in 3.12); nats-py waits in one under every fetch, and our
+    loops in one between passes, so a task cancelled once can run on as if it never was (a service
+    whose stop then waited for ever: test_full_disk, once in a loaded suite). Their exceptions are
+    retrieved (not raised), as ``gather(return_exceptions=True)`` does."""
+    tasks = list(tasks)
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=every)
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()
+
+
 def terminate_all(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
     """SIGTERM every live process, wait up to ``timeout`` seconds in all, SIGKILL the stragglers."""
     procs = list(procs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import uuid
@@ -180,3 +181,15 @@ def sending_learners(js, run: str, store, stop, sent: dict, pick) -> list:
 
     return [asyncio.create_task(learner("l1", 1)), asyncio.create_task(learner("l2", 2)),
             asyncio.create_task(follow())]
+
+
+async def cancel_until_done(task: asyncio.Task, every: float = 1.0) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling again while it runs on. On Python 3.11
+    ``asyncio.wait_for`` can swallow a cancellation that arrives as the wait it guards completes
+    (CPython gh-86296, fixed in 3.12), and every NATS fetch waits in one (nats-py's ``next_msg``):
+    a service's loop then goes on as if never cancelled, and a test that cancelled it once waited
+    for ever (test_full_disk, once in a loaded suite: 120 s, its aggregator stopped only at teardown)."""
+    from bus.signals import cancel_all
+
+    await cancel_all([task], every)
+

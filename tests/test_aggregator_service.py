@@ -20,7 +20,7 @@ from bus.subjects import GLOBAL, Subjects
 from bus.transport import ChunkPublisher, VersionedStore
 from bus.conn import connect
 from learner.builtin import create_builtin_run
-from tests.agg_helpers import MODEL, PLAN, FakeLearner, set_members
+from tests.agg_helpers import MODEL, PLAN, FakeLearner, cancel_until_done, set_members
 
 RUN = "agg"
 
@@ -62,8 +62,7 @@ async def _send_merged(svc, learner, p: int, rounds) -> None:
 
 async def _crash(svc, task) -> None:
     """A kill: the service's task cancelled, no clean stop, no checkpoint at the end."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await cancel_until_done(task)
     await svc.nc.close()
 
 

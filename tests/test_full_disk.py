@@ -350,7 +350,7 @@ async def test_a_merge_the_store_refuses_is_undone_kept_unacked_and_merged_once_
     from aggregator.config import AggregatorConfig
     from aggregator.service import AggregatorService
     from learner.builtin import create_builtin_run
-    from tests.agg_helpers import MODEL, FakeLearner
+    from tests.agg_helpers import MODEL, FakeLearner, cancel_until_done
 
     run = "agg"
     common = CommonConfig(nats_url=nats_server.url, run=run, metrics_interval=0.2, partial_timeout=1.0)
@@ -365,8 +365,7 @@ async def test_a_merge_the_store_refuses_is_undone_kept_unacked_and_merged_once_
         return svc, task
 
     async def stopped(task) -> None:
-        task.cancel()  # no clean stop: what is stored is all a restart has
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_until_done(task)  # no clean stop: what is stored is all a restart has
 
     svc, task = await start()
     s = Subjects(run)

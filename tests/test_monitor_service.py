@@ -33,6 +33,7 @@ from monitor.service import (
     needs_write,
     parse_heartbeat,
 )
+from tests.agg_helpers import cancel_until_done
 
 HB, SUSPECT, EVICT = 0.2, 0.6, 1.0
 T0 = 1_700_000_000.0
@@ -206,11 +207,7 @@ class Running:
         await asyncio.wait_for(self.task, 15)
 
     async def crash(self) -> None:
-        self.task.cancel()
-        try:
-            await self.task
-        except asyncio.CancelledError:
-            pass
+        await cancel_until_done(self.task)
 
 
 async def start_monitor(url: str, run: str, mid: str, **kw) -> Running:

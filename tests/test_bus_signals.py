@@ -1,0 +1,32 @@
+"""bus.signals.cancel_all: every task ends, also one that runs on after a cancellation (what
+Python 3.11's ``asyncio.wait_for`` does when a cancellation arrives as its wait completes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bus.signals import cancel_all
+
+
+async def test_a_task_that_swallows_a_cancellation_is_cancelled_again_until_it_ends():
+    swallowed = []
+
+    async def runs_on() -> None:
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if len(swallowed) < 2:  # as a swallowed cancellation: the loop goes on
+                    swallowed.append(1)
+                    continue
+                raise
+
+    async def fails() -> None:
+        raise ValueError("retrieved, not raised")
+
+    tasks = [asyncio.create_task(runs_on()), asyncio.create_task(asyncio.sleep(10)), asyncio.create_task(fails())]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_all(tasks, every=0.05), 5)
+    assert all(t.done() for t in tasks) and len(swallowed) == 2
+    assert tasks[0].cancelled() and tasks[1].cancelled() and isinstance(tasks[2].exception(), ValueError)
+    await cancel_all([])  # nothing to do
