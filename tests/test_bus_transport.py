@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import numpy as np
+import orjson
 import pytest
 
 from bus import codec, quant
@@ -336,6 +337,38 @@ async def test_prompt_fetch_takes_what_is_pending_and_no_more_than_the_batch(js)
     assert got == list(range(40))
     await js.publish("pf.x", b"40")
     assert [int(m.data) for m in await prompt_fetch(sub, 32, 2.0)] == [40]  # one pending: no drain
+
+
+async def test_a_first_message_an_earlier_request_was_given_does_not_hide_what_is_pending(js):
+    """The suite's other "1 message of 32": a fetch's request, timed out on the client, still open on
+    the server (its timer starts when the server reads it: later, on a loaded machine) is given the
+    first message published after it, with ``num_pending`` 0 (nothing else was there yet). That
+    message waits in the subscription's queue; taken first by the next poll, its stale 0 ended the
+    poll with it alone. A message already queued before the poll says what was pending then, not
+    now: the poll asks the server for the rest."""
+    from bus.transport import prompt_fetch
+
+    await js.add_stream(name="PQ", subjects=["pq.>"])
+    sub = await js.pull_subscribe("pq.>", durable="pq", stream="PQ")
+    # an earlier request still open on the server (what a timed-out fetch leaves behind)
+    await sub._nc.publish(sub._nms, orjson.dumps({"batch": 1, "expires": int(5e9)}), sub._deliver)
+    await sub._nc.flush()
+    for i in range(40):
+        await js.publish("pq.x", str(i).encode())
+    for _ in range(50):  # message 0 reached the subscription's queue, given to that request
+        if not sub._sub._pending_queue.empty():
+            break
+        await asyncio.sleep(0.02)
+    first = sub._sub._pending_queue._queue[0]
+    assert int(first.metadata.num_pending) == 0  # what was pending when it was given: nothing yet
+    got = []
+    for want in (32, 8):
+        msgs = await prompt_fetch(sub, 32, 2.0)
+        assert len(msgs) == want, [int(m.data) for m in msgs]
+        got += [int(m.data) for m in msgs]
+        for m in msgs:
+            await m.ack()
+    assert got == list(range(40))
 
 
 async def test_a_late_408_of_an_earlier_request_does_not_end_a_drain(js, monkeypatch):
