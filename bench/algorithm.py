@@ -108,8 +108,8 @@ def out_of_step(M: int) -> dict:
 
 def steps_by_speed(total: int, step_times: tuple[float, ...]) -> tuple[int, ...]:
     """``total`` inner steps shared among learners in proportion to their speeds (1 / step time), so
-    that all of them finish at about the same time; the largest remainders round up, every learner
-    has at least 1, and the sum is ``total`` (or the learners' count, if that is more)."""
+    that all of them finish at about the same time; the largest remainders round up and every
+    learner has at least 1, so the sum is ``total`` unless a share rounds below 1."""
     rates = [1.0 / t for t in step_times]
     exact = [total * r / sum(rates) for r in rates]
     out = [max(1, int(x)) for x in exact]
@@ -120,7 +120,8 @@ def steps_by_speed(total: int, step_times: tuple[float, ...]) -> tuple[int, ...]
 
 def periods_by_speed(H: int, step_times: tuple[float, ...]) -> tuple[int, ...]:
     """Dynamic Local Updates at fixed speeds (``learner.loop.dynamic_period``): each learner syncs
-    every floor(v / v_max x H) steps, so every round lasts about as long as the fastest's."""
+    every floor(v / v_max x H) steps, so every round lasts about as long as the fastest's. Without
+    the learner's hysteresis (it keeps H while the new period is within 10% of it)."""
     from learner.loop import dynamic_period
 
     rates = [1.0 / t for t in step_times]

@@ -219,22 +219,26 @@ async def prompt_fetch(sub, batch: int, timeout: float) -> list:
     held for up to ``timeout`` (in a loop of fetch(32, 0.2) about 1% of messages were held
     70-190 ms: a lock-step round whose last chunk is held waits that long).
     ``fetch(1)`` returns at its first message; then :func:`take_pending` asks for exactly what is
-    pending and returns at the server's answer (for up to the batch when the first message was in
-    the subscription's queue before the poll: its ``num_pending`` is from when an earlier request
-    was given it). ``python -m bench.transport`` measures both
+    pending and returns at the server's answer (when the first message was in the subscription's
+    queue before the poll, its ``num_pending`` is from when an earlier request was given it: the
+    consumer's count now is asked for instead; asking for more than is there would end in a 408
+    that :func:`stale_status` takes for an earlier request's, and a wait of ``DRAIN_WAIT_S``). ``python -m bench.transport`` measures both
     (``poll_delay_ms``)."""
     inner = getattr(sub, "_sub", None)
-    queued = inner is not None and not inner._pending_queue.empty()
+    # a message in the queue before this poll was given to an earlier request (a fetch's, timed out
+    # on the client, still open on the server): its num_pending is from then (0 if it was the
+    # first published), so the server is asked what is pending now (one request, in that case only)
+    queued = inner is not None and any(not JetStreamContext.is_status_msg(m) for m in list(inner._pending_queue._queue))
     msgs = await sub.fetch(1, timeout=timeout)
     try:
         pending = int(msgs[-1].metadata.num_pending)
     except Exception:  # noqa: BLE001 - no metadata (not a JetStream message): take the first only
         pending = 0
-    if queued:
-        # the first message was in the queue before this poll: given to an earlier request (a
-        # fetch's, timed out on the client, still open on the server), it says what was pending
-        # then, not now (0 when it was the first published): ask for the rest, a 404 at once if none
-        pending = batch
+    if queued and batch > len(msgs):
+        try:
+            pending = int((await sub.consumer_info()).num_pending or 0)
+        except Exception:  # noqa: BLE001 - connection trouble the next poll meets
+            pass
     if batch > len(msgs) and pending > 0:
         try:
             msgs += await take_pending(sub, min(batch - len(msgs), pending), DRAIN_WAIT_S)

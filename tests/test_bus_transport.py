@@ -369,6 +369,19 @@ async def test_a_first_message_an_earlier_request_was_given_does_not_hide_what_i
         for m in msgs:
             await m.ack()
     assert got == list(range(40))
+    # the same with fewer pending than the batch: all of them, at once (asking the server for the
+    # batch instead ended in a 408 taken for an earlier request's, and a wait of DRAIN_WAIT_S)
+    await sub._nc.publish(sub._nms, orjson.dumps({"batch": 1, "expires": int(5e9)}), sub._deliver)
+    await sub._nc.flush()
+    for i in range(40, 45):
+        await js.publish("pq.x", str(i).encode())
+    for _ in range(50):
+        if not sub._sub._pending_queue.empty():
+            break
+        await asyncio.sleep(0.02)
+    t0 = time.monotonic()
+    msgs = await prompt_fetch(sub, 32, 2.0)
+    assert [int(m.data) for m in msgs] == list(range(40, 45)) and time.monotonic() - t0 < 1.0
 
 
 async def test_a_late_408_of_an_earlier_request_does_not_end_a_drain(js, monkeypatch):

@@ -208,6 +208,8 @@ class Running:
 
     async def crash(self) -> None:
         await cancel_until_done(self.task)
+        if not self.task.cancelled() and self.task.exception() is not None:
+            raise self.task.exception()  # (a monitor that had failed before the crash: said)
 
 
 async def start_monitor(url: str, run: str, mid: str, **kw) -> Running:
