@@ -225,18 +225,6 @@ class MergeLog:
                        kept=len(back), recovered=st.version)
         return st, done, back
 
-    async def read_log(self, p: int) -> dict[int, MergeRecord]:
-        """Every record of fragment p the STATE stream holds on its log subjects, by version (the
-        newest stored copy). The subjects and how many messages each holds come from the server
-        (``stream_info`` with a subject filter); a subject holding one is read by its last message,
-        one holding more (a slot shared by two versions after ``DILOCO_CHECKPOINT_EVERY`` was
-        lowered, with ``DILOCO_GLOBAL_HISTORY`` above 2) message by message on that subject alone.
-        Each read finds its message by subject, so the time does not grow with the stream: a scan
-        of the stream for the log's wildcard from sequence 1 timed out past the JetStream timeout at
-        1B parameters, where STATE holds tens of GB of checkpoint chunks, and the restarted
-        aggregator exited."""
-        return await read_log(self.js, self.s, p, self.log)
-
     # -- checkpoints -------------------------------------------------------------------------------
 
     def policy(self) -> CheckpointPolicy:
@@ -434,7 +422,7 @@ class MergeLog:
                              setting=self.momentum_dtype,
                              hint="DILOCO_OUTER_MOMENTUM_DTYPE takes effect for a fragment that starts after it; "
                                   "this fragment's checkpoint keeps the dtype it was written with")
-        records = await self.read_log(p)
+        records = await read_log(self.js, self.s, p, self.log)
         t0 = time.monotonic()
         replayed = lost = nbytes = 0
         oldest: int | None = None
@@ -484,7 +472,15 @@ class MergeLog:
 
 
 async def read_log(js: Any, s: Subjects, p: int, log: Any) -> dict[int, MergeRecord]:
-    """:meth:`MergeLog.read_log`: fragment p's records on the STATE stream, by version."""
+    """Every record of fragment p the STATE stream holds on its log subjects, by version (the
+    newest stored copy). The subjects and how many messages each holds come from the server
+    (``stream_info`` with a subject filter); a subject holding one is read by its last message,
+    one holding more (a slot shared by two versions after ``DILOCO_CHECKPOINT_EVERY`` was
+    lowered, with ``DILOCO_GLOBAL_HISTORY`` above 2) message by message on that subject alone.
+    Each read finds its message by subject, so the time does not grow with the stream: a scan
+    of the stream for the log's wildcard from sequence 1 timed out past the JetStream timeout at
+    1B parameters, where STATE holds tens of GB of checkpoint chunks, and the restarted
+    aggregator exited."""
     stream = s.stream("state")
     info = await js.stream_info(stream, subjects_filter=s.merge_log_filter(p))
     counts = dict(info.state.subjects or {}) if info.state else {}

@@ -202,8 +202,8 @@ class VersionMaker:
             self.intake.put_back(p, got.back)
         if not got.stored:
             return
-        before, rec, first, reason, t0 = got.merge.before, got.merge.rec, got.merge.first, got.merge.reason, got.merge.t0
-        items = got.done
+        m, items = got.merge, got.done
+        before, rec, first, reason, t0 = m.before, m.rec, m.first, m.reason, m.t0
         new = self.states[p]
         for x in items:
             await ack_all(x.tokens)

@@ -222,13 +222,13 @@ async def prompt_fetch(sub, batch: int, timeout: float) -> list:
     pending and returns at the server's answer (when the first message was in the subscription's
     queue before the poll, its ``num_pending`` is from when an earlier request was given it: the
     consumer's count now is asked for instead; asking for more than is there would end in a 408
-    that :func:`stale_status` takes for an earlier request's, and a wait of ``DRAIN_WAIT_S``). ``python -m bench.transport`` measures both
-    (``poll_delay_ms``)."""
+    that :func:`stale_status` takes for an earlier request's, and a wait of ``DRAIN_WAIT_S``).
+    ``python -m bench.transport`` measures both (``poll_delay_ms``)."""
     inner = getattr(sub, "_sub", None)
     # a message in the queue before this poll was given to an earlier request (a fetch's, timed out
     # on the client, still open on the server): its num_pending is from then (0 if it was the
     # first published), so the server is asked what is pending now (one request, in that case only)
-    queued = inner is not None and any(not JetStreamContext.is_status_msg(m) for m in list(inner._pending_queue._queue))
+    queued = inner is not None and any(not JetStreamContext.is_status_msg(m) for m in inner._pending_queue._queue)
     msgs = await sub.fetch(1, timeout=timeout)
     try:
         pending = int(msgs[-1].metadata.num_pending)

@@ -28,7 +28,7 @@ class Setup:
     def __init__(self, cfg: RefConfig):
         from learner.config import ModelConfig
         from learner.data import load_corpus
-        from learner.inner import make_eval_fn, make_optimizer, make_train_step
+        from learner.inner import make_eval_fn
         from learner.spec import count_params, init_params, make_plan
 
         self.cfg = cfg
@@ -44,12 +44,8 @@ class Setup:
         # learner groups with their own corpora (cfg.corpora: non-IID runs, bench.noniid), or one corpus
         self.corpora = [load_corpus(c or None) for c in (cfg.corpora or (cfg.corpus,))]
         self.corpus = self.corpora[0]
-        total = cfg.total_steps or cfg.steps
-        self.optimizer = make_optimizer(self.lr, min(resolved_warmup(cfg), total - 1), total,
-                                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm or None,
-                                        kind=cfg.inner_optimizer, muon_rms=cfg.muon_rms)
-        self.train_step = make_train_step(self.spec, self.optimizer, donate=True)
-        self._schedules: dict[int, tuple] = {total: (self.optimizer, self.train_step)}
+        self._schedules: dict[int, tuple] = {}  # schedule length -> (optimizer, train step)
+        self.optimizer, self.train_step = self.schedule()
         # the held-out loss weighs every group's corpus alike (the same number of batches of each)
         self.heldout = np.concatenate([c.heldout_batches(self.spec.seq_len, cfg.eval_batch_size, cfg.eval_batches)
                                        for c in self.corpora])
@@ -128,11 +124,6 @@ class Setup:
 def group_of(m: int, M: int, groups: int) -> int:
     """The corpus group of learner ``m`` of ``M`` (contiguous: 8 learners in 2 groups are 0-3 and 4-7)."""
     return m * groups // M
-
-
-def resolved_warmup(cfg: RefConfig) -> int:
-    """The warm-up in force: ``cfg.warmup``, or (-1, the learner's default) its share of the schedule."""
-    return warmup_of(cfg, cfg.total_steps or cfg.steps)
 
 
 def warmup_of(cfg: RefConfig, total: int) -> int:
