@@ -75,7 +75,7 @@ def fast_rate(learners: dict) -> float:
 async def dynamic_h_pair(env: dict, steps: int, agg: dict | None = None) -> dict:
     slow = {SLOW: {"DILOCO_SLOWDOWN": "2"}}
     runs = {}
-    for key, learner in (("without", {}), ("with", {"DILOCO_DYNAMIC_H": "true"})):
+    for key, learner in (("without", {"DILOCO_DYNAMIC_H": "false"}), ("with", {"DILOCO_DYNAMIC_H": "true"})):
         q = await run_learners(env, M, steps, label=f"jax one-slow, monitor, dynamic_h {key}", per_learner=slow,
                                monitor=True, learner=learner, agg=agg)
         a = q["aggregator"]

@@ -10,7 +10,7 @@ stays written out here: the clock checks (they depend on the receive time) and t
 Rejection reasons, in the order they are decided when a heartbeat has several faults:
 ``not_an_object``, ``missing_field``, ``bad_id`` (learner, region), ``bad_incarnation``,
 ``bad_step``, ``bad_tokens_per_s``, ``bad_sent_at``, ``from_future``, ``too_old``,
-``bad_versions``, ``bad_leaving``. The fields checked before the clock go to msgspec as one array
+``bad_versions``, ``bad_leaving``, ``bad_pace``. The fields checked before the clock go to msgspec as one array
 in that order (an ``array_like`` Struct), so msgspec names the first bad one and the reason never
 depends on the order of the JSON keys. :func:`decode_heartbeat` validates straight from the JSON
 bytes with the object form of the same schema, and takes the path above for anything it refuses.
@@ -78,6 +78,7 @@ class Heartbeat:
     versions: Versions
     sent_at: float
     leaving: bool = False  # the learner is done: its last heartbeat
+    pace: float = 0.0  # tokens/s of its inner steps alone, waits left out (0: not reported, an older learner)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "versions", normalize_versions(self.versions))
@@ -98,6 +99,7 @@ def heartbeat_to_dict(hb: Heartbeat) -> dict[str, Any]:
         "versions": versions_to_json(hb.versions),
         "sent_at": hb.sent_at,
         **({"leaving": True} if hb.leaving else {}),
+        **({"pace": hb.pace} if hb.pace > 0 else {}),
     }
 
 
@@ -190,6 +192,7 @@ def _field_types(limits: HeartbeatLimits) -> dict[str, Any]:
         "sent_at": Annotated[float, msgspec.Meta(ge=0, le=_FINITE_MAX)],
         "versions": Any,  # parse_versions: keys are decimal strings or ints, unique once read
         "leaving": bool,
+        "pace": Annotated[float, msgspec.Meta(ge=0, le=float(limits.max_tokens_per_s))],
     }
 
 
@@ -201,6 +204,7 @@ _DETAIL = {
     "tokens_per_s": ("bad_tokens_per_s", "tokens_per_s must be a finite number in [0, {l.max_tokens_per_s:g}]"),
     "sent_at": ("bad_sent_at", "sent_at must be a finite number >= 0"),
     "leaving": ("bad_leaving", "leaving must be true or false"),
+    "pace": ("bad_pace", "pace must be a finite number in [0, {l.max_tokens_per_s:g}]"),
 }
 
 
@@ -211,7 +215,9 @@ _AT_INDEX = re.compile(r"at `\$\[(\d+)\]`")
 @functools.lru_cache(maxsize=16)
 def _build_schema(limits: HeartbeatLimits) -> tuple[type[msgspec.Struct], type[msgspec.Struct]]:
     types = _field_types(limits)
-    fields = [(name, tp) for name, tp in types.items() if name != "leaving"] + [("leaving", bool, False)]
+    optional = {"leaving": False, "pace": 0.0}
+    fields = ([(name, tp) for name, tp in types.items() if name not in optional]
+              + [(name, types[name], default) for name, default in optional.items()])
     wire = msgspec.defstruct("HeartbeatWire", fields, frozen=True, gc=False)  # type: ignore[arg-type]
     # the same fields as an array, in the order a fault is reported: msgspec names the first bad index
     ordered = msgspec.defstruct("HeartbeatOrdered", [(n, types[n]) for n in _ORDERED], array_like=True, gc=False)
@@ -282,7 +288,12 @@ def validate_heartbeat(
     if not isinstance(leaving, bool):
         reason, detail = _DETAIL["leaving"]
         raise InvalidHeartbeat(reason, detail.format(l=limits) + f", got {str(leaving)[:40]!r}")
-    return Heartbeat(f.learner, f.region, f.incarnation, f.step, f.tokens_per_s, versions, f.sent_at, leaving)
+    pace = raw.get("pace", 0.0)
+    if not (_is_number(pace) and 0 <= pace <= limits.max_tokens_per_s):  # (NaN fails the bounds)
+        reason, detail = _DETAIL["pace"]
+        raise InvalidHeartbeat(reason, detail.format(l=limits) + f", got {str(pace)[:40]!r}")
+    return Heartbeat(f.learner, f.region, f.incarnation, f.step, f.tokens_per_s, versions, f.sent_at, leaving,
+                     float(pace))
 
 
 def decode_heartbeat(
@@ -311,4 +322,4 @@ def decode_heartbeat(
     if isinstance(versions, str):
         raise InvalidHeartbeat("bad_versions", versions)
     return Heartbeat(wire.learner, wire.region, wire.incarnation, wire.step, wire.tokens_per_s, versions,
-                     wire.sent_at, wire.leaving)
+                     wire.sent_at, wire.leaving, wire.pace)

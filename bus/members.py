@@ -48,6 +48,7 @@ class Member:
     versions: Versions = ()
     step: int = 0
     tokens_per_s: float = 0.0
+    pace: float = 0.0  # tokens/s of its inner steps alone (heartbeat ``pace``; 0: not reported)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", State(self.state))
@@ -71,6 +72,7 @@ def member_to_dict(member: Member) -> dict[str, Any]:
         "versions": versions_to_json(member.versions),
         "step": member.step,
         "tokens_per_s": member.tokens_per_s,
+        "pace": member.pace,
     }
 
 
@@ -90,6 +92,7 @@ class _MemberRecord(msgspec.Struct, frozen=True, gc=False):
     versions: Any = msgspec.field(default_factory=dict)  # parse_versions: decimal-string keys
     step: Annotated[int, msgspec.Meta(ge=0)] = 0
     tokens_per_s: _FINITE = 0.0
+    pace: _FINITE = 0.0
     schema: Any = _SCHEMA  # compared below, as before: 1 == 1.0 == True
 
 
@@ -111,4 +114,4 @@ def member_from_dict(raw: Mapping[str, Any]) -> Member:
     if isinstance(versions, str):
         raise ValueError(f"member field 'versions': {versions}")
     return Member(rec.learner, rec.region, rec.state, rec.last_seen, rec.since, rec.reason, rec.incarnation,
-                  versions, rec.step, rec.tokens_per_s)
+                  versions, rec.step, rec.tokens_per_s, rec.pace)

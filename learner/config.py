@@ -118,9 +118,11 @@ class LearnerConfig:
     warn_unadmitted_after: float = var(10.0, number(0.1, 86400),
                                        "warn when the monitor has not admitted this learner this many seconds after "
                                        "its first outer gradient (its work is held, then rejected)")
-    dynamic_h: bool = var(False, boolean(),
-                          "Dynamic Local Updates: sync every floor(v / v_max x H) steps (v: tokens/s of the active "
-                          "learners, from the members bucket), so a slower learner's round lasts as long as the fastest's")
+    dynamic_h: bool = var(True, boolean(),
+                          "Dynamic Local Updates: sync every floor(v / v_max x H) steps (v: the pace of the active "
+                          "learners, tokens/s of their inner steps, from the members bucket a monitor keeps), so a "
+                          "slower learner's round lasts as long as the fastest's; H without a monitor, at equal paces "
+                          "and in DILOCO_MODE=sync (its rounds wait for every learner anyway)")
     quantiser: str = var("int8", choice(*codec.CODECS), "outer-gradient codec: a dense quantiser, or topk2 / topk4 "
                          "(the DILOCO_TOPK_K largest of each DILOCO_TOPK_CHUNK values, 2 or 4 bits each, the rest "
                          "kept by error feedback)")
@@ -184,9 +186,12 @@ class LearnerConfig:
             raise ValueError(f"DILOCO_TOPK_K={self.topk_k} must be <= DILOCO_TOPK_CHUNK={self.topk_chunk}")
         if not self.synthetic and self.warmup >= self.total_steps:
             raise ValueError(f"DILOCO_WARMUP_STEPS={self.warmup_steps} must be < DILOCO_TOTAL_STEPS={self.total_steps}")
-        if self.dynamic_h and self.mode == "sync":
-            raise ValueError("DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async or synthetic "
-                             "(synchronous rounds wait for every learner anyway)")
+
+    @property
+    def follows_pace(self) -> bool:
+        """Dynamic Local Updates in force: DILOCO_DYNAMIC_H, and a mode with a period of its own to set
+        (synchronous rounds wait for every learner, and their learners must stay in phase)."""
+        return self.dynamic_h and self.mode != "sync"
 
     def lr_for(self, d_model: int | None, learners: int | None = None) -> float:
         """The peak inner learning rate in force: DILOCO_INNER_LR, or (0) the built-in model's by its

@@ -86,7 +86,8 @@ class IslandCore:
             if not self.backend.slowdown_included and cfg.slowdown > 1.0:
                 await self._sleep(lp.extra_sleep(time.monotonic() - t0, cfg.slowdown))
             deferrals = self.book.deferrals
-            due = self.book.on_step(time.monotonic() - t0)
+            step_s = time.monotonic() - t0
+            due = self.book.on_step(step_s)
             if self.book.deferrals > deferrals and (self.admitted or self.member_state is None):
                 # (a learner the monitor has not admitted yet defers because its work is held for the
                 # admission, not because the aggregator is slow: not counted)
@@ -96,7 +97,9 @@ class IslandCore:
             if self.merges_reach and self.book.holding():
                 await self._hold(hook)
             self.loss = loss
-            self.rate.add(time.monotonic(), self.tokens_per_step)
+            now = time.monotonic()
+            self.rate.add(now, self.tokens_per_step)
+            self.pace.add(now, self.tokens_per_step, step_s)
             if hook:
                 # mix arrivals (or a resync) into the parameters just taken and hand them back to
                 # the user now; the outer gradients below are computed while the user's next inner

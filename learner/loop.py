@@ -614,6 +614,35 @@ class RateMeter:
         return sum(n for _, n in ev[1:]) / dt
 
 
+@dataclass
+class PaceMeter:
+    """Tokens per second of the inner steps alone over a sliding window of ``window`` seconds:
+    the tokens of the steps ended in it over the seconds those steps took (times passed in). Unlike
+    :class:`RateMeter` it leaves out what happens between steps (holds for the aggregator, applying
+    arrivals, preparing syncs): the hardware's pace, which Dynamic Local Updates compare. A learner
+    held for a lagging aggregator keeps its pace; its rate falls with every hold, and periods set
+    from rates fed that back (a shorter period, an earlier hold, a lower rate: 7-9 steps instead of
+    10 for a learner 1.15x slower, docs/BENCHMARKS.md)."""
+
+    window: float = 10.0
+    _events: deque = field(default_factory=deque)
+
+    def add(self, t: float, tokens: int, seconds: float) -> None:
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self._events.append((float(t), int(tokens), float(seconds)))
+        while len(self._events) > 1 and self._events[0][0] < t - self.window:
+            self._events.popleft()
+
+    def pace(self, now: float) -> float:
+        tokens = seconds = 0.0
+        for t, n, dt in self._events:
+            if t >= now - self.window:
+                tokens += n
+                seconds += dt
+        return tokens / seconds if seconds > 0 else 0.0
+
+
 # -- memory ---------------------------------------------------------------------------------------
 
 
@@ -649,19 +678,34 @@ def dynamic_period(H: int, mine: float, others: Sequence[float], current: int | 
                    hysteresis: float = 0.1) -> int:
     """Dynamic Local Updates (Liu et al., Async Local-SGD): ``H_w = floor(v_w / v_max * H)``.
 
-    ``mine`` is this learner's rate and ``others`` the active learners' (tokens per second from
-    their heartbeats, so equal tokens per step are assumed: then a slow learner's round lasts as
-    long as the fastest's). At least 1, at most H; H while this learner's rate is unknown (0).
-    ``current``: the period in use, kept while the new one is within ``hysteresis`` of it, so
-    rate noise does not move the schedule at every update.
+    ``mine`` is this learner's pace and ``others`` the active learners' (tokens per second of their
+    inner steps, from their heartbeats, so equal tokens per step are assumed: then a slow learner's
+    round lasts as long as the fastest's). At least 1, at most H; H while this learner's pace is
+    unknown (0). ``current``: the period in use, kept while the exact period ``v_w / v_max * H`` is
+    within ``hysteresis`` of it, so pace noise does not move the schedule at every update (compared
+    before rounding down: a pace hovering at a step's boundary would otherwise flip the period by a
+    step each update, whatever the hysteresis).
     """
     rates = [r for r in others if r > 0 and math.isfinite(r)]
     if not (mine > 0 and math.isfinite(mine)):
         return H if current is None else current
-    h = max(1, min(H, math.floor(mine / max([mine, *rates]) * H)))
-    if current is not None and abs(h - current) <= hysteresis * current:
+    exact = mine / max([mine, *rates]) * H
+    if current is not None and abs(exact - current) <= hysteresis * current:
         return current
-    return h
+    return max(1, min(H, math.floor(exact)))
+
+
+def peer_pace(record: Mapping[str, object]) -> float:
+    """A member record's pace for Dynamic Local Updates (tokens/s of its inner steps): its ``pace``
+    where its learner reports one, else its ``tokens_per_s`` (a learner of an older version: its
+    waits included); 0 unless the member is active or the value is not a finite positive number."""
+    if record.get("state") != "active":
+        return 0.0
+    for key in ("pace", "tokens_per_s"):
+        v = record.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+            return float(v)
+    return 0.0
 
 
 def rss_mib(maxrss_kib: int) -> float:

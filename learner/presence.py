@@ -155,16 +155,16 @@ class Presence:
         await self._watch_members(self.id, on_entry, "membership_watch_error", HEAD_POLL_INTERVAL)
 
     async def _follow_rates(self) -> None:
-        """DILOCO_DYNAMIC_H: follow the active learners' tokens/s in the members bucket (the monitor
-        writes each heartbeat's rate there, every DILOCO_KV_REFRESH at least) and set the period."""
+        """DILOCO_DYNAMIC_H: follow the active learners' paces in the members bucket (the monitor
+        writes each heartbeat's there, every DILOCO_KV_REFRESH at least) and set the period."""
         peers: dict[str, float] = {}
 
         async def on_entry(kv, e) -> None:
             if e is not None and e.key != self.id:
                 try:
                     rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
-                    rate = float(rec.get("tokens_per_s") or 0.0) if rec.get("state") == "active" else 0.0
-                except (ValueError, TypeError, AttributeError):
+                    rate = lp.peer_pace(rec) if isinstance(rec, dict) else 0.0
+                except ValueError:
                     rate = 0.0
                 if rate > 0:
                     peers[e.key] = rate
@@ -175,10 +175,10 @@ class Presence:
         await self._watch_members(None, on_entry, "rates_watch_error", 1.0)
 
     def _update_period(self, peers: dict[str, float]) -> None:
-        mine = self.rate.rate(time.monotonic())
+        mine = self.pace.pace(time.monotonic())
         h = lp.dynamic_period(self.cfg.sync_every, mine, list(peers.values()), current=self.book.period)
         if self.book.set_period(h):
-            self.log.info("period_changed", period=h, H=self.cfg.sync_every, tokens_per_s=round(mine, 1),
+            self.log.info("period_changed", period=h, H=self.cfg.sync_every, pace=round(mine, 1),
                           fastest=round(max(peers.values(), default=mine), 1))
 
     # -- what became of our work (learner.fate) ----------------------------------------------------
@@ -251,7 +251,7 @@ class Presence:
 
         hb = Heartbeat(learner=self.id, region=self.common.region, incarnation=self.incarnation,
                        step=self.book.step, tokens_per_s=self.rate.rate(time.monotonic()),
-                       versions=self.book.versions(), sent_at=time.time())
+                       versions=self.book.versions(), sent_at=time.time(), pace=self.pace.pace(time.monotonic()))
         return heartbeat_to_dict(hb)
 
     async def _leave(self, beats: asyncio.Task) -> None:
@@ -296,7 +296,7 @@ class Presence:
             "region": self.common.region, "incarnation": self.incarnation, "mode": self.cfg.mode,
             "compute": "synthetic" if self.cfg.synthetic else "model", "step": self.book.step, "tokens": self.book.tokens,
             "loss": self.loss if math.isfinite(self.loss) else None,
-            "tokens_per_s": self.rate.rate(time.monotonic()),
+            "tokens_per_s": self.rate.rate(time.monotonic()), "pace": self.pace.pace(time.monotonic()),
             "bytes_sent": self.publisher.bytes_sent if self.publisher else 0,
             "bytes_received": self.store.bytes_received if self.store else 0,
             "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),

@@ -125,6 +125,7 @@ class Learner(IslandCore, Presence):
         self.store: GlobalReader | None = None
         self.publisher: ChunkPublisher | None = None
         self.rate = lp.RateMeter()
+        self.pace = lp.PaceMeter()  # tokens/s of the inner steps alone (Dynamic Local Updates)
         self._resync_requested = False
         self._told_behind = False  # aggregator_behind said (once per process)
         self._finishing = False  # the final sync is under way: its outer gradients say ``final``
@@ -186,7 +187,7 @@ class Learner(IslandCore, Presence):
             tasks += [beats] + [asyncio.create_task(c) for c in (
                 self._metrics_loop(), self._follow_globals(), self._follow_membership(), self._advise_loop(),
                 self._keep_progress())]
-            if self.cfg.dynamic_h:
+            if self.cfg.follows_pace:
                 tasks.append(asyncio.create_task(self._follow_rates()))
             await self._wait_for_peers()
             await self._train()

@@ -246,6 +246,7 @@ def on_heartbeat(
             versions=hb.versions,
             step=hb.step,
             tokens_per_s=hb.tokens_per_s,
+            pace=hb.pace,
         )
         transitions.append(Transition(hb.learner, None, State.JOINING, reason, now))
     else:
@@ -257,6 +258,7 @@ def on_heartbeat(
             versions=hb.versions,
             step=hb.step,
             tokens_per_s=hb.tokens_per_s,
+            pace=hb.pace,
         )
         restarted = hb.incarnation != old.incarnation
         if old.state is State.LEFT and hb.leaving and not restarted:

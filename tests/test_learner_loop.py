@@ -367,12 +367,57 @@ def test_dynamic_period_is_floor_of_the_rate_ratio_times_H():
     assert lp.dynamic_period(24, 100.0, [300.0], current=12) == 8
 
 
-def test_dynamic_h_is_refused_in_sync_mode_with_one_line():
-    from bus.config import ConfigError, from_env
+def test_dynamic_period_compares_the_exact_period_so_a_pace_at_a_step_boundary_does_not_flap_it():
+    """A learner about 1.33x slower than the fastest at H=12: its exact period hovers around 9.
+    Rounded down first, the period flipped 8 <-> 9 at each update (a whole step is more than 10% of 8);
+    compared before rounding, it moves once and stays."""
+    period, changes = 12, 0
+    for exact in (9.05, 8.95, 9.1, 8.9, 9.02, 8.98, 9.2, 8.85):
+        new = lp.dynamic_period(12, exact, [12.0], current=period)
+        changes += new != period
+        period = new
+    assert (period, changes) == (9, 1)
+    assert lp.dynamic_period(12, 7.5, [12.0], current=9) == 7  # a real change still moves it
+    assert lp.dynamic_period(2, 1.0, [2.0], current=2) == 1  # and a half-speed learner at H=2
+
+
+def test_pace_leaves_out_the_waits_between_steps_that_the_rate_counts():
+    """A learner held for the aggregator half of the time keeps its pace; its rate halves. The
+    periods of Dynamic Local Updates are set from paces: set from rates, a hold shortened the period,
+    which brought the next hold sooner, which lowered the rate again."""
+    rate, pace = lp.RateMeter(window=10.0), lp.PaceMeter(window=10.0)
+    t = 0.0
+    for i in range(40):
+        t += 0.1  # an inner step of 0.1 s: 1000 tokens/s
+        rate.add(t, 100)
+        pace.add(t, 100, 0.1)
+        if i % 2:
+            t += 0.2  # held: a step's time and more between steps
+    assert pace.pace(t) == pytest.approx(1000.0)
+    assert rate.rate(t) < 0.55 * pace.pace(t)
+    assert pace.pace(t + 100.0) == 0.0  # every step older than the window
+    pace.add(t, 100, 0.0)  # a step of no measurable time (or a clock gone back) adds nothing
+    pace.add(t, 100, float("nan"))
+    assert lp.PaceMeter().pace(0.0) == 0.0 and pace.pace(t) == pytest.approx(1000.0)
+
+
+def test_a_peers_pace_is_read_from_its_member_record_and_an_older_learners_rate_stands_in():
+    assert lp.peer_pace({"state": "active", "pace": 900.0, "tokens_per_s": 300.0}) == 900.0
+    assert lp.peer_pace({"state": "active", "tokens_per_s": 300.0}) == 300.0  # an older learner: no pace
+    assert lp.peer_pace({"state": "active", "pace": 0.0, "tokens_per_s": 300.0}) == 300.0
+    for rec in ({"state": "suspect", "pace": 900.0}, {"state": "active", "pace": float("nan")},
+                {"state": "active", "pace": True}, {"state": "active", "pace": "fast"}, {}):
+        assert lp.peer_pace(rec) == 0.0, rec
+
+
+def test_dynamic_local_updates_are_on_by_default_and_left_out_in_sync_mode():
+    from bus.config import from_env
     from learner.config import LearnerConfig
 
-    with pytest.raises(ConfigError, match="DILOCO_DYNAMIC_H=true needs DILOCO_MODE=async"):
-        from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true", "DILOCO_MODE": "sync"})
+    assert from_env(LearnerConfig, {}).follows_pace
+    assert from_env(LearnerConfig, {"DILOCO_MODE": "synthetic"}).follows_pace
+    assert not from_env(LearnerConfig, {"DILOCO_MODE": "sync"}).follows_pace  # synchronous rounds stay in phase
+    assert not from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "false"}).follows_pace
     assert from_env(LearnerConfig, {"DILOCO_DYNAMIC_H": "true"}).fetch_delay_for(12) == 1
 
 

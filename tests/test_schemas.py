@@ -84,6 +84,7 @@ def _hb(**patch) -> dict:
     ({"versions": "v", "tokens_per_s": -1}, "bad_tokens_per_s"),
     ({"leaving": 1, "sent_at": T0 + 3600}, "from_future"),
     ({"leaving": 1, "versions": {"x": 1}}, "bad_versions"),
+    ({"pace": -1.0, "leaving": "no"}, "bad_leaving"),
 ])
 def test_a_heartbeat_with_several_faults_gets_the_same_reason_whatever_its_key_order(faults, reason):
     for raw in (_hb(**faults), {**faults, **_hb(**faults)}, dict(reversed(list(_hb(**faults).items())))):
@@ -121,3 +122,25 @@ def test_member_record_times_and_counters_must_be_finite_numbers(patch):
     assert member_from_dict(raw) == members["l0"]
     with pytest.raises(ValueError):
         member_from_dict({**raw, **patch})
+
+
+def test_a_heartbeats_pace_is_optional_bounded_and_reaches_the_member_record():
+    from bus.heartbeat import decode_heartbeat
+
+    raw = heartbeat_to_dict(Heartbeat("l0", "eu", "inc-a", 5, 10.0, {0: 1}, T0, pace=250.0))
+    for hb in (validate_heartbeat(raw, now=T0), decode_heartbeat(orjson.dumps(raw), now=T0)):
+        assert hb.pace == 250.0
+    assert "pace" not in _hb() and validate_heartbeat(_hb(), now=T0).pace == 0.0  # an older learner's
+    for bad in (-1.0, math.inf, "fast", True, 2e12):
+        for read in (lambda r: validate_heartbeat(r, now=T0), lambda r: decode_heartbeat(orjson.dumps(r), now=T0)):
+            with pytest.raises(InvalidHeartbeat) as e:
+                read(_hb(pace=bad) if bad is not math.inf else {**_hb(), "pace": math.inf})
+            assert e.value.reason == "bad_pace", (bad, e.value.reason)
+    members, _ = on_heartbeat({}, validate_heartbeat(raw, now=T0), T0, None, MembershipConfig())
+    assert members["l0"].pace == 250.0
+    back = member_from_dict(orjson.loads(orjson.dumps(member_to_dict(members["l0"]))))
+    assert back == members["l0"]
+    old = {k: v for k, v in member_to_dict(members["l0"]).items() if k != "pace"}  # an older monitor's record
+    assert member_from_dict(old).pace == 0.0
+    with pytest.raises(ValueError):
+        member_from_dict({**member_to_dict(members["l0"]), "pace": math.nan})
