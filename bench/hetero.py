@@ -14,8 +14,9 @@ one aggregator (defaults: K=1, adaptive grace) and M=4 learners:
    rate in these runs is reported too (``jax_fast_throughput_ratio``), but there the slow learner's
    sleeping frees CPU for the others, so it overstates.
 3. **Dynamic Local Updates** (full runs, or ``--dynamic-h``): the one-slow JAX run twice more,
-   with a monitor (DILOCO_DYNAMIC_H reads the learners' rates from the members bucket), without
-   and with ``DILOCO_DYNAMIC_H=true``: the slow learner then syncs every ~H/2 steps. Held-out
+   with a monitor (DILOCO_DYNAMIC_H reads the learners' paces from the members bucket), with
+   ``DILOCO_DYNAMIC_H=false`` and ``true`` (the default since the eighteenth round): the slow learner
+   then syncs every ~H/2 steps. Held-out
    loss, merges and the slow learner's period (key ``dynamic_h``).
 
     python -m bench.hetero --quick --out hetero.json

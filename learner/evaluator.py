@@ -32,7 +32,7 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from bus import codec
-from bus.signals import install_stop
+from bus.signals import cancel_all, install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
 from bus.subjects import Subjects
@@ -210,9 +210,7 @@ class Evaluator:
             return EXIT_ERROR
         finally:
             self._halt.set()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
             await close_quietly(self.nc)
             self._executor.shutdown(wait=False)
 

@@ -698,7 +698,7 @@ def dynamic_period(H: int, mine: float, others: Sequence[float], current: int | 
 def peer_pace(record: Mapping[str, object]) -> float:
     """A member record's pace for Dynamic Local Updates (tokens/s of its inner steps): its ``pace``
     where its learner reports one, else its ``tokens_per_s`` (a learner of an older version: its
-    waits included); 0 unless the member is active or the value is not a finite positive number."""
+    waits included); 0 if the member is not active or neither is a finite positive number."""
     if record.get("state") != "active":
         return 0.0
     for key in ("pace", "tokens_per_s"):

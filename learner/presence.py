@@ -16,6 +16,7 @@ import orjson
 
 from bus import codec
 from bus.members import State
+from bus.signals import cancel_all
 from learner import loop as lp
 from learner.fate import reject_hint
 from learner.startup import HEAD_POLL_INTERVAL, peak_rss_mib
@@ -258,8 +259,7 @@ class Presence:
         """Done (the step budget, an island closed, a stop), with every publish settled: the last
         heartbeat says ``leaving``, so the monitor marks us ``left`` rather than evicting us for the
         silence, and the aggregator still merges what we sent (tests/test_system_membership.py)."""
-        beats.cancel()
-        await asyncio.gather(beats, return_exceptions=True)
+        await cancel_all([beats])
         if await self._send_leaving():
             self.log.info("left", step=self.book.step)
 

@@ -48,7 +48,7 @@ import uuid
 import numpy as np
 
 from bus import codec
-from bus.signals import install_stop
+from bus.signals import cancel_all, install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
 from bus.store_health import StoreWatch
@@ -208,9 +208,7 @@ class Learner(IslandCore, Presence):
         finally:
             self._halt.set()
             self._cancel.set()
-            for t in tasks + list(self._publishes) + list(self._fetches):
-                t.cancel()
-            await asyncio.gather(*tasks, *self._publishes, *self._fetches, return_exceptions=True)
+            await cancel_all(tasks + list(self._publishes) + list(self._fetches))
             await close_quietly(self.nc)
             self._executor.shutdown(wait=False)
             if self._side is not None:

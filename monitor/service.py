@@ -40,7 +40,7 @@ from typing import Any
 
 from nats.js.errors import BucketNotFoundError
 
-from bus.signals import install_stop
+from bus.signals import cancel_all, install_stop
 from bus.codec import dumps_json
 from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect
@@ -333,13 +333,7 @@ class MonitorService(Leadership, HeartbeatIntake):
                 await self._release_lease()
             self.log.info("monitor_stopped")
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                try:
-                    await t
-                except BaseException:  # noqa: BLE001
-                    pass
+            await cancel_all(tasks)
             try:
                 await self.nc.close()
             except Exception:
