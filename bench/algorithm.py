@@ -120,8 +120,9 @@ def steps_by_speed(total: int, step_times: tuple[float, ...]) -> tuple[int, ...]
 
 def periods_by_speed(H: int, step_times: tuple[float, ...]) -> tuple[int, ...]:
     """Dynamic Local Updates at fixed speeds (``learner.loop.dynamic_period``): each learner syncs
-    every floor(v / v_max x H) steps, so every round lasts about as long as the fastest's. Without
-    the learner's hysteresis (it keeps H while the new period is within 10% of it)."""
+    every floor(v / v_max x H) steps (at least ceil(H / 4)), so every round lasts about as long as
+    the fastest's. Without the learner's hysteresis (it keeps its period while the exact v / v_max x H
+    is within 10% of it)."""
     from learner.loop import dynamic_period
 
     rates = [1.0 / t for t in step_times]

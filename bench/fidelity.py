@@ -70,7 +70,10 @@ def system_env(s: dict) -> dict:
             "DILOCO_BATCH_SIZE": str(s["batch"]), "DILOCO_INNER_LR": str(s["lr"]),
             "DILOCO_WARMUP_STEPS": str(s["warmup"]), "DILOCO_TOTAL_STEPS": str(s["steps"]),
             "DILOCO_SLOWDOWN": str(s["slowdown"]), "DILOCO_EVAL_BATCHES": str(s["eval_batches"]),
-            "DILOCO_EVAL_BATCH_SIZE": str(s["eval_batch_size"])}
+            "DILOCO_EVAL_BATCH_SIZE": str(s["eval_batch_size"]),
+            # the reference's periods are fixed: with a monitor, Dynamic Local Updates (the default)
+            # would follow the learners' paces on a shared machine
+            "DILOCO_DYNAMIC_H": "false"}
 
 
 def reference_config(s: dict, incarnations: tuple[str, ...]):

@@ -164,8 +164,9 @@ def main() -> None:
     p.add_argument("--keep-logs", default=None, help="copy every process's log to this folder (one per variant)")
     p.add_argument("--monitor", action="store_true",
                    help="run a membership monitor, as a user's run has (the aggregator then admits learners, and "
-                        "an admitted learner holds its steps when its sync waited a period): without it every "
-                        "learner is accepted, and holds once one of its rounds was merged")
+                        "an admitted learner holds its steps when its sync waited a period; the learners follow each "
+                        "other's paces, DILOCO_DYNAMIC_H): without it every learner is accepted, holds once one "
+                        "of its rounds was merged, and keeps H")
     p.add_argument("--spread", type=float, default=0.0,
                    help="learner i's steps (1 + SPREAD x i) times the --slowdown's (0.06: the reference's spread)")
     a = p.parse_args()

@@ -1,6 +1,6 @@
 """The member record: one learner's membership as the monitor stores it (JSON) in the run's
 ``members`` KV bucket, and as learners and operators read it back. Part of the run contract: the
-monitor writes it, the learner (``DILOCO_DYNAMIC_H``, peers' rates) and ``diloco status`` read it.
+monitor writes it, the learner (``DILOCO_DYNAMIC_H``, peers' paces) and ``diloco status`` read it.
 The state machine that decides it is :mod:`monitor.membership`.
 """
 

@@ -26,16 +26,25 @@ async def cancel_all(tasks: Iterable[asyncio.Task], every: float = 1.0) -> None:
     completes (CPython gh-86296, fixed in 3.12); nats-py waits in one under every fetch, and our
     loops in one between passes, so a task cancelled once can run on as if it never was (a service
     whose stop then waited for ever: test_full_disk, once in a loaded suite). Their exceptions are
-    retrieved (not raised), as ``gather(return_exceptions=True)`` does."""
+    retrieved (not raised), as ``gather(return_exceptions=True)`` does. Cancelled itself meanwhile
+    (a stop's own caller giving up on it), it still ends every task, then raises the cancellation:
+    ``asyncio.wait`` does not pass a cancellation on to what it waits for."""
     tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
+    interrupted = False
     while pending:
         for t in pending:
             t.cancel()
-        _, pending = await asyncio.wait(pending, timeout=every)
+        try:
+            _, pending = await asyncio.wait(pending, timeout=every)
+        except asyncio.CancelledError:
+            interrupted = True
+            pending = {t for t in pending if not t.done()}
     for t in tasks:
         if not t.cancelled():
             t.exception()
+    if interrupted:
+        raise asyncio.CancelledError
 
 
 def terminate_all(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:

@@ -42,6 +42,9 @@ class IslandClosed(RuntimeError):
 
 
 class _TreeBackend:
+    #: seconds of the step just taken as its own thread timed it (HookBackend: the user's); None:
+    #: the core times it (its wait for the step)
+    user_step_s: float | None = None
     """Fragments read from and written into a :class:`TreeParams` (the current parameters)."""
 
     slowdown_included = True
@@ -94,6 +97,8 @@ class HookBackend(_TreeBackend):
         self._taken: Any = None  # a step the user's thread handed over and served itself
         self.served_early = False  # the step step() returned was served already (nothing to mix in)
         self.fast_steps = 0  # steps taken by the fast path (exchange)
+        self._handed_at: float | None = None  # user thread: when exchange() last gave parameters back
+        self._deposit_s = 0.0  # the user's step that the deposit (or the step taken early) ended
         # returning freed pages to the system (learner.malloc.trim) pays for big trees only
         self._big = params is not None and 4 * params.spec.num_params >= 16 * 2**20
 
@@ -142,6 +147,7 @@ class HookBackend(_TreeBackend):
                 early = True
             else:
                 early = False
+            self.user_step_s = self._deposit_s
         if early:
             # the parameters that step replaced are freed now, while the user's next step is being
             # dispatched, rather than after the core has counted this one (then the user's step had
@@ -167,7 +173,12 @@ class HookBackend(_TreeBackend):
         then counts the step, and computes any due outer gradient, while the user's next step runs.
         An arrival that lands meanwhile waits for the next step (``served_early``)."""
         self.params.check(tree)  # a wrong tree is the user's error, not the learner's
+        # the user's step: from the parameters handed back to this deposit (0 for the first, whose
+        # start the island does not see: left out of the pace)
+        t = time.monotonic()
+        step_s = t - self._handed_at if self._handed_at is not None else 0.0
         with self._cv:
+            self._deposit_s = step_s
             if (self._parked and self._deposit is None and self._taken is None and self._served >= 1
                     and self._previous is None and quiet()):
                 self._previous = self.params.set_tree(tree, checked=True)  # freed by serve(), in the worker
@@ -176,6 +187,7 @@ class HookBackend(_TreeBackend):
                 self.fast_steps += 1
                 self._served += 1
                 self._cv.notify_all()
+                self._handed_at = time.monotonic()
                 return tree
             target = self._served + 1
             self._deposit = (tree, loss)
@@ -184,7 +196,9 @@ class HookBackend(_TreeBackend):
                 if not alive():
                     raise IslandClosed(f"the island's learner stopped: {why() or 'see its log'}")
                 self._cv.wait(0.1)
-            return self.params.tree()
+            tree = self.params.tree()
+        self._handed_at = time.monotonic()
+        return tree
 
     def close(self) -> None:
         with self._cv:
@@ -256,6 +270,7 @@ class TrainBackend(_TreeBackend):
 
 
 class SyntheticBackend:
+    user_step_s: float | None = None  # the core times the step (_TreeBackend.user_step_s)
     """No JAX: numpy fragment vectors, a deterministic pseudo-gradient and a sleep per step."""
 
     slowdown_included = True  # the step sleeps step_time * slowdown itself

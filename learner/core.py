@@ -99,7 +99,10 @@ class IslandCore:
             self.loss = loss
             now = time.monotonic()
             self.rate.add(now, self.tokens_per_step)
-            self.pace.add(now, self.tokens_per_step, step_s)
+            # (an island's step is the user's, timed in the user's thread: the core's own work runs
+            # beside it, so its wait for the deposit is not the step's length)
+            user_s = getattr(self.backend, "user_step_s", None)
+            self.pace.add(now, self.tokens_per_step, step_s if user_s is None else user_s)
             if hook:
                 # mix arrivals (or a resync) into the parameters just taken and hand them back to
                 # the user now; the outer gradients below are computed while the user's next inner

@@ -150,6 +150,7 @@ class Bookkeeper:
         # the schedule as the next step each fragment is due (first: offset_p, or H for offset 0),
         # so the period can change while running (Dynamic Local Updates, :meth:`set_period`)
         self.period = self.H
+        self._anchor = 0  # the step the staggered schedule's cycles count from (moved by set_period)
         # (resumed: the first due step after start_step in the same phase, as if it never stopped)
         self._next_due = [_due_after(off if off >= 1 else self.H, self.H, self.start_step) for off in self.offsets]
         self.tokens_per_step = int(tokens_per_step)
@@ -279,16 +280,20 @@ class Bookkeeper:
     def set_period(self, period: int) -> bool:
         """Sync every ``period`` inner steps from now on (Dynamic Local Updates); True if it changed.
 
-        Each fragment keeps its phase: the steps left to its next sync are scaled by
-        new/old period, so the staggering survives the change. Rounding can put two fragments on
-        the same step (always once the period is shorter than the number of fragments); they then
-        stay together, also when the period grows again."""
+        The schedule keeps its phase: the share of the current cycle gone by is the same in the new
+        period, and each fragment is due at its staggered offset for the new period in it
+        (``sync_offsets(P, period)``), so its next sync comes about ``left x new / old`` steps
+        from now and the fragments stay spread over the period, on distinct steps while the period
+        is at least their number. (Scaling each fragment's steps left on its own, as before, rounded
+        two onto the same step now and then, and they stayed together: a few dozen changes put 8
+        fragments on 3 steps.)"""
         period = max(1, int(period))
         if period == self.period:
             return False
-        for p, n in enumerate(self._next_due):
-            left = max(1, n - self.step)
-            self._next_due[p] = self.step + max(1, -(-left * period // self.period))
+        phase = ((self.step - self._anchor) % self.period) / self.period
+        self._anchor = self.step - round(phase * period)
+        offsets = sync_offsets(self.num_fragments, period) if any(self.offsets) else self.offsets
+        self._next_due = [_due_after(self._anchor + off, period, self.step) for off in offsets]
         self.period = period
         return True
 
@@ -625,22 +630,32 @@ class PaceMeter:
     10 for a learner 1.15x slower, docs/BENCHMARKS.md)."""
 
     window: float = 10.0
+    skip: int = 1  # the first steps measured are left out: the first compiles the step function
     _events: deque = field(default_factory=deque)
+    _since: float | None = None  # when the first step counted ended
 
     def add(self, t: float, tokens: int, seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)):
             return
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        if self._since is None:
+            self._since = float(t)
         self._events.append((float(t), int(tokens), float(seconds)))
         while len(self._events) > 1 and self._events[0][0] < t - self.window:
             self._events.popleft()
 
     def pace(self, now: float) -> float:
-        tokens = seconds = 0.0
-        for t, n, dt in self._events:
-            if t >= now - self.window:
-                tokens += n
-                seconds += dt
-        return tokens / seconds if seconds > 0 else 0.0
+        """Over the steps ended in the window, once a whole window has passed since the first step
+        counted (0 before: unknown; learners starting together share the machine with each other's
+        compilations, and their first seconds' paces moved every period at M=4 on two cores); no
+        step in the window (a hold longer than it), the newest step's: a held learner keeps its pace."""
+        if self._since is None or now - self._since < self.window:
+            return 0.0
+        recent = [e for e in self._events if e[0] >= now - self.window] or list(self._events)[-1:]
+        seconds = sum(dt for _, _, dt in recent)
+        return sum(n for _, n, _ in recent) / seconds if seconds > 0 else 0.0
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -674,14 +689,20 @@ def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback
     return parts
 
 
+#: Dynamic Local Updates shorten a period to H / 4 at the most: a learner more than 4x slower than
+#: the fastest syncs every ceil(H / 4) steps, and a learner that claims a pace it does not have can
+#: at most quadruple the run's syncs (docs/security.md)
+MAX_PERIOD_CUT = 4
+
+
 def dynamic_period(H: int, mine: float, others: Sequence[float], current: int | None = None,
                    hysteresis: float = 0.1) -> int:
     """Dynamic Local Updates (Liu et al., Async Local-SGD): ``H_w = floor(v_w / v_max * H)``.
 
     ``mine`` is this learner's pace and ``others`` the active learners' (tokens per second of their
     inner steps, from their heartbeats, so equal tokens per step are assumed: then a slow learner's
-    round lasts as long as the fastest's). At least 1, at most H; H while this learner's pace is
-    unknown (0). ``current``: the period in use, kept while the exact period ``v_w / v_max * H`` is
+    round lasts as long as the fastest's). At least ceil(H / MAX_PERIOD_CUT), at most H; H while
+    this learner's pace is unknown (0). ``current``: the period in use, kept while the exact period ``v_w / v_max * H`` is
     within ``hysteresis`` of it, so pace noise does not move the schedule at every update (compared
     before rounding down: a pace hovering at a step's boundary would otherwise flip the period by a
     step each update, whatever the hysteresis).
@@ -692,20 +713,22 @@ def dynamic_period(H: int, mine: float, others: Sequence[float], current: int | 
     exact = mine / max([mine, *rates]) * H
     if current is not None and abs(exact - current) <= hysteresis * current:
         return current
-    return max(1, min(H, math.floor(exact)))
+    return max(-(-H // MAX_PERIOD_CUT), min(H, math.floor(exact)))
 
 
-def peer_pace(record: Mapping[str, object]) -> float:
-    """A member record's pace for Dynamic Local Updates (tokens/s of its inner steps): its ``pace``
-    where its learner reports one, else its ``tokens_per_s`` (a learner of an older version: its
-    waits included); 0 if the member is not active or neither is a finite positive number."""
+def peer_speed(record: Mapping[str, object]) -> tuple[float, bool]:
+    """A member record's speed for Dynamic Local Updates and whether it is a pace: its ``pace``
+    (tokens/s of its inner steps; 0 while its learner does not know it yet, or a learner of an older
+    version: left out), or, in the record of a monitor of an older version (no ``pace`` at all), its
+    ``tokens_per_s`` (waits included: the caller then compares its own rate, not its pace). 0 if the
+    member is not active or the value is not a finite positive number."""
     if record.get("state") != "active":
-        return 0.0
-    for key in ("pace", "tokens_per_s"):
-        v = record.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-            return float(v)
-    return 0.0
+        return 0.0, False
+    key = "pace" if "pace" in record else "tokens_per_s"
+    v = record.get(key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+        return float(v), key == "pace"
+    return 0.0, False
 
 
 def rss_mib(maxrss_kib: int) -> float:

@@ -155,32 +155,36 @@ class Presence:
 
         await self._watch_members(self.id, on_entry, "membership_watch_error", HEAD_POLL_INTERVAL)
 
-    async def _follow_rates(self) -> None:
+    async def _follow_paces(self) -> None:
         """DILOCO_DYNAMIC_H: follow the active learners' paces in the members bucket (the monitor
         writes each heartbeat's there, every DILOCO_KV_REFRESH at least) and set the period."""
-        peers: dict[str, float] = {}
+        peers: dict[str, tuple[float, bool]] = {}
 
         async def on_entry(kv, e) -> None:
             if e is not None and e.key != self.id:
                 try:
                     rec = orjson.loads(e.value) if e.value and e.operation not in ("DEL", "PURGE") else {}
-                    rate = lp.peer_pace(rec) if isinstance(rec, dict) else 0.0
+                    speed = lp.peer_speed(rec) if isinstance(rec, dict) else (0.0, False)
                 except ValueError:
-                    rate = 0.0
-                if rate > 0:
-                    peers[e.key] = rate
+                    speed = (0.0, False)
+                if speed[0] > 0:
+                    peers[e.key] = speed
                 else:
                     peers.pop(e.key, None)
             self._update_period(peers)
 
-        await self._watch_members(None, on_entry, "rates_watch_error", 1.0)
+        await self._watch_members(None, on_entry, "paces_watch_error", 1.0)
 
-    def _update_period(self, peers: dict[str, float]) -> None:
-        mine = self.pace.pace(time.monotonic())
-        h = lp.dynamic_period(self.cfg.sync_every, mine, list(peers.values()), current=self.book.period)
+    def _update_period(self, peers: dict[str, tuple[float, bool]]) -> None:
+        now = time.monotonic()
+        # like with like: a peer without a pace (an older learner or monitor) has its rate compared
+        paces = all(is_pace for _, is_pace in peers.values())
+        mine = self.pace.pace(now) if paces else self.rate.rate(now)
+        speeds = [v for v, _ in peers.values()]
+        h = lp.dynamic_period(self.cfg.sync_every, mine, speeds, current=self.book.period)
         if self.book.set_period(h):
-            self.log.info("period_changed", period=h, H=self.cfg.sync_every, pace=round(mine, 1),
-                          fastest=round(max(peers.values(), default=mine), 1))
+            self.log.info("period_changed", period=h, H=self.cfg.sync_every, speed=round(mine, 1),
+                          fastest=round(max(speeds, default=mine), 1), compared="pace" if paces else "rate")
 
     # -- what became of our work (learner.fate) ----------------------------------------------------
 
@@ -248,11 +252,12 @@ class Presence:
     # -- liveness and metrics -----------------------------------------------------------------------
 
     def heartbeat(self) -> dict:
-        from bus.heartbeat import Heartbeat, heartbeat_to_dict
+        from bus.heartbeat import Heartbeat, HeartbeatLimits, heartbeat_to_dict
 
         hb = Heartbeat(learner=self.id, region=self.common.region, incarnation=self.incarnation,
                        step=self.book.step, tokens_per_s=self.rate.rate(time.monotonic()),
-                       versions=self.book.versions(), sent_at=time.time(), pace=self.pace.pace(time.monotonic()))
+                       versions=self.book.versions(), sent_at=time.time(),
+                       pace=min(self.pace.pace(time.monotonic()), HeartbeatLimits.max_tokens_per_s))
         return heartbeat_to_dict(hb)
 
     async def _leave(self, beats: asyncio.Task) -> None:

@@ -188,7 +188,7 @@ class Learner(IslandCore, Presence):
                 self._metrics_loop(), self._follow_globals(), self._follow_membership(), self._advise_loop(),
                 self._keep_progress())]
             if self.cfg.follows_pace:
-                tasks.append(asyncio.create_task(self._follow_rates()))
+                tasks.append(asyncio.create_task(self._follow_paces()))
             await self._wait_for_peers()
             await self._train()
             await self._drain()

@@ -333,12 +333,14 @@ class MonitorService(Leadership, HeartbeatIntake):
                 await self._release_lease()
             self.log.info("monitor_stopped")
         finally:
-            await cancel_all(tasks)
             try:
-                await self.nc.close()
-            except Exception:
-                pass
-            self._leader = False
+                await cancel_all(tasks)
+            finally:
+                try:
+                    await self.nc.close()
+                except Exception:
+                    pass
+                self._leader = False
 
 
 #: Seconds a monitor waits quietly for its run to be created before one ``run_not_created`` warning.

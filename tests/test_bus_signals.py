@@ -30,3 +30,30 @@ async def test_a_task_that_swallows_a_cancellation_is_cancelled_again_until_it_e
     assert all(t.done() for t in tasks) and len(swallowed) == 2
     assert tasks[0].cancelled() and tasks[1].cancelled() and isinstance(tasks[2].exception(), ValueError)
     await cancel_all([])  # nothing to do
+
+
+async def test_cancelled_itself_it_still_ends_every_task_then_raises_the_cancellation():
+    """A stop whose own caller cancels it meanwhile (a test's re-cancelling helper): ``asyncio.wait``
+    does not pass that on, so a task that had swallowed the first cancellation would run on."""
+    swallowed = []
+
+    async def runs_on() -> None:
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if not swallowed:
+                    swallowed.append(1)
+                    continue
+                raise
+
+    task = asyncio.create_task(runs_on())
+    await asyncio.sleep(0)
+    stop = asyncio.create_task(cancel_all([task], every=0.2))
+    await asyncio.sleep(0.05)  # the first cancellation swallowed; cancel_all waits to cancel again
+    stop.cancel()
+    try:
+        await asyncio.wait_for(stop, 5)
+    except asyncio.CancelledError:
+        pass
+    assert stop.cancelled() and task.done() and task.cancelled() and swallowed == [1]

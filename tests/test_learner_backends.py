@@ -182,3 +182,36 @@ def test_the_fast_path_is_not_taken_while_the_core_is_busy():
     assert got and log == [(1.0, False)]
     hook.close()
     t.join(5)
+
+
+def test_an_islands_step_is_timed_in_the_users_thread_whatever_the_core_does_meanwhile():
+    """The pace of an island (Dynamic Local Updates) is its user's step: from the parameters handed
+    back to the next deposit. The core's wait for that deposit is not it: a core slower than the
+    user's step found the deposit waiting (a pace many times too high), a faster one waited the rest
+    of the step."""
+    import threading
+    import time
+
+    hook, params = _hook()
+    seen: list = []
+
+    def core():  # takes each step, then works 0.15 s: longer than the user's 0.05 s step
+        hook.serve()
+        for _ in range(4):
+            if hook.step() is NO_STEP:
+                return
+            seen.append(hook.user_step_s)
+            if not hook.took_early():
+                hook.serve()
+            time.sleep(0.15)
+
+    t = threading.Thread(target=core, daemon=True)
+    t.start()
+    tree = params
+    for _ in range(4):
+        tree = hook.exchange(tree, 0.0, lambda: True, quiet=lambda: False)
+        time.sleep(0.05)  # the user's step
+    t.join(5)
+    hook.close()
+    assert seen[0] == 0.0  # the first deposit's step began before the island saw it: left out
+    assert all(0.045 <= s < 0.14 for s in seen[1:]), seen  # the user's 0.05 s, not the core's 0.15 s

@@ -52,7 +52,7 @@ async def test_dynamic_local_updates_give_the_slow_island_a_shorter_period(nats_
     as the fast one's and it contributes about as often; the fast one keeps H."""
     tap = MetricsTap()
     await tap.start(nc, RUN)
-    learner = {**SYNTH_LEARNER, "DILOCO_STEP_TIME": "0.03", "DILOCO_SYNC_EVERY": "9", "DILOCO_DYNAMIC_H": "true"}
+    learner = {**SYNTH_LEARNER, "DILOCO_STEP_TIME": "0.03", "DILOCO_SYNC_EVERY": "9"}  # the default's period
     procs.start("aggregator", "aggregator", **{**FAST_AGG, "DILOCO_GRACE_SECONDS": "0.05"})
     procs.start("monitor", "monitor", **FAST_MONITOR, DILOCO_KV_REFRESH="0.3")
     procs.start("fast", "learner", DILOCO_LEARNER_ID="fast", **learner)
@@ -70,7 +70,7 @@ async def test_dynamic_local_updates_give_the_slow_island_a_shorter_period(nats_
     fast = a1["contributions"]["fast"] - a0["contributions"]["fast"]
     slow = a1["contributions"]["slow"] - a0["contributions"]["slow"]
     assert tap.get("learner", "fast")["period"] == 9
-    assert 2 <= tap.get("learner", "slow")["period"] <= 4  # floor(9 / 3) = 3, rates are measured
+    assert 2 <= tap.get("learner", "slow")["period"] <= 4  # floor(9 / 3) = 3, paces are measured
     # without it the slow island sends about a third as often (previous test); now about as often
     assert slow >= 0.6 * fast > 0, (fast, slow)
     assert not a1.get("rejected"), a1.get("rejected")
