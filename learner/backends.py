@@ -42,12 +42,12 @@ class IslandClosed(RuntimeError):
 
 
 class _TreeBackend:
-    #: seconds of the step just taken as its own thread timed it (HookBackend: the user's); None:
-    #: the core times it (its wait for the step)
-    user_step_s: float | None = None
     """Fragments read from and written into a :class:`TreeParams` (the current parameters)."""
 
     slowdown_included = True
+    #: seconds of the step just taken as its own thread timed it (HookBackend: the user's); None:
+    #: the core times it (its wait for the step)
+    user_step_s: float | None = None
 
     def __init__(self, params: TreeParams):
         self.params = params
@@ -270,10 +270,10 @@ class TrainBackend(_TreeBackend):
 
 
 class SyntheticBackend:
-    user_step_s: float | None = None  # the core times the step (_TreeBackend.user_step_s)
     """No JAX: numpy fragment vectors, a deterministic pseudo-gradient and a sleep per step."""
 
     slowdown_included = True  # the step sleeps step_time * slowdown itself
+    user_step_s: float | None = None  # the core times the step (_TreeBackend.user_step_s)
 
     def __init__(self, plan: FragmentPlan, cfg: LearnerConfig, seed: int, cancel: threading.Event):
         self.plan = plan

@@ -177,7 +177,7 @@ class Presence:
 
     def _update_period(self, peers: dict[str, tuple[float, bool]]) -> None:
         now = time.monotonic()
-        # like with like: a peer without a pace (an older learner or monitor) has its rate compared
+        # like with like: where the monitor is of an older version (records without a pace), rates
         paces = all(is_pace for _, is_pace in peers.values())
         mine = self.pace.pace(now) if paces else self.rate.rate(now)
         speeds = [v for v, _ in peers.values()]
