@@ -76,6 +76,16 @@ class TransportError(RuntimeError):
     pass
 
 
+def transient(e: BaseException) -> bool:
+    """A read that failed for the link or the server, not for what it read: a timeout, a connection
+    down, JetStream not ready after a restart (any nats error). Read it again; anything else (a blob
+    that does not decode, fit or check: ``ValueError``, ``TransportError``) is the content's fault."""
+    import nats.errors
+
+    return isinstance(e, (TimeoutError, ConnectionError, nats.errors.Error)) and not isinstance(
+        e, (ValueError, TransportError))
+
+
 class VersionConflict(TransportError):
     """``put`` of a version when this version (with other content) or a newer one is committed."""
 

@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus.protocol import grad_meta, grad_obj_id
-from bus.transport import Head, follow_heads
+from bus.transport import Head, follow_heads, transient
 from learner import loop as lp
 from learner import swap
 from learner.outer import mix, outer_gradient, rebase
@@ -613,6 +613,13 @@ class IslandCore:
                     self._news.set()
                     return
                 except Exception as e:
+                    if transient(e):
+                        # the link or the server, not the version (a server restarting): keep the
+                        # candidate, fetched again at the next step boundary or pass of a hold.
+                        # Refused, it stalled every learner held for that version's merge until
+                        # DILOCO_SYNC_TIMEOUT (chaos quick's server kill, once in a loaded suite)
+                        self._fetch_failed(head, e)
+                        return
                     self._reject_global("bad_blob", head, error=repr(e))
                     self._drop_candidate(head)
                     self._news.set()
@@ -628,6 +635,14 @@ class IslandCore:
                 if key in self._awaiting:
                     self.applied_in[key] = min(self.applied_in.get(key, head.version), head.version)
             self._news.set()
+
+    def _fetch_failed(self, head: Head, e: BaseException) -> None:
+        """A download of ``head`` failed for the link or the server: counted, said once per version."""
+        self.fetch_failures += 1
+        if self._fetch_failed_at.get(head.fragment) != head.version:
+            self._fetch_failed_at[head.fragment] = head.version
+            self.log.warning("global_fetch_failed", fragment=head.fragment, version=head.version, error=repr(e),
+                             hint="fetched again at the next step boundary (the server or the link is down?)")
 
     def _drop_candidate(self, head: Head) -> None:
         if self._candidate.get(head.fragment) is head:

@@ -482,3 +482,21 @@ async def test_take_pending_waits_for_the_servers_answer_not_a_fixed_time(nats_s
     t0 = time.monotonic()
     assert await take_pending(held, 5, 10.0) == []
     assert time.monotonic() - t0 < 3.0
+
+
+def test_a_read_that_failed_for_the_link_or_the_server_is_transient_one_that_failed_for_its_content_is_not():
+    """The learner fetches a global version again after a transient failure, and refuses it after
+    any other: refusing a version whose download timed out while the server restarted stalled every
+    learner held for its merge until DILOCO_SYNC_TIMEOUT (chaos quick's server kill, once)."""
+    import nats.errors
+    import nats.js.errors
+
+    from bus.transport import TransportError, VersionConflict, transient
+
+    for e in (TimeoutError(), asyncio.TimeoutError(), nats.errors.TimeoutError(), nats.errors.ConnectionClosedError(),
+              nats.errors.NoServersError(), nats.errors.NoRespondersError(), ConnectionResetError(),
+              nats.js.errors.ServiceUnavailableError()):
+        assert transient(e), e
+    for e in (ValueError("checksum"), TransportError("bad chunk"), VersionConflict("v", 1), KeyError("x"),
+              RuntimeError("bug")):
+        assert not transient(e), e
