@@ -572,7 +572,12 @@ async def test_heartbeat_flood_does_not_crash_the_monitor(nats_server, nc, js):
         # 0.5 s this test once slept (the state is checked here; how soon one silent learner is
         # evicted has its own tests above)
         await wait_until(lambda: mon.svc.members["f0"].state is State.EVICTED, 15)
-        assert mon.svc.members["good"].state is State.ACTIVE
+        # good may be marked suspect for a moment: this monitor runs in the test's own event loop,
+        # beside good's heartbeat sender, and a tick writing 3,000 records holds that loop (good was
+        # suspect 0.7 s after its last heartbeat in a loaded suite run). It is never evicted, and is
+        # active again at its next heartbeat
+        await wait_until(lambda: mon.svc.members["good"].state is State.ACTIVE, 5)
+        assert "evicted" not in [new for _, new in edges(await read_events(js, run), "good")]
         assert not mon.task.done()
     finally:
         await good.stop()
