@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
+import nats.errors
 import orjson
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -80,8 +81,6 @@ def transient(e: BaseException) -> bool:
     """A read that failed for the link or the server, not for what it read: a timeout, a connection
     down, JetStream not ready after a restart (any nats error). Read it again; anything else (a blob
     that does not decode, fit or check: ``ValueError``, ``TransportError``) is the content's fault."""
-    import nats.errors
-
     return isinstance(e, (TimeoutError, ConnectionError, nats.errors.Error)) and not isinstance(
         e, (ValueError, TransportError))
 

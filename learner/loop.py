@@ -702,15 +702,15 @@ def dynamic_period(H: int, mine: float, others: Sequence[float], current: int | 
     ``mine`` is this learner's pace and ``others`` the active learners' (tokens per second of their
     inner steps, from their heartbeats, so equal tokens per step are assumed: then a slow learner's
     round lasts as long as the fastest's). At least ceil(H / MAX_PERIOD_CUT), at most H; H while
-    this learner's pace is unknown (0). ``current``: the period in use, kept while the exact period ``v_w / v_max * H`` is
-    within ``hysteresis`` of it, so pace noise does not move the schedule at every update (compared
-    before rounding down: a pace hovering at a step's boundary would otherwise flip the period by a
-    step each update, whatever the hysteresis).
+    this learner's pace is unknown (0). ``current``: the period in use, kept while the exact period
+    ``v_w / v_max * H`` is within ``hysteresis`` of it, so pace noise does not move the schedule at
+    every update (compared before rounding down: a pace hovering at a step's boundary would
+    otherwise flip the period by a step each update, whatever the hysteresis).
     """
-    rates = [r for r in others if r > 0 and math.isfinite(r)]
+    speeds = [r for r in others if r > 0 and math.isfinite(r)]
     if not (mine > 0 and math.isfinite(mine)):
         return H if current is None else current
-    exact = mine / max([mine, *rates]) * H
+    exact = mine / max([mine, *speeds]) * H
     if current is not None and abs(exact - current) <= hysteresis * current:
         return current
     return max(-(-H // MAX_PERIOD_CUT), min(H, math.floor(exact)))
