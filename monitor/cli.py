@@ -40,6 +40,9 @@ from bus.subjects import Subjects
 from monitor.metrics_view import ROLES, MetricsSnapshot, filter_msg, fold, render_table
 
 CLEAR = "\x1b[H\x1b[2J"
+#: `--once` waits this many DILOCO_METRICS_INTERVALs for an evaluator (in no roster) before it
+#: prints without one: a running evaluator then missed a whole interval's record
+EVALUATOR_WINDOW = 2.0
 
 
 class CliError(RuntimeError):
@@ -295,10 +298,12 @@ async def _metrics(cfg: CommonConfig, a: argparse.Namespace) -> int:
             t_start = time.monotonic()
             deadline = t_start + a.wait
             learners, roles = await _roster(nc, cfg.run, a)
-            # the evaluator is in no roster: it has reported, or a whole metrics interval passed
+            # the evaluator is in no roster: it has reported, or two metrics intervals passed
             # without it (every role publishes at least once per DILOCO_METRICS_INTERVAL); a snapshot
-            # that stopped at the roster alone showed no evaluator row in compose's run)
-            eval_window = (1.25 * cfg.metrics_interval
+            # that stopped at the roster alone showed no evaluator row in compose's run, and so did
+            # one that waited 1.25 intervals (CI: a loaded machine spaced the evaluator's records
+            # 0.5 s apart by up to 0.64 s)
+            eval_window = (EVALUATOR_WINDOW * cfg.metrics_interval
                            if a.role in (None, "evaluator") and a.learner is None and a.region is None else 0.0)
 
             def incomplete() -> bool:
