@@ -139,8 +139,7 @@ class IslandCore:
                     waits.append((c, task))
             if cfg.mode == "sync" and waits:
                 await self._sync_wait(waits)
-            if not self._fetch_all:
-                self._fetch_candidates()
+            self._fetch_candidates()
         if self._side_error is not None:
             raise self._side_error
         if cfg.final_sync and not self._halt.is_set():
@@ -175,8 +174,7 @@ class IslandCore:
                 if not self._swapping() or any(self._swap_ready(p) for p in held):
                     break  # applied to the user's next deposit (its step is not served early now)
                 # (its swap is still being prepared in the side thread: its end sets the news)
-            if not self._fetch_all:  # (a step boundary's downloads: a head that came before it was due)
-                self._fetch_candidates()
+            self._fetch_candidates()  # (a step boundary's downloads: a head that came before it was due)
             rest = deadline - time.monotonic()
             if rest <= 0:
                 for p in held:
@@ -381,6 +379,7 @@ class IslandCore:
                 f = self.book.frags[c.fragment]
                 if lp.sync_satisfied(self.applied_in.get(key), max(f.base_version, f.pending_version)):
                     break
+                self._fetch_candidates()  # (a download of the merged version that failed for the link)
                 rest = deadline - time.monotonic()
                 if rest <= 0:
                     self.sync_timeouts += 1
@@ -563,11 +562,22 @@ class IslandCore:
 
     # -- global versions ----------------------------------------------------------------------------
 
+    def _every_version(self, head: Head) -> bool:
+        """Download every version of this head's fragment (fetch=every, synchronous mode, a chained
+        downlink: every version, so the next one is a small delta against it), not once per sync."""
+        return self._fetch_all or bool(head.meta.get("chain"))
+
     def _fetch_candidates(self) -> None:
-        """fetch=round, at a step boundary: start the downloads that became due."""
+        """At a step boundary or a pass of a wait: start the downloads that became due (fetch=round),
+        and those that failed for the link or the server (every policy)."""
         for p, head in list(self._candidate.items()):
-            if self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.merges_reach) and not any(
-                    t.get_name() == f"fetch-{p}" for t in self._fetches):
+            if self._every_version(head):
+                due = self.book.wants(p, head.version)
+                if not due:  # a newer version came meanwhile
+                    self._drop_candidate(head)
+            else:
+                due = self.book.fetch_due(p, head.version, self.cfg.fetch_delay_for(self.book.period), self.merges_reach)
+            if due and not any(t.get_name() == f"fetch-{p}" for t in self._fetches):
                 task = asyncio.create_task(self._on_head(head), name=f"fetch-{p}")
                 self._fetches.add(task)
                 task.add_done_callback(self._fetches.discard)
@@ -589,8 +599,7 @@ class IslandCore:
             if upto is not None:  # rounds whose own head was missed are merged too (work fate)
                 ours = sorted({*ours, *(r for f, r in self.fate.outstanding if f == p and r <= upto)})
             self.fate.on_head(p, head.version, ours, time.monotonic())
-            if self._fetch_all or head.meta.get("chain"):
-                # (a chained downlink: every version, so the next one is a small delta against it)
+            if self._every_version(head):
                 due = self.book.wants(p, head.version)
             else:
                 # download later, once per own sync: remember the newest head (the latest received,
@@ -615,9 +624,14 @@ class IslandCore:
                 except Exception as e:
                     if transient(e):
                         # the link or the server, not the version (a server restarting): keep the
-                        # candidate, fetched again at the next step boundary or pass of a hold.
+                        # candidate, fetched again at the next step boundary or pass of a wait.
                         # Refused, it stalled every learner held for that version's merge until
-                        # DILOCO_SYNC_TIMEOUT (chaos quick's server kill, once in a loaded suite)
+                        # DILOCO_SYNC_TIMEOUT (chaos quick's server kill, once in a loaded suite);
+                        # every policy alike (fetch=every or synchronous mode skipped the version
+                        # until the next head, and a synchronous learner waited DILOCO_SYNC_TIMEOUT)
+                        current = self._candidate.get(p)
+                        if current is None or current.version <= head.version:
+                            self._candidate[p] = head
                         self._fetch_failed(head, e)
                         return
                     self._reject_global("bad_blob", head, error=repr(e))

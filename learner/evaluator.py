@@ -37,7 +37,7 @@ from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
 from bus.subjects import Subjects
 from bus.global_reader import GlobalReader
-from bus.transport import Head, follow_heads
+from bus.transport import Head, follow_heads, transient
 from learner import loop as lp
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
 from learner.startup import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, close_quietly, connect_until,
@@ -64,6 +64,8 @@ class Evaluator:
         self.last: dict | None = None
         self.evaluations = 0
         self.rejected_globals: dict[str, int] = {}  # versions not taken, by reason
+        self.fetch_failures = 0  # downloads that failed for the link or the server (tried again)
+        self._retry: dict[int, Head] = {}  # fragment -> the head whose download failed so
         self.nc = None
         self.store: GlobalReader | None = None
         self._halt = asyncio.Event()
@@ -131,7 +133,7 @@ class Evaluator:
             "versions": {str(p): v for p, v in sorted(versions.items())},
             "tokens": self._heldout_tokens(),
             "eval_seconds": round(time.monotonic() - t0, 4), "rss_mib": peak_rss_mib(),
-            "rejected_globals": dict(self.rejected_globals),
+            "rejected_globals": dict(self.rejected_globals), "fetch_failures": self.fetch_failures,
         }
         self.log.info("evaluated", eval_loss=loss, merges=self.last["merges"], versions=versions)
         return self.last
@@ -160,11 +162,30 @@ class Evaluator:
             except NotFoundError:  # replaced meanwhile (its successor follows), or a forged head
                 self._reject("unreadable", head)
                 return
-            except Exception as e:  # does not decode or fit the run
-                self._reject("bad_blob", head, error=repr(e))
+            except Exception as e:
+                if transient(e):  # the link or the server, not the version: tried again (_retry_failed)
+                    self.fetch_failures += 1
+                    if self._retry.get(p) != head:
+                        self.log.warning("global_fetch_failed", fragment=p, version=head.version, error=repr(e),
+                                         hint="fetched again in a moment (the server or the link is down?)")
+                    if p not in self._retry or self._retry[p].version <= head.version:
+                        self._retry[p] = head
+                    return
+                self._reject("bad_blob", head, error=repr(e))  # does not decode or fit the run
                 return
             self.vectors[p] = vec
             self.versions[p] = head.version
+            if p in self._retry and self._retry[p].version <= head.version:
+                del self._retry[p]
+
+    async def _retry_failed(self) -> None:
+        """The downloads that failed for the link or the server, again (before, a timed-out read was
+        refused as ``bad_blob`` and the version skipped until the fragment's next head)."""
+        for p, head in list(self._retry.items()):
+            if head.version <= self.versions.get(p, -1):  # a newer version came meanwhile
+                del self._retry[p]
+            else:
+                await self._on_head(head)
 
     def _reject(self, reason: str, head: Head, **kw) -> None:
         self.rejected_globals[reason] = self.rejected_globals.get(reason, 0) + 1
@@ -207,6 +228,7 @@ class Evaluator:
             # goes out again every DILOCO_METRICS_INTERVAL meanwhile (_republish)
             next_eval = 0.0
             while not self._halt.is_set():
+                await self._retry_failed()
                 if self.versions != self.evaluated and time.monotonic() >= next_eval:
                     await self._publish(await self.evaluate_now())
                     next_eval = time.monotonic() + self.ecfg.eval_interval

@@ -611,6 +611,65 @@ async def test_sync_mode_waits_for_the_merged_version(nats_server, js):
         assert await asyncio.wait_for(task, 15) == 0
 
 
+class FlakyReads:
+    """The real global reader, whose first read of fragment ``fragment`` at version >= 1 fails as a
+    request to a restarting server does (a nats timeout): the download of a new version fails for
+    the link, not for the version."""
+
+    def __init__(self, monkeypatch, fragment: int):
+        from bus.global_reader import GlobalReader
+
+        self.failed: list[int] = []
+        self.reads: list[int] = []
+        real = GlobalReader.read
+
+        async def read(reader, head):
+            if head.fragment == fragment and head.version >= 1:
+                self.reads.append(head.version)
+                if not self.failed:
+                    self.failed.append(head.version)
+                    import nats.errors
+
+                    raise nats.errors.TimeoutError
+            return await real(reader, head)
+
+        monkeypatch.setattr(GlobalReader, "read", read)
+
+
+@pytest.mark.parametrize("mode,fetch", [("async", "round"), ("async", "every"), ("sync", "round")])
+async def test_a_version_whose_download_failed_for_the_link_is_downloaded_again(nats_server, js, monkeypatch,
+                                                                               mode, fetch):
+    """A download that fails for the link or the server (a timeout) is tried again at the next step
+    boundary or pass of a wait, whatever the fetch policy; before, fetch=every and synchronous mode
+    dropped the version until the next head (a synchronous learner then waited DILOCO_SYNC_TIMEOUT
+    for a version it had been told of), and the version is not refused."""
+    from learner.service import Learner
+
+    await bootstrap(js)
+    flaky = FlakyReads(monkeypatch, fragment=1)
+    common, model, cfg = configs(nats_server, learner_id="learner-9", mode=mode, compute="synthetic", sync_every=4,
+                                 step_time=0.02, sync_timeout=30.0, quantiser="fp32", max_steps=100000, fetch=fetch)
+    learner = Learner(common, model, cfg)
+    grads = await GradSniff().start(js._nc)
+    stop = asyncio.Event()
+    task = asyncio.create_task(learner.run(stop))
+    try:
+        metas = await grads.wait_count(4, timeout=30)  # the first round of every fragment
+        for m in metas:  # version 1 of each fragment, merging this learner's round
+            key = [m["learner"], m["inc"], m["frag"], m["round"]]
+            await put_version(js, m["frag"], 1, V0[m["frag"]] + 0.01, applied=[key])
+        t_end = time.monotonic() + 20
+        while learner.book.versions() != {p: 1 for p in range(4)} and time.monotonic() < t_end:
+            await asyncio.sleep(0.05)
+        assert learner.book.versions() == {p: 1 for p in range(4)}, (learner.book.versions(), flaky.reads)
+        assert flaky.failed == [1] and flaky.reads.count(1) >= 2  # failed once, then downloaded
+        assert learner.fetch_failures == 1 and learner.rejected_globals == {}
+        assert learner.sync_timeouts == 0
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
 # -- evaluator -------------------------------------------------------------------------------------
 
 
@@ -660,6 +719,23 @@ async def test_evaluator_publishes_when_versions_change(nats_server, js):
         await put_version(js, 3, 1, np.zeros(PLAN.sizes[3], np.float32))
         m = await metrics.wait_for(lambda m: m["versions"]["3"] == 1)
         assert m["versions"]["1"] == 0 and m["rejected_globals"] == {"bad_blob": 1}
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
+async def test_evaluator_downloads_again_a_version_whose_download_failed_for_the_link(nats_server, js, monkeypatch):
+    """A timed-out download is not the version's fault: the evaluator tries it again and evaluates
+    it (before, it was refused as ``bad_blob`` and the fragment stayed at its old version until its
+    next head)."""
+    flaky = FlakyReads(monkeypatch, fragment=2)
+    metrics, ev, stop, task = await _start_evaluator(nats_server, js, "ev3", 0.2)
+    try:
+        await metrics.wait_for(lambda m: True, timeout=30)
+        await put_version(js, 2, 1, np.zeros(PLAN.sizes[2], np.float32))
+        m = await metrics.wait_for(lambda m: m["versions"]["2"] == 1, timeout=10)
+        assert flaky.failed == [1] and flaky.reads.count(1) >= 2
+        assert m["rejected_globals"] == {} and m["fetch_failures"] == 1
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 15) == 0
