@@ -118,15 +118,18 @@ def steps_by_speed(total: int, step_times: tuple[float, ...]) -> tuple[int, ...]
     return tuple(out)
 
 
-def periods_by_speed(H: int, step_times: tuple[float, ...]) -> tuple[int, ...]:
+def periods_by_speed(H: int, step_times: tuple[float, ...], whole: bool = False) -> tuple[float, ...]:
     """Dynamic Local Updates at fixed speeds (``learner.loop.dynamic_period``): each learner syncs
-    every floor(v / v_max x H) steps (at least ceil(H / 4)), so every round lasts about as long as
-    the fastest's. Without the learner's hysteresis (it keeps its period while the exact v / v_max x H
-    is within 10% of it)."""
+    every v / v_max x H steps (a real number: rounds of floor and ceil of it; at least ceil(H / 4)),
+    so every round lasts as long as the fastest's. ``whole``: rounded down to whole steps, as Liu et
+    al. and the roles until the nineteenth round did (``bench.quorum``'s ``dlu_floor``)."""
+    import math
+
     from learner.loop import dynamic_period
 
     rates = [1.0 / t for t in step_times]
-    return tuple(dynamic_period(H, r, [x for j, x in enumerate(rates) if j != i]) for i, r in enumerate(rates))
+    exact = [dynamic_period(H, r, [x for j, x in enumerate(rates) if j != i]) for i, r in enumerate(rates)]
+    return tuple(float(math.floor(x + 1e-9)) for x in exact) if whole else tuple(exact)
 
 
 def budget_steps(params: int, tokens_per_param: float, M: int, batch: int, seq_len: int) -> int:

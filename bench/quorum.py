@@ -12,7 +12,9 @@ transfer time), ``spread`` (learner i steps in 1 + 0.06 i, every contribution an
 ``budget`` (the spread, with the run's inner steps shared in proportion to speed, each learner's
 schedule spanning its own share: all finish together; ``RefConfig.learner_steps``), ``dlu`` (the
 spread with Dynamic Local Updates at those speeds, ``DILOCO_DYNAMIC_H``: a slower learner syncs
-after proportionally fewer steps; ``RefConfig.learner_periods``) and ``budget_dlu`` (both).
+after proportionally fewer steps, v / v_max x H of them, a real number: rounds of floor and ceil of
+it; ``RefConfig.learner_periods``), ``budget_dlu`` (both) and ``dlu_floor`` (the periods rounded
+down to whole steps, as until the nineteenth round).
 
 Keys: ``gap_k<K>_m<M>_<speeds>`` = (decoupled - data-parallel) / data-parallel;
 ``async_cost_k<K>_m<M>_<speeds>`` = (decoupled - synchronous) / synchronous (the cost of asynchrony,
@@ -40,7 +42,7 @@ import orjson
 from aggregator.quorum import AUTO
 from bench.common import fetch_delay_of, finish, parser, period_of, progress, reference_options, run_jobs
 
-SPEEDS = ("equal", "spread", "budget", "dlu", "budget_dlu")
+SPEEDS = ("equal", "spread", "budget", "dlu", "budget_dlu", "dlu_floor")
 QUORUMS = ("all", "half", "2", "1", "auto")
 
 
@@ -59,8 +61,8 @@ def timing(speeds: str, M: int, steps: int, H: int) -> dict[str, Any]:
     t = out_of_step(M)
     if speeds in ("budget", "budget_dlu"):
         t["learner_steps"] = steps_by_speed(steps * M, t["step_times"])
-    if speeds in ("dlu", "budget_dlu"):
-        t["learner_periods"] = periods_by_speed(H, t["step_times"])
+    if speeds in ("dlu", "budget_dlu", "dlu_floor"):
+        t["learner_periods"] = periods_by_speed(H, t["step_times"], whole=speeds == "dlu_floor")
     return t
 
 
@@ -91,7 +93,8 @@ def item_row(item: tuple[str, Any]) -> dict:
     speeds, cfg = item
     return {"M": cfg.M, "mode": cfg.mode, "K": cfg.K or cfg.M, "speeds": speeds, "steps": cfg.steps,
             "seed": cfg.data_seed, "lr": inner_rate(cfg),
-            "fetch_delay": fetch_delay_of(cfg), "H": period_of(cfg)}
+            "fetch_delay": fetch_delay_of(cfg), "H": period_of(cfg),
+            "periods": [round(x, 4) for x in cfg.learner_periods] if cfg.learner_periods else None}
 
 
 def one(item: tuple[str, Any]) -> dict:
@@ -110,9 +113,11 @@ def kname(K: int, M: int) -> str:
 
 def key(r: dict) -> tuple:
     """A row's identity (what --reuse matches; rows of before the rate was recorded match nothing: the
-    default rate changed with them)."""
+    default rate changed with them, nor do Dynamic Local Updates rows of before their periods were
+    recorded: whole steps then)."""
+    periods = r.get("periods")
     return (r["M"], r["mode"], r["K"], r["speeds"], r["steps"], r["seed"], r.get("lr"), fetch_delay_of(r),
-            period_of(r))
+            period_of(r), tuple(periods) if periods else None)
 
 
 def summary(rows: list[dict]) -> dict:

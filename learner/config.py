@@ -119,7 +119,7 @@ class LearnerConfig:
                                        "warn when the monitor has not admitted this learner this many seconds after "
                                        "its first outer gradient (its work is held, then rejected)")
     dynamic_h: bool = var(True, boolean(),
-                          "Dynamic Local Updates: sync every floor(v / v_max x H) steps (v: the pace of the active "
+                          "Dynamic Local Updates: sync every v / v_max x H steps, a real number (v: the pace of the active "
                           "learners, tokens/s of their inner steps, from the members bucket a monitor keeps), so a "
                           "slower learner's round lasts as long as the fastest's; H without a monitor, at equal paces "
                           "and in DILOCO_MODE=sync (its rounds wait for every learner anyway)")
@@ -212,9 +212,9 @@ class LearnerConfig:
         """Synthetic compute (no JAX): DILOCO_MODE=synthetic or DILOCO_COMPUTE=synthetic."""
         return self.mode == "synthetic" or self.compute == "synthetic"
 
-    def fetch_delay_for(self, period: int) -> int:
+    def fetch_delay_for(self, period: float) -> int:
         """DILOCO_FETCH_DELAY (default 1), or period/4 (at least 1) when it is -1."""
-        return self.fetch_delay if self.fetch_delay >= 0 else max(1, period // 4)
+        return self.fetch_delay if self.fetch_delay >= 0 else max(1, int(period) // 4)
 
     @property
     def steps_to_run(self) -> int:

@@ -125,8 +125,9 @@ class Contribution:
         return self.seconds / self.steps if self.steps > 0 else 0.0
 
 
-def _due_after(first: int, H: int, step: int) -> int:
-    """The first of ``first, first + H, first + 2H, ...`` that is after ``step``."""
+def _due_after(first: float, H: float, step: int) -> float:
+    """The first of ``first, first + H, first + 2H, ...`` that is after ``step`` (each a real number
+    of steps with Dynamic Local Updates: a sync falls due at the first step not before it)."""
     return first if step < first else first + ((step - first) // H + 1) * H
 
 
@@ -148,11 +149,14 @@ class Bookkeeper:
         # out of phase would each wait for a merge that needs the other's *different* fragment.
         self.offsets = sync_offsets(num_fragments, self.H) if staggered else (0,) * num_fragments
         # the schedule as the next step each fragment is due (first: offset_p, or H for offset 0),
-        # so the period can change while running (Dynamic Local Updates, :meth:`set_period`)
-        self.period = self.H
-        self._anchor = 0  # the step the staggered schedule's cycles count from (moved by set_period)
+        # so the period can change while running (Dynamic Local Updates, :meth:`set_period`): then a
+        # real number of steps, each due at the first step not before it, so that rounds of
+        # floor(T) and ceil(T) steps average T
+        self.period: float = float(self.H)
+        self._anchor = 0.0  # the step the staggered schedule's cycles count from (moved by set_period)
         # (resumed: the first due step after start_step in the same phase, as if it never stopped)
-        self._next_due = [_due_after(off if off >= 1 else self.H, self.H, self.start_step) for off in self.offsets]
+        self._next_due: list[float] = [
+            _due_after(off if off >= 1 else self.H, self.H, self.start_step) for off in self.offsets]
         self.tokens_per_step = int(tokens_per_step)
         # the sync window (issue 37): at most ``window`` rounds of a fragment sent and not yet merged
         # into this learner's base; a sync due while more are out is deferred (0: never)
@@ -198,9 +202,11 @@ class Bookkeeper:
             if self.window_open(p):  # on schedule, or a deferred sync whose window opened
                 if f.deferred_at >= 0 and not self._merged_in(p):
                     self.valve_opened += 1
+                # on schedule: a period from when it was due (a real number of steps keeps its
+                # fraction, so rounds average the period); deferred: a whole period from this sync
+                self._next_due[p] = (n if f.deferred_at < 0 else self.step) + self.period
                 f.deferred_at = -1
                 f.hold_off = False
-                self._next_due[p] = self.step + self.period  # a whole period from this sync
                 due.append(p)
             elif f.deferred_at < 0:  # due, but the previous round is still out: defer
                 f.deferred_at = self.step
@@ -277,25 +283,42 @@ class Bookkeeper:
             f = self.frags[p]
             f.rejected_round = max(f.rejected_round, int(round_))
 
-    def set_period(self, period: int) -> bool:
+    def set_period(self, period: float) -> bool:
         """Sync every ``period`` inner steps from now on (Dynamic Local Updates); True if it changed.
 
+        ``period`` is a real number: each fragment's syncs fall ``period`` apart, each at the first
+        step not before it, so its rounds last floor and ceil of it and average it. (Rounded down
+        to whole steps, the rounds of learners whose speeds are not in whole-step ratios lasted
+        unequal times, 10.9 to 12 step times at M=8 with the speed spread, and their rounds drifted
+        out of phase: docs/BENCHMARKS.md, nineteenth round.)
+
         The schedule keeps its phase: the share of the current cycle gone by is the same in the new
-        period, and each fragment is due at its staggered offset for the new period in it
-        (``sync_offsets(P, period)``), so its next sync comes about ``left x new / old`` steps
-        from now and the fragments stay spread over the period, on distinct steps while the period
-        is at least their number. (Scaling each fragment's steps left on its own, as before, rounded
-        two onto the same step now and then, and they stayed together: a few dozen changes put 8
-        fragments on 3 steps.)"""
-        period = max(1, int(period))
-        if period == self.period:
+        period, and each fragment is due at its staggered offset p x period / P in it, so its next
+        sync comes about ``left x new / old`` steps from now and the fragments stay evenly spread
+        over the period, on distinct steps while the period is at least their number. (Scaling each
+        fragment's steps left on its own and rounding them, as once, put two onto the same step now
+        and then, and they stayed together: a few dozen changes put 8 fragments on 3 steps.)"""
+        period = max(1.0, float(period))
+        if not math.isfinite(period) or abs(period - self.period) <= 1e-9:
             return False
         phase = ((self.step - self._anchor) % self.period) / self.period
-        self._anchor = self.step - round(phase * period)
-        offsets = sync_offsets(self.num_fragments, period) if any(self.offsets) else self.offsets
-        self._next_due = [_due_after(self._anchor + off, period, self.step) for off in offsets]
+        self._anchor = self.step - phase * period
+        P = self.num_fragments
+        offsets = [p * period / P for p in range(P)] if any(self.offsets) else [0.0] * P
+        due = [_due_after(self._anchor + off, period, self.step) for off in offsets]
+        # a fragment whose last sync was off the phase (deferred for its window, then sent) comes
+        # back to it, but not sooner than half a period after that sync: an outer gradient of a
+        # step or two is a whole upload for next to no work
+        self._next_due = [d + period if f.next_round > 0 and d - (self.step - f.steps) < period / 2 else d
+                          for d, f in zip(due, self.frags)]
         self.period = period
         return True
+
+    @property
+    def declared_period(self) -> int:
+        """The period a contribution declares (whole steps: floor of a real period, so a round of
+        floor or ceil of it holds a whole round of work)."""
+        return max(1, int(self.period + 1e-9))
 
     def begin_sync(self, p: int) -> Contribution | None:
         """Take fragment p's counters for a contribution, or None to skip (publish in flight).
@@ -306,7 +329,7 @@ class Bookkeeper:
         if f.inflight:
             f.skipped += 1
             return None
-        c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens, self.period, f.seconds)
+        c = Contribution(p, f.next_round, f.base_version, f.steps, f.tokens, self.declared_period, f.seconds)
         self._sync_steps[(p, c.round)] = self.step
         f.next_round += 1
         f.steps = f.tokens = 0
@@ -380,7 +403,10 @@ class Bookkeeper:
         holds_mine = f.merged_round >= mine and version >= f.merged_version
         if waits:  # a deferred sync waits for exactly that version (window_open)
             return holds_mine
-        return holds_mine or f.steps >= max(int(delay), self.period - 1)
+        # (the step before the next sync: of a period of whole steps, or of this round when a real
+        # period makes it floor(period) steps long)
+        return holds_mine or f.steps >= max(int(delay), self.period - 1) or (
+            f.steps >= int(delay) and self.step + 1 >= math.ceil(self._next_due[p]))
 
     def on_applied(self, p: int, rounds: list[int], version: int) -> None:
         """A global head of p lists our ``rounds`` as merged into ``version``.
@@ -695,25 +721,32 @@ def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback
 MAX_PERIOD_CUT = 4
 
 
-def dynamic_period(H: int, mine: float, others: Sequence[float], current: int | None = None,
-                   hysteresis: float = 0.1) -> int:
-    """Dynamic Local Updates (Liu et al., Async Local-SGD): ``H_w = floor(v_w / v_max * H)``.
+#: a period within this share of the one in use is kept (pace noise does not move the schedule at
+#: every update); small, because a period off by it makes the learner's rounds that much longer or
+#: shorter than the others', and the rounds drift apart by a whole one every 1 / PERIOD_HYSTERESIS
+PERIOD_HYSTERESIS = 0.01
+
+
+def dynamic_period(H: int, mine: float, others: Sequence[float], current: float | None = None,
+                   hysteresis: float = PERIOD_HYSTERESIS) -> float:
+    """Dynamic Local Updates (Liu et al., Async Local-SGD): ``H_w = v_w / v_max * H`` steps.
 
     ``mine`` is this learner's pace and ``others`` the active learners' (tokens per second of their
     inner steps, from their heartbeats, so equal tokens per step are assumed: then a slow learner's
-    round lasts as long as the fastest's). At least ceil(H / MAX_PERIOD_CUT), at most H; H while
-    this learner's pace is unknown (0). ``current``: the period in use, kept while the exact period
-    ``v_w / v_max * H`` is within ``hysteresis`` of it, so pace noise does not move the schedule at
-    every update (compared before rounding down: a pace hovering at a step's boundary would
-    otherwise flip the period by a step each update, whatever the hysteresis).
+    round lasts as long as the fastest's). A real number (:meth:`Bookkeeper.set_period`: rounds of
+    floor and ceil of it average it; Liu et al. round down, and at M=8 with the speed spread the
+    rounds then drifted out of phase: docs/BENCHMARKS.md, nineteenth round). At least
+    ceil(H / MAX_PERIOD_CUT), at most H; H while this learner's pace is unknown (0). ``current``:
+    the period in use, kept while the new one is within ``hysteresis`` of it.
     """
     speeds = [r for r in others if r > 0 and math.isfinite(r)]
     if not (mine > 0 and math.isfinite(mine)):
-        return H if current is None else current
+        return float(H) if current is None else current
     exact = mine / max([mine, *speeds]) * H
+    exact = float(max(-(-H // MAX_PERIOD_CUT), min(H, exact)))
     if current is not None and abs(exact - current) <= hysteresis * current:
         return current
-    return max(-(-H // MAX_PERIOD_CUT), min(H, math.floor(exact)))
+    return exact
 
 
 def peer_speed(record: Mapping[str, object]) -> tuple[float, bool]:

@@ -183,8 +183,15 @@ class Presence:
         speeds = [v for v, _ in peers.values()]
         h = lp.dynamic_period(self.cfg.sync_every, mine, speeds, current=self.book.period)
         if self.book.set_period(h):
-            self.log.info("period_changed", period=h, H=self.cfg.sync_every, speed=round(mine, 1),
-                          fastest=round(max(speeds, default=mine), 1), compared="pace" if paces else "rate")
+            # a real period follows the paces closely (1%): said at info when it moved 10% from
+            # the one said last, at debug otherwise
+            said = self._period_said
+            big = abs(h - said) > 0.1 * said
+            if big:
+                self._period_said = h
+            (self.log.info if big else self.log.debug)(
+                "period_changed", period=round(h, 3), H=self.cfg.sync_every, speed=round(mine, 1),
+                fastest=round(max(speeds, default=mine), 1), compared="pace" if paces else "rate")
 
     # -- what became of our work (learner.fate) ----------------------------------------------------
 

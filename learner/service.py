@@ -126,6 +126,7 @@ class Learner(IslandCore, Presence):
         self.publisher: ChunkPublisher | None = None
         self.rate = lp.RateMeter()
         self.pace = lp.PaceMeter()  # tokens/s of the inner steps alone (Dynamic Local Updates)
+        self._period_said = float(cfg.sync_every)  # the period a period_changed line said at info last
         self._resync_requested = False
         self._told_behind = False  # aggregator_behind said (once per process)
         self._finishing = False  # the final sync is under way: its outer gradients say ``final``

@@ -212,8 +212,9 @@ class Reference:
             own = cfg.learner_steps[m] if cfg.learner_steps else None
             be = s.backend(batches, own)
             be.load(v0)
-            book = Bookkeeper(self.P, cfg.learner_periods[m] if cfg.learner_periods else cfg.H, s.tokens_per_step,
-                              staggered=staggered)
+            book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered)
+            if cfg.learner_periods:  # (a real number of steps: Bookkeeper.set_period)
+                book.set_period(cfg.learner_periods[m])
             for p in range(self.P):
                 book.on_merged(p, 0)
             self.learners.append(_Learner(m, f"learner-{m}", be, book, [v.copy() for v in v0], [None] * self.P,
@@ -302,7 +303,7 @@ class Reference:
         self._start_step(ln)
 
     def _fetch_delay(self, ln: _Learner) -> int:
-        return self.cfg.fetch_delay if self.cfg.fetch_delay >= 0 else max(1, ln.book.period // 4)
+        return self.cfg.fetch_delay if self.cfg.fetch_delay >= 0 else max(1, int(ln.book.period) // 4)
 
     def _contribute(self, ln: _Learner, p: int) -> None:
         """learner.service._prepare: Delta = base - theta (+ residual), quantised; base <- theta."""

@@ -51,7 +51,7 @@ class RefConfig:
     learner_steps: tuple[int, ...] | None = None
     # decoupled and streaming: each learner's own sync period (Dynamic Local Updates at a fixed speed,
     # DILOCO_DYNAMIC_H: a slower learner syncs after fewer steps); None: ``H`` each
-    learner_periods: tuple[int, ...] | None = None
+    learner_periods: tuple[float, ...] | None = None
     batch: int = 8  # sequences per learner step
     # model: the built-in transformer (learner.config.ModelConfig fields), or ``island`` (below)
     model: dict = field(default_factory=lambda: dict(SMALL_MODEL))

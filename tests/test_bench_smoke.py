@@ -155,6 +155,9 @@ def test_a_budget_shared_by_speed_sums_to_the_run_and_follows_the_speeds():
 def test_dynamic_local_updates_at_fixed_speeds_follow_the_learner_s_rule():
     from bench.algorithm import out_of_step, periods_by_speed
 
-    assert periods_by_speed(12, out_of_step(8)["step_times"]) == (12, 11, 10, 10, 9, 9, 8, 8)
+    times = out_of_step(8)["step_times"]
+    got = periods_by_speed(12, times)
+    assert got[0] == 12 and all(p * t == pytest.approx(12) for p, t in zip(got, times))  # rounds of equal time
+    assert periods_by_speed(12, times, whole=True) == (12, 11, 10, 10, 9, 9, 8, 8)  # Liu et al.'s floor
     assert periods_by_speed(12, (1.0, 1.0)) == (12, 12) and periods_by_speed(4, (1.0, 9.0)) == (4, 1)
 
