@@ -307,9 +307,10 @@ class Bookkeeper:
         offsets = [p * period / P for p in range(P)] if any(self.offsets) else [0.0] * P
         due = [_due_after(self._anchor + off, period, self.step) for off in offsets]
         # a fragment whose last sync was off the phase (deferred for its window, then sent) comes
-        # back to it, but not sooner than half a period after that sync: an outer gradient of a
-        # step or two is a whole upload for next to no work
-        self._next_due = [d + period if f.next_round > 0 and d - (self.step - f.steps) < period / 2 else d
+        # back to it, but not sooner than about half a period after that sync: an outer gradient of
+        # a step or two is a whole upload for next to no work. (Less a step: a sync on the phase is
+        # up to a step after its real due point, and must stay where it is at short periods.)
+        self._next_due = [d + period if f.next_round > 0 and d - (self.step - f.steps) < period / 2 - 1 else d
                           for d, f in zip(due, self.frags)]
         self.period = period
         return True

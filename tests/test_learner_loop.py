@@ -575,6 +575,21 @@ def test_a_period_change_brings_a_deferred_fragment_back_in_phase_but_not_at_onc
     assert next_sync(b) == 36
 
 
+def test_period_changes_at_a_short_period_leave_the_on_phase_syncs_where_they_are():
+    """At a period of 1.5 steps a sync on the phase falls up to a step after its real due point: a
+    period change must not take it for one off the phase and push it a period on."""
+    b = lp.Bookkeeper(num_fragments=1, H=3, tokens_per_step=1)
+    b.set_period(1.5)
+    at = []
+    for i in range(40):
+        if b.on_step() == [0]:
+            at.append(b.step)
+            _sync(b, 0)
+        if i % 3 == 0:
+            b.set_period(1.5 if i % 2 else 1.52)  # pace noise
+    assert {y - x for x, y in zip(at, at[1:])} <= {1, 2}, at
+
+
 def test_sync_window_opens_on_a_rejection_and_after_the_valve():
     b = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1)
     b.on_merged(0, 0)
