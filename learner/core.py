@@ -203,13 +203,13 @@ class IslandCore:
         busy machine; a ``diloco up`` warned in every run when the first one did."""
         self._told_behind = True
         p = self.book.deferred()[0] if self.book.deferred() else -1
-        self.log.warning("aggregator_behind", fragment=p, period=self.book.period, window=self.book.window,
+        self.log.warning("aggregator_behind", fragment=p, period=round(self.book.period, 2), window=self.book.window,
                          message=f"the aggregator has not merged this learner's last {self.book.window} round(s) of "
-                         f"fragment {p} a whole sync period ({self.book.period} steps) after sending: its syncs are "
+                         f"fragment {p} a whole sync period ({round(self.book.period, 2):g} steps) after sending: its syncs are "
                          "deferred until it has (no work is lost: each outer gradient then holds more inner steps, "
                          "and the run syncs less often), and after a whole period deferred this learner's steps wait "
                          "for the merge (DILOCO_SYNC_HOLD). A merge's round trip is longer than this learner's "
-                         f"sync period ({self.book.period} steps): if the aggregator logged aggregator_saturated "
+                         f"sync period ({round(self.book.period, 2):g} steps): if the aggregator logged aggregator_saturated "
                          "it is too slow for the run; if not, the steps are short for the round trip (a small "
                          "model: raise DILOCO_SYNC_EVERY to about the round trip in steps; the run syncs that seldom "
                          "anyway, without the holds). "
@@ -622,7 +622,7 @@ class IslandCore:
                     self._news.set()
                     return
                 except Exception as e:
-                    if transient(e):
+                    if transient(e) and self._fetch_failed(head, e):
                         # the link or the server, not the version (a server restarting): keep the
                         # candidate, fetched again at the next step boundary or pass of a wait.
                         # Refused, it stalled every learner held for that version's merge until
@@ -632,9 +632,10 @@ class IslandCore:
                         current = self._candidate.get(p)
                         if current is None or current.version <= head.version:
                             self._candidate[p] = head
-                        self._fetch_failed(head, e)
                         return
-                    self._reject_global("bad_blob", head, error=repr(e))
+                    # (one that failed for DILOCO_SYNC_TIMEOUT seconds is refused: a head no
+                    # server answers for, a forged one say, is not tried for the whole run)
+                    self._reject_global("unfetchable" if transient(e) else "bad_blob", head, error=repr(e))
                     self._drop_candidate(head)
                     self._news.set()
                     return
@@ -650,13 +651,18 @@ class IslandCore:
                     self.applied_in[key] = min(self.applied_in.get(key, head.version), head.version)
             self._news.set()
 
-    def _fetch_failed(self, head: Head, e: BaseException) -> None:
-        """A download of ``head`` failed for the link or the server: counted, said once per version."""
+    def _fetch_failed(self, head: Head, e: BaseException) -> bool:
+        """A download of ``head`` failed for the link or the server: counted, said once per version.
+        True while it is to be tried again: for DILOCO_SYNC_TIMEOUT seconds from its first failure."""
         self.fetch_failures += 1
-        if self._fetch_failed_at.get(head.fragment) != head.version:
-            self._fetch_failed_at[head.fragment] = head.version
+        now = time.monotonic()
+        seen = self._fetch_failed_at.get(head.fragment)
+        if seen is None or seen[0] != head.version:
+            self._fetch_failed_at[head.fragment] = (head.version, now)
             self.log.warning("global_fetch_failed", fragment=head.fragment, version=head.version, error=repr(e),
                              hint="fetched again at the next step boundary (the server or the link is down?)")
+            return True
+        return now - seen[1] < self.cfg.sync_timeout
 
     def _drop_candidate(self, head: Head) -> None:
         if self._candidate.get(head.fragment) is head:

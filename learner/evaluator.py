@@ -66,6 +66,7 @@ class Evaluator:
         self.rejected_globals: dict[str, int] = {}  # versions not taken, by reason
         self.fetch_failures = 0  # downloads that failed for the link or the server (tried again)
         self._retry: dict[int, Head] = {}  # fragment -> the head whose download failed so
+        self._failing_since: dict[int, tuple[int, float]] = {}  # fragment -> (version, first failure)
         self.nc = None
         self.store: GlobalReader | None = None
         self._halt = asyncio.Event()
@@ -116,7 +117,10 @@ class Evaluator:
             if time.monotonic() - due > every:  # fell a whole interval behind: start the cadence again
                 due = time.monotonic()
             if self.last is not None and not self._halt.is_set():
-                await self._publish({**self.last, "ts": time.time(), "evaluated_at": self.last["ts"]})
+                # (the counters as they are now: a version refused since is not evaluated)
+                await self._publish({**self.last, "ts": time.time(), "evaluated_at": self.last["ts"],
+                                     "rejected_globals": dict(self.rejected_globals),
+                                     "fetch_failures": self.fetch_failures})
 
     async def evaluate_now(self) -> dict:
         """Evaluate the versions held now; returns (and remembers) the metrics record."""
@@ -160,28 +164,47 @@ class Evaluator:
             try:
                 vec = await self.store.read(head)
             except NotFoundError:  # replaced meanwhile (its successor follows), or a forged head
+                self._forget_retry(head)
                 self._reject("unreadable", head)
                 return
             except Exception as e:
-                if transient(e):  # the link or the server, not the version: tried again (_retry_failed)
-                    self.fetch_failures += 1
-                    if self._retry.get(p) != head:
-                        self.log.warning("global_fetch_failed", fragment=p, version=head.version, error=repr(e),
-                                         hint="fetched again in a moment (the server or the link is down?)")
+                if transient(e) and self._keep_trying(head, e):
+                    # the link or the server, not the version: tried again (_retry_failed)
                     if p not in self._retry or self._retry[p].version <= head.version:
                         self._retry[p] = head
                     return
-                self._reject("bad_blob", head, error=repr(e))  # does not decode or fit the run
+                # does not decode or fit the run; or no server answered for it in DILOCO_SYNC_TIMEOUT s
+                self._forget_retry(head)
+                self._reject("unfetchable" if transient(e) else "bad_blob", head, error=repr(e))
                 return
             self.vectors[p] = vec
             self.versions[p] = head.version
             if p in self._retry and self._retry[p].version <= head.version:
                 del self._retry[p]
 
+    def _keep_trying(self, head: Head, e: BaseException) -> bool:
+        """A download that failed for the link or the server: counted, said once per version; True
+        while it is to be tried again, for DILOCO_SYNC_TIMEOUT seconds from its first failure."""
+        self.fetch_failures += 1
+        now = time.monotonic()
+        seen = self._failing_since.get(head.fragment)
+        if seen is None or seen[0] != head.version:
+            self._failing_since[head.fragment] = (head.version, now)
+            self.log.warning("global_fetch_failed", fragment=head.fragment, version=head.version, error=repr(e),
+                             hint="fetched again in a moment (the server or the link is down?)")
+            return True
+        return now - seen[1] < self.lcfg.sync_timeout
+
+    def _forget_retry(self, head: Head) -> None:
+        if self._retry.get(head.fragment) == head:
+            del self._retry[head.fragment]
+
     async def _retry_failed(self) -> None:
         """The downloads that failed for the link or the server, again (before, a timed-out read was
         refused as ``bad_blob`` and the version skipped until the fragment's next head)."""
         for p, head in list(self._retry.items()):
+            if self._halt.is_set():  # (each read may wait out a timeout while the server is away)
+                return
             if head.version <= self.versions.get(p, -1):  # a newer version came meanwhile
                 del self._retry[p]
             else:

@@ -202,9 +202,12 @@ class Bookkeeper:
             if self.window_open(p):  # on schedule, or a deferred sync whose window opened
                 if f.deferred_at >= 0 and not self._merged_in(p):
                     self.valve_opened += 1
-                # on schedule: a period from when it was due (a real number of steps keeps its
-                # fraction, so rounds average the period); deferred: a whole period from this sync
-                self._next_due[p] = (n if f.deferred_at < 0 else self.step) + self.period
+                # on schedule (due at this step): a period from its due point (a real number of
+                # steps keeps its fraction, so rounds average the period); deferred, or due long
+                # ago (a resync ended its deferral): a whole period from this sync, not a sync at
+                # every step until the schedule catches up
+                on_time = f.deferred_at < 0 and self.step - n < 1
+                self._next_due[p] = (n if on_time else self.step) + self.period
                 f.deferred_at = -1
                 f.hold_off = False
                 due.append(p)

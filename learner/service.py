@@ -145,7 +145,7 @@ class Learner(IslandCore, Presence):
         self._sent: dict[tuple[int, int], bytearray] = {}  # (fragment, round) -> blob of the outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
         self.fetch_failures = 0  # downloads of a global version that failed for the link or server
-        self._fetch_failed_at: dict[int, int] = {}  # fragment -> version whose failure was said
+        self._fetch_failed_at: dict[int, tuple[int, float]] = {}  # fragment -> (version, first failure)
         self.fate = WorkLedger()  # what became of the rounds sent: merged, rejected, unresolved
         # a full store (bus.store_health): said once; publishes are retried, their work kept
         self.store_watch = StoreWatch(self.log, "training goes on: outer gradients not stored are retried, their "

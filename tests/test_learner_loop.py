@@ -590,6 +590,28 @@ def test_period_changes_at_a_short_period_leave_the_on_phase_syncs_where_they_ar
     assert {y - x for x, y in zip(at, at[1:])} <= {1, 2}, at
 
 
+def test_after_a_resync_ends_a_deferral_the_fragment_syncs_once_then_a_period_later():
+    """A resync drops the rounds out and ends the deferral of a sync due long ago: it goes out at
+    the next step and the next one a whole period later (a period counted from its old due point
+    synced it at every step until the schedule caught up)."""
+    b = lp.Bookkeeper(num_fragments=1, H=4, tokens_per_step=1, window=1)
+    b.on_merged(0, 0)
+    assert [b.on_step() for _ in range(4)][-1] == [0]
+    _sync(b, 0)
+    for _ in range(26):  # due at 8, deferred to step 30: round 0 is never merged
+        assert b.on_step() == []
+    b.on_resync({0: 5})
+    at = []
+    for _ in range(12):
+        if b.on_step() == [0]:
+            c = _sync(b, 0)
+            b.on_applied(0, [c.round], b.frags[0].base_version + 1)  # merged at once from now on
+            b.on_downloaded(0, b.frags[0].base_version + 1)
+            b.on_merged(0, b.frags[0].base_version + 1)
+            at.append(b.step)
+    assert at == [31, 35, 39], at
+
+
 def test_sync_window_opens_on_a_rejection_and_after_the_valve():
     b = lp.Bookkeeper(num_fragments=1, H=2, tokens_per_step=1, window=1)
     b.on_merged(0, 0)

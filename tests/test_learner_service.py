@@ -616,7 +616,8 @@ class FlakyReads:
     request to a restarting server does (a nats timeout): the download of a new version fails for
     the link, not for the version."""
 
-    def __init__(self, monkeypatch, fragment: int):
+    def __init__(self, monkeypatch, fragment: int, always: int | None = None):
+        """``always``: every read of this version of the fragment fails (no server answers for it)."""
         from bus.global_reader import GlobalReader
 
         self.failed: list[int] = []
@@ -626,7 +627,7 @@ class FlakyReads:
         async def read(reader, head):
             if head.fragment == fragment and head.version >= 1:
                 self.reads.append(head.version)
-                if not self.failed:
+                if not self.failed or head.version == always:
                     self.failed.append(head.version)
                     import nats.errors
 
@@ -670,6 +671,41 @@ async def test_a_version_whose_download_failed_for_the_link_is_downloaded_again(
         assert await asyncio.wait_for(task, 15) == 0
 
 
+@pytest.mark.parametrize("fetch", ["round", "every"])
+async def test_a_version_no_server_answers_for_is_refused_after_the_sync_timeout(nats_server, js, monkeypatch, fetch):
+    """Tried again, but not for the whole run: a head whose download fails for DILOCO_SYNC_TIMEOUT
+    seconds (a forged one no server answers for) is refused as ``unfetchable``, and the next
+    version is taken."""
+    from learner.service import Learner
+
+    await bootstrap(js)
+    flaky = FlakyReads(monkeypatch, fragment=1, always=1)
+    common, model, cfg = configs(nats_server, learner_id="learner-10", compute="synthetic", sync_every=4,
+                                 step_time=0.02, sync_timeout=1.0, quantiser="fp32", max_steps=100000, fetch=fetch)
+    learner = Learner(common, model, cfg)
+    grads = await GradSniff().start(js._nc)
+    stop = asyncio.Event()
+    task = asyncio.create_task(learner.run(stop))
+    try:
+        m = next(m for m in await grads.wait_count(4, timeout=30) if m["frag"] == 1)
+        await put_version(js, 1, 1, V0[1] + 0.01, applied=[[m["learner"], m["inc"], 1, m["round"]]])
+        t_end = time.monotonic() + 20
+        while learner.rejected_globals.get("unfetchable", 0) == 0 and time.monotonic() < t_end:
+            await asyncio.sleep(0.05)
+        assert learner.rejected_globals == {"unfetchable": 1} and flaky.reads.count(1) >= 2, flaky.reads
+        tried = flaky.reads.count(1)
+        await put_version(js, 1, 2, V0[1] + 0.02)
+        t_end = time.monotonic() + 20
+        while learner.book.versions()[1] != 2 and time.monotonic() < t_end:
+            await asyncio.sleep(0.05)
+        assert learner.book.versions()[1] == 2
+        await asyncio.sleep(0.3)
+        assert flaky.reads.count(1) == tried  # not tried again once refused
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
 # -- evaluator -------------------------------------------------------------------------------------
 
 
@@ -688,13 +724,14 @@ async def test_eval_once_prints_heldout_loss_of_version_0(nats_server, js):
     assert abs(rec["eval_loss"] - np.log(256)) < 0.1  # a fresh init ignores its input
 
 
-async def _start_evaluator(nats_server, js, eval_id: str, eval_interval: float, **common_over):
+async def _start_evaluator(nats_server, js, eval_id: str, eval_interval: float, sync_timeout: float = 120.0,
+                           **common_over):
     """An in-process evaluator of the bootstrapped run, and a sniffer of its metrics subject."""
     from learner.evaluator import Evaluator
 
     await bootstrap(js)
     metrics = await Sniff().start(js._nc, S.metrics("evaluator", eval_id))
-    common, model, lcfg = configs(nats_server, data_max_bytes=200000)
+    common, model, lcfg = configs(nats_server, data_max_bytes=200000, sync_timeout=sync_timeout)
     common = dataclasses.replace(common, **common_over)
     ev = Evaluator(common, model, lcfg, EvalConfig(eval_id=eval_id, eval_interval=eval_interval, eval_batches=1,
                                                    eval_batch_size=4))
@@ -736,6 +773,22 @@ async def test_evaluator_downloads_again_a_version_whose_download_failed_for_the
         m = await metrics.wait_for(lambda m: m["versions"]["2"] == 1, timeout=10)
         assert flaky.failed == [1] and flaky.reads.count(1) >= 2
         assert m["rejected_globals"] == {} and m["fetch_failures"] == 1
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+
+
+async def test_evaluator_refuses_a_version_no_server_answers_for_after_the_sync_timeout(nats_server, js, monkeypatch):
+    flaky = FlakyReads(monkeypatch, fragment=2, always=1)
+    metrics, ev, stop, task = await _start_evaluator(nats_server, js, "ev4", 0.2, sync_timeout=1.0)
+    try:
+        await metrics.wait_for(lambda m: True, timeout=30)
+        await put_version(js, 2, 1, np.zeros(PLAN.sizes[2], np.float32))
+        m = await metrics.wait_for(lambda m: m["rejected_globals"].get("unfetchable") == 1, timeout=15)
+        assert m["versions"]["2"] == 0 and flaky.reads.count(1) >= 2
+        await put_version(js, 2, 2, np.zeros(PLAN.sizes[2], np.float32))
+        await metrics.wait_for(lambda m: m["versions"]["2"] == 2, timeout=10)
+        assert ev._retry == {}
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 15) == 0
