@@ -622,7 +622,7 @@ class IslandCore:
                     self._news.set()
                     return
                 except Exception as e:
-                    if transient(e) and self._fetch_failed(head, e):
+                    if transient(e) and self.fetch_retries.failed(head, e):
                         # the link or the server, not the version (a server restarting): keep the
                         # candidate, fetched again at the next step boundary or pass of a wait.
                         # Refused, it stalled every learner held for that version's merge until
@@ -650,19 +650,6 @@ class IslandCore:
                 if key in self._awaiting:
                     self.applied_in[key] = min(self.applied_in.get(key, head.version), head.version)
             self._news.set()
-
-    def _fetch_failed(self, head: Head, e: BaseException) -> bool:
-        """A download of ``head`` failed for the link or the server: counted, said once per version.
-        True while it is to be tried again: for DILOCO_SYNC_TIMEOUT seconds from its first failure."""
-        self.fetch_failures += 1
-        now = time.monotonic()
-        seen = self._fetch_failed_at.get(head.fragment)
-        if seen is None or seen[0] != head.version:
-            self._fetch_failed_at[head.fragment] = (head.version, now)
-            self.log.warning("global_fetch_failed", fragment=head.fragment, version=head.version, error=repr(e),
-                             hint="fetched again at the next step boundary (the server or the link is down?)")
-            return True
-        return now - seen[1] < self.cfg.sync_timeout
 
     def _drop_candidate(self, head: Head) -> None:
         if self._candidate.get(head.fragment) is head:

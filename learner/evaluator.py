@@ -40,7 +40,7 @@ from bus.global_reader import GlobalReader
 from bus.transport import Head, follow_heads, transient
 from learner import loop as lp
 from learner.config import EvalConfig, LearnerConfig, ModelConfig
-from learner.startup import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, close_quietly, connect_until,
+from learner.startup import (EXIT_ERROR, EXIT_OK, HEAD_POLL_INTERVAL, FetchRetries, close_quietly, connect_until,
                              fetch_newest, global_reader, initial_blobs, join_run, peak_rss_mib,
                              start_unless_halted)
 from learner.spec import spec_hash
@@ -58,15 +58,15 @@ class Evaluator:
         self.plan = make_plan(self.spec, model.num_fragments, model.max_imbalance)
         self.s = Subjects(common.run)
         self.log = get_logger(component="evaluator")
+        self.fetch_retries = FetchRetries(lcfg.sync_timeout, self.log,
+                                          "fetched again in a moment (the server or the link is down?)")
         self.vectors: list[np.ndarray] = []
         self.versions: dict[int, int] = {}
         self.evaluated: dict[int, int] | None = None
         self.last: dict | None = None
         self.evaluations = 0
         self.rejected_globals: dict[str, int] = {}  # versions not taken, by reason
-        self.fetch_failures = 0  # downloads that failed for the link or the server (tried again)
         self._retry: dict[int, Head] = {}  # fragment -> the head whose download failed so
-        self._failing_since: dict[int, tuple[int, float]] = {}  # fragment -> (version, first failure)
         self.nc = None
         self.store: GlobalReader | None = None
         self._halt = asyncio.Event()
@@ -120,7 +120,7 @@ class Evaluator:
                 # (the counters as they are now: a version refused since is not evaluated)
                 await self._publish({**self.last, "ts": time.time(), "evaluated_at": self.last["ts"],
                                      "rejected_globals": dict(self.rejected_globals),
-                                     "fetch_failures": self.fetch_failures})
+                                     "fetch_failures": self.fetch_retries.failures})
 
     async def evaluate_now(self) -> dict:
         """Evaluate the versions held now; returns (and remembers) the metrics record."""
@@ -137,7 +137,7 @@ class Evaluator:
             "versions": {str(p): v for p, v in sorted(versions.items())},
             "tokens": self._heldout_tokens(),
             "eval_seconds": round(time.monotonic() - t0, 4), "rss_mib": peak_rss_mib(),
-            "rejected_globals": dict(self.rejected_globals), "fetch_failures": self.fetch_failures,
+            "rejected_globals": dict(self.rejected_globals), "fetch_failures": self.fetch_retries.failures,
         }
         self.log.info("evaluated", eval_loss=loss, merges=self.last["merges"], versions=versions)
         return self.last
@@ -168,7 +168,7 @@ class Evaluator:
                 self._reject("unreadable", head)
                 return
             except Exception as e:
-                if transient(e) and self._keep_trying(head, e):
+                if transient(e) and self.fetch_retries.failed(head, e):
                     # the link or the server, not the version: tried again (_retry_failed)
                     if p not in self._retry or self._retry[p].version <= head.version:
                         self._retry[p] = head
@@ -181,19 +181,6 @@ class Evaluator:
             self.versions[p] = head.version
             if p in self._retry and self._retry[p].version <= head.version:
                 del self._retry[p]
-
-    def _keep_trying(self, head: Head, e: BaseException) -> bool:
-        """A download that failed for the link or the server: counted, said once per version; True
-        while it is to be tried again, for DILOCO_SYNC_TIMEOUT seconds from its first failure."""
-        self.fetch_failures += 1
-        now = time.monotonic()
-        seen = self._failing_since.get(head.fragment)
-        if seen is None or seen[0] != head.version:
-            self._failing_since[head.fragment] = (head.version, now)
-            self.log.warning("global_fetch_failed", fragment=head.fragment, version=head.version, error=repr(e),
-                             hint="fetched again in a moment (the server or the link is down?)")
-            return True
-        return now - seen[1] < self.lcfg.sync_timeout
 
     def _forget_retry(self, head: Head) -> None:
         if self._retry.get(head.fragment) == head:

@@ -719,6 +719,18 @@ def memory_bytes(n_params: int, fragment_sizes: Sequence[int], *, error_feedback
     return parts
 
 
+def retry_window(failing: dict[int, tuple[int, float]], fragment: int, version: int, now: float,
+                 timeout: float) -> tuple[bool, bool]:
+    """A download of ``version`` of ``fragment`` failed for the link or the server: (its first
+    failure, to be said; still to be tried again: for ``timeout`` seconds from that first failure).
+    ``failing`` (fragment -> (version, first failure)) is updated in place."""
+    seen = failing.get(fragment)
+    if seen is None or seen[0] != version:
+        failing[fragment] = (version, now)
+        return True, True
+    return False, now - seen[1] < timeout
+
+
 #: Dynamic Local Updates shorten a period to H / 4 at the most: a learner more than 4x slower than
 #: the fastest syncs every ceil(H / 4) steps, and a learner that claims a pace it does not have can
 #: at most quadruple the run's syncs (docs/security.md)

@@ -318,7 +318,7 @@ class Presence:
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
             "start_step": self.book.start_step, "sent_step": self.book.sent_step, "restarts": self.resume.restarts,
             "progress_writes": self.progress.writes if self.progress else 0,
-            "fetch_failures": self.fetch_failures,
+            "fetch_failures": self.fetch_retries.failures,
             "rejected_globals": {**self.rejected_globals,
                                  **({"bad_head": self.store.bad_heads} if self.store and self.store.bad_heads else {})},
             "versions": {str(p): v for p, v in self.book.versions().items()},

@@ -63,7 +63,7 @@ from learner.fate import WorkLedger
 from learner.presence import Presence
 from learner.progress import ProgressKeeper
 from bus.progress import resume_from
-from learner.startup import (EXIT_ERROR, EXIT_MISMATCH, EXIT_OK, BuiltinModel, StartupError, check_geometry,
+from learner.startup import (EXIT_ERROR, EXIT_MISMATCH, EXIT_OK, BuiltinModel, FetchRetries, StartupError, check_geometry,
                              close_quietly, connect_until, fetch_newest, global_reader, join_run_model,
                              peak_rss_mib, start_unless_halted)
 
@@ -91,6 +91,9 @@ class Learner(IslandCore, Presence):
         self.P = self.plan.num_fragments
         self.s = Subjects(common.run)
         self.log = get_logger(component="learner", incarnation=self.incarnation)
+        # downloads of a global version that failed for the link or the server, tried again
+        self.fetch_retries = FetchRetries(cfg.sync_timeout, self.log,
+                                          "fetched again at the next step boundary (the server or the link is down?)")
         self.tokens_per_step = self.run_model.tokens_per_step
         self.book = self._new_book(0)
         self.num_shards = cfg.num_shards or cfg.num_learners
@@ -144,8 +147,6 @@ class Learner(IslandCore, Presence):
         self._nonce = uuid.uuid4().hex[:12]
         self._sent: dict[tuple[int, int], bytearray] = {}  # (fragment, round) -> blob of the outer gradient in flight
         self.rejected_globals: dict[str, int] = {}
-        self.fetch_failures = 0  # downloads of a global version that failed for the link or server
-        self._fetch_failed_at: dict[int, tuple[int, float]] = {}  # fragment -> (version, first failure)
         self.fate = WorkLedger()  # what became of the rounds sent: merged, rejected, unresolved
         # a full store (bus.store_health): said once; publishes are retried, their work kept
         self.store_watch = StoreWatch(self.log, "training goes on: outer gradients not stored are retried, their "

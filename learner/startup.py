@@ -199,6 +199,26 @@ def check_fragment(plan: FragmentPlan, head: Head, vec: np.ndarray, model_hash: 
     return vec
 
 
+class FetchRetries:
+    """The downloads of global versions that failed for the link or the server (a learner's or the
+    evaluator's): counted (``failures``), said once per version (``global_fetch_failed``), each
+    tried again for ``timeout`` seconds (DILOCO_SYNC_TIMEOUT) from its first failure."""
+
+    def __init__(self, timeout: float, log, hint: str):
+        self.timeout, self.log, self.hint = timeout, log, hint
+        self.failures = 0
+        self._since: dict[int, tuple[int, float]] = {}  # fragment -> (version, first failure)
+
+    def failed(self, head: Head, e: BaseException) -> bool:
+        """A download of ``head`` failed so: True while it is to be tried again."""
+        self.failures += 1
+        first, again = lp.retry_window(self._since, head.fragment, head.version, time.monotonic(), self.timeout)
+        if first:
+            self.log.warning("global_fetch_failed", fragment=head.fragment, version=head.version, error=repr(e),
+                             hint=self.hint)
+        return again
+
+
 def global_reader(js, run: str, plan: FragmentPlan, model_hash: str) -> GlobalReader:
     """The reader of this run's global versions, checking each against the plan and the model."""
     return GlobalReader(js, run, lambda head, vec: check_fragment(plan, head, vec, model_hash))

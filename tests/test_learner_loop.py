@@ -751,3 +751,12 @@ def test_sync_window_zero_never_defers_and_resync_clears_deferral():
     assert w.deferred() == [0]
     w.on_resync({0: 5})  # evicted while alive: the rounds out are dropped with the local work
     assert w.deferred() == [] and w.window_open(0)
+
+
+def test_retry_window_says_a_version_s_first_failure_and_tries_it_for_the_timeout():
+    failing: dict[int, tuple[int, float]] = {}
+    assert lp.retry_window(failing, 1, 5, 100.0, 10.0) == (True, True)
+    assert lp.retry_window(failing, 1, 5, 109.0, 10.0) == (False, True)
+    assert lp.retry_window(failing, 1, 5, 110.5, 10.0) == (False, False)  # failed for the timeout
+    assert lp.retry_window(failing, 1, 6, 111.0, 10.0) == (True, True)  # a new version starts afresh
+    assert lp.retry_window(failing, 2, 5, 111.0, 10.0) == (True, True) and failing == {1: (6, 111.0), 2: (5, 111.0)}

@@ -637,6 +637,24 @@ class FlakyReads:
         monkeypatch.setattr(GlobalReader, "read", read)
 
 
+async def _learner_on_its_way(nats_server, js, learner_id: str, **kw):
+    """A synthetic learner of the bootstrapped run, running, with a sniffer of its outer gradients."""
+    from learner.service import Learner
+
+    common, model, cfg = configs(nats_server, learner_id=learner_id, compute="synthetic", sync_every=4,
+                                 step_time=0.02, quantiser="fp32", max_steps=100000, **kw)
+    learner = Learner(common, model, cfg)
+    grads = await GradSniff().start(js._nc)
+    stop = asyncio.Event()
+    return learner, grads, stop, asyncio.create_task(learner.run(stop))
+
+
+async def _until(pred, timeout: float = 20.0) -> None:
+    t_end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < t_end:
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("mode,fetch", [("async", "round"), ("async", "every"), ("sync", "round")])
 async def test_a_version_whose_download_failed_for_the_link_is_downloaded_again(nats_server, js, monkeypatch,
                                                                                mode, fetch):
@@ -644,27 +662,19 @@ async def test_a_version_whose_download_failed_for_the_link_is_downloaded_again(
     boundary or pass of a wait, whatever the fetch policy; before, fetch=every and synchronous mode
     dropped the version until the next head (a synchronous learner then waited DILOCO_SYNC_TIMEOUT
     for a version it had been told of), and the version is not refused."""
-    from learner.service import Learner
-
     await bootstrap(js)
     flaky = FlakyReads(monkeypatch, fragment=1)
-    common, model, cfg = configs(nats_server, learner_id="learner-9", mode=mode, compute="synthetic", sync_every=4,
-                                 step_time=0.02, sync_timeout=30.0, quantiser="fp32", max_steps=100000, fetch=fetch)
-    learner = Learner(common, model, cfg)
-    grads = await GradSniff().start(js._nc)
-    stop = asyncio.Event()
-    task = asyncio.create_task(learner.run(stop))
+    learner, grads, stop, task = await _learner_on_its_way(nats_server, js, "learner-9", mode=mode, fetch=fetch,
+                                                           sync_timeout=30.0)
     try:
         metas = await grads.wait_count(4, timeout=30)  # the first round of every fragment
         for m in metas:  # version 1 of each fragment, merging this learner's round
             key = [m["learner"], m["inc"], m["frag"], m["round"]]
             await put_version(js, m["frag"], 1, V0[m["frag"]] + 0.01, applied=[key])
-        t_end = time.monotonic() + 20
-        while learner.book.versions() != {p: 1 for p in range(4)} and time.monotonic() < t_end:
-            await asyncio.sleep(0.05)
+        await _until(lambda: learner.book.versions() == {p: 1 for p in range(4)})
         assert learner.book.versions() == {p: 1 for p in range(4)}, (learner.book.versions(), flaky.reads)
         assert flaky.failed == [1] and flaky.reads.count(1) >= 2  # failed once, then downloaded
-        assert learner.fetch_failures == 1 and learner.rejected_globals == {}
+        assert learner.fetch_retries.failures == 1 and learner.rejected_globals == {}
         assert learner.sync_timeouts == 0
     finally:
         stop.set()
@@ -676,28 +686,18 @@ async def test_a_version_no_server_answers_for_is_refused_after_the_sync_timeout
     """Tried again, but not for the whole run: a head whose download fails for DILOCO_SYNC_TIMEOUT
     seconds (a forged one no server answers for) is refused as ``unfetchable``, and the next
     version is taken."""
-    from learner.service import Learner
-
     await bootstrap(js)
     flaky = FlakyReads(monkeypatch, fragment=1, always=1)
-    common, model, cfg = configs(nats_server, learner_id="learner-10", compute="synthetic", sync_every=4,
-                                 step_time=0.02, sync_timeout=1.0, quantiser="fp32", max_steps=100000, fetch=fetch)
-    learner = Learner(common, model, cfg)
-    grads = await GradSniff().start(js._nc)
-    stop = asyncio.Event()
-    task = asyncio.create_task(learner.run(stop))
+    learner, grads, stop, task = await _learner_on_its_way(nats_server, js, "learner-10", fetch=fetch,
+                                                           sync_timeout=1.0)
     try:
         m = next(m for m in await grads.wait_count(4, timeout=30) if m["frag"] == 1)
         await put_version(js, 1, 1, V0[1] + 0.01, applied=[[m["learner"], m["inc"], 1, m["round"]]])
-        t_end = time.monotonic() + 20
-        while learner.rejected_globals.get("unfetchable", 0) == 0 and time.monotonic() < t_end:
-            await asyncio.sleep(0.05)
+        await _until(lambda: learner.rejected_globals.get("unfetchable", 0) > 0)
         assert learner.rejected_globals == {"unfetchable": 1} and flaky.reads.count(1) >= 2, flaky.reads
         tried = flaky.reads.count(1)
         await put_version(js, 1, 2, V0[1] + 0.02)
-        t_end = time.monotonic() + 20
-        while learner.book.versions()[1] != 2 and time.monotonic() < t_end:
-            await asyncio.sleep(0.05)
+        await _until(lambda: learner.book.versions()[1] == 2)
         assert learner.book.versions()[1] == 2
         await asyncio.sleep(0.3)
         assert flaky.reads.count(1) == tried  # not tried again once refused
