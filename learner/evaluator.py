@@ -119,8 +119,11 @@ class Evaluator:
             if self.last is not None and not self._halt.is_set():
                 # (the counters as they are now: a version refused since is not evaluated)
                 await self._publish({**self.last, "ts": time.time(), "evaluated_at": self.last["ts"],
-                                     "rejected_globals": dict(self.rejected_globals),
-                                     "fetch_failures": self.fetch_retries.failures})
+                                     **self._counters()})
+
+    def _counters(self) -> dict:
+        """The versions not taken, by reason, and the downloads tried again, as they are now."""
+        return {"rejected_globals": dict(self.rejected_globals), "fetch_failures": self.fetch_retries.failures}
 
     async def evaluate_now(self) -> dict:
         """Evaluate the versions held now; returns (and remembers) the metrics record."""
@@ -137,7 +140,7 @@ class Evaluator:
             "versions": {str(p): v for p, v in sorted(versions.items())},
             "tokens": self._heldout_tokens(),
             "eval_seconds": round(time.monotonic() - t0, 4), "rss_mib": peak_rss_mib(),
-            "rejected_globals": dict(self.rejected_globals), "fetch_failures": self.fetch_retries.failures,
+            **self._counters(),
         }
         self.log.info("evaluated", eval_loss=loss, merges=self.last["merges"], versions=versions)
         return self.last
