@@ -62,7 +62,7 @@ from aggregator.membership import Membership
 from aggregator.quorum import input_clock
 from aggregator.shard_plan import fragments_text
 from aggregator.shards import Shards, plan_from_run, wait_for_manifest
-from aggregator.store import probe_store, provision, write_probe
+from aggregator.store import provision
 from aggregator.step import FragmentState
 from aggregator.trust import summary as trust_summary
 from aggregator.versions import VersionMaker
@@ -72,7 +72,7 @@ from bus.config import CommonConfig, ConfigError, from_env
 from bus.conn import ConnectFailed, connect
 from bus.log import get_logger, setup
 from bus.streams import Limits, LimitsTooSmall, StorageUnavailable, missing_parts
-from bus.store_health import StoreWatch
+from bus.store_health import StoreWatch, probe_store, write_probe
 from bus.subjects import GLOBAL, STATE, Subjects
 from bus.transport import ChunkConsumer, ChunkPublisher, VersionedStore
 

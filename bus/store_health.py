@@ -41,6 +41,14 @@ SILENT = "silent"  # no answer in time: a full disk (nats-server stays silent), 
 
 #: seconds between two writes a role tries while its store is faulted (its probes)
 PROBE_EVERY = 5.0
+#: seconds without a stored write after which a role with nothing to write (an aggregator with
+#: nothing to merge, a learner whose syncs wait for the aggregator) writes a probe: it learns of a
+#: full store too, and says so
+STORE_IDLE_PROBE = 10.0
+#: bytes of that probe: as much as a chunk of a small fragment, more than a filesystem block, so
+#: that it does not fit in the unused end of a block the stream has already written (a tiny write
+#: is stored there on a full disk: measured on tmpfs, docs/RELIABILITY.md)
+PROBE_BYTES = 64 * 1024
 
 
 def _chain(exc: BaseException | None):
@@ -163,7 +171,8 @@ class StoreWatch:
                  write_probe: Callable[[], Awaitable[object]] | None = None):
         self.log, self.effect, self.probe, self.write_probe = log, effect, probe, write_probe
         self.probe_timeout = probe_timeout
-        self.health = StoreHealth(probe_every)
+        # (idle counts from now: a role that has written nothing yet is not idle at its start)
+        self.health = StoreHealth(probe_every, last_stored=time.monotonic())
 
     @property
     def faulted(self) -> bool:
@@ -215,3 +224,24 @@ class StoreWatch:
 
     def metrics(self) -> dict:
         return self.health.metrics(time.monotonic())
+
+
+async def write_probe(js, subject: str, timeout: float = 5.0) -> None:
+    """``PROBE_BYTES`` to ``subject`` (the aggregator's ``state_probe``, one message of it kept; a
+    learner's ``grad_probe``, which no consumer reads)."""
+    await js.publish(subject, bytes(PROBE_BYTES), timeout=timeout)
+
+
+async def probe_store(js, subject: str, watch: StoreWatch) -> None:
+    """A probe write: every few seconds while the store is faulted (the role's writes resume once
+    one is stored), and after ``STORE_IDLE_PROBE`` seconds without a stored write."""
+    if not watch.probe_due(STORE_IDLE_PROBE):
+        return
+    try:
+        await write_probe(js, subject)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - still full, or the server restarting
+        await watch.failed(e)
+    else:
+        watch.stored()

@@ -6,6 +6,7 @@ Subjects of run ``R`` (``diloco.R.…``):
 subject                              carried by       what
 ===================================  ===============  ==================================================
 ``diloco.R.grad.<frag>.<learner>``   stream GRAD      outer-gradient chunks, learner -> aggregator
+``diloco.R.grad.probe.<learner>``    stream GRAD      a waiting learner's probe: does the store take writes?
 ``diloco.R.global.<frag>.c<i>.<slot>`` stream GLOBAL  chunk i of the newest global versions of a fragment
 ``diloco.R.global.<frag>.head``      stream GLOBAL    commit record of a global version (version, seqs)
 ``diloco.R.global.<frag>.kc<i>.<slot>/khead``        keyframes of a quantised downlink (``bus.downlink``)
@@ -54,6 +55,11 @@ class Subjects:
     # outer gradients (uplink)
     def grad(self, fragment: int, learner: str) -> str:
         return f"{self.prefix}.grad.{int(fragment)}.{check_token('learner', learner)}"
+
+    def grad_probe(self, learner: str) -> str:
+        """A learner's probe write to the GRAD stream (``bus.store_health.probe_store``): on its own
+        subject (allowed as ``grad.*.<id>``), which no fragment's consumer reads."""
+        return f"{self.prefix}.grad.probe.{check_token('learner', learner)}"
 
     def grad_fragment_filter(self, fragment: int) -> str:
         return f"{self.prefix}.grad.{int(fragment)}.*"

@@ -179,13 +179,15 @@ class IslandCore:
             if rest <= 0:
                 for p in held:
                     self.book.give_up_hold(p)
+                why = ("the store is full (store_full): the aggregator merges nothing until it takes writes"
+                       if self.store_watch.faulted else
+                       "is the aggregator up? does its merge wait for a learner that does not step: another island "
+                       "driven from this thread, or one done training and not closed? docs/learner.md")
                 self.log.warning("hold_expired", fragments=held, waited=round(time.monotonic() - t0, 3),
                                  state={p: self.book.hold_state(p) for p in held},
                                  candidate={p: self._candidate[p].version for p in held if p in self._candidate},
                                  message="the aggregator merged none of this learner's held rounds within "
-                                         "DILOCO_SYNC_TIMEOUT s: training on without it (is the aggregator up? does its merge "
-                                         "wait for a learner that does not step: another island driven from this "
-                                         "thread, or one done training and not closed? docs/learner.md)")
+                                         f"DILOCO_SYNC_TIMEOUT s: training on without it ({why})")
                 break
             self._news.clear()
             try:

@@ -51,7 +51,7 @@ from bus import codec
 from bus.signals import cancel_all, install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
-from bus.store_health import StoreWatch
+from bus.store_health import StoreWatch, probe_store
 from bus.subjects import Subjects
 from bus.global_reader import GlobalReader
 from bus.transport import ChunkPublisher, Head
@@ -190,7 +190,7 @@ class Learner(IslandCore, Presence):
             await self._follow_feedback()
             tasks += [beats] + [asyncio.create_task(c) for c in (
                 self._metrics_loop(), self._follow_globals(), self._follow_membership(), self._advise_loop(),
-                self._keep_progress())]
+                self._keep_progress(), self._watch_store())]
             if self.cfg.follows_pace:
                 tasks.append(asyncio.create_task(self._follow_paces()))
             await self._wait_for_peers()
@@ -403,6 +403,24 @@ class Learner(IslandCore, Presence):
             self._progress_due.clear()
             await self._save_progress()
             last = time.monotonic()
+
+    async def _watch_store(self) -> None:
+        """A learner whose syncs wait for the aggregator (deferred, or its steps held) writes nothing,
+        so a store that filled after its last stored write would go unsaid: the aggregator paused,
+        this learner waiting for a merge that cannot come, its log saying only ``aggregator_behind``
+        (the CI run of the nineteenth round: one learner of the full-disk test said nothing in 40 s).
+        While it waits, it writes a probe (``Subjects.grad_probe``) once no write was stored for
+        ``STORE_IDLE_PROBE`` s, and every ``PROBE_EVERY`` s while the store is faulted: a full store
+        is said once (``store_full``), and ``store_writable`` once a probe is stored again."""
+        subject = self.s.grad_probe(self.id)
+        while not self._halt.is_set():
+            try:
+                await asyncio.wait_for(self._halt.wait(), self.cfg.heartbeat_interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if self.book.deferred():
+                await probe_store(self.js, subject, self.store_watch)
 
     async def _save_progress(self) -> None:
         if self.progress is not None:

@@ -436,6 +436,9 @@ async def test_learner_can_do_its_job(secured):
         assert key[0] == "us-0"
         after = (await agg.js().stream_info(S.stream("grad"))).state.messages
         assert after > before
+        # its store probe (a learner whose syncs wait for the aggregator: bus.store_health.probe_store)
+        await js.publish(S.grad_probe("us-0"), b"probe", timeout=5)
+        assert (await agg.js().stream_info(S.stream("grad"))).state.messages == after + 1
     finally:
         for u in (me, mon, met, agg):
             await u.nc.close()

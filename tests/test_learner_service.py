@@ -155,6 +155,8 @@ class GradSniff:
 
     async def start(self, nc) -> "GradSniff":
         async def cb(m):
+            if not m.headers:  # a waiting learner's store probe (Subjects.grad_probe)
+                return
             h = orjson.loads(m.headers[CHUNK_HEADER])
             if h["i"] == 0:
                 self.metas.append(h["m"])
@@ -173,7 +175,7 @@ class GradSniff:
 
 
 async def consume_grads(js, n: int, timeout: float = 60.0) -> list[Assembled]:
-    cons = ChunkConsumer(js, S.stream("grad"), "test", [S.grad_all])
+    cons = ChunkConsumer(js, S.stream("grad"), "test", [S.grad_fragment_filter(p) for p in range(MC.num_fragments)])
     await cons.start()
     got: list[Assembled] = []
     t_end = time.monotonic() + timeout
@@ -400,6 +402,84 @@ async def test_without_a_monitor_a_learner_holds_once_its_work_is_merged(nats_se
     # steps for DILOCO_SYNC_TIMEOUT, then trains on; the other fragments were never merged
     assert c["holds"] >= 1 and c["holds_expired"] >= 1 and learner.held_s >= 0.4, c
     assert learner.book.merged_any() and learner.merges_reach
+
+
+async def test_a_learner_waiting_for_the_aggregator_learns_of_a_full_store_and_says_so_once(nats_server, js,
+                                                                                          monkeypatch):
+    """A learner whose steps are held for the aggregator's merge writes nothing, so a store that filled
+    after its last stored write went unsaid: in the nineteenth round's CI one learner of the full-disk
+    test said nothing for 40 s (its round was stored just before the disk filled; the aggregator then
+    could not merge it). Now it writes a probe on its own GRAD subject once no write was stored for
+    STORE_IDLE_PROBE s while it waits: the store's refusal is said once (``store_full``), and
+    ``store_writable`` when a probe is stored again. The refusal is the one a server at its
+    max_file_store answers (10023), put on this learner's writes to GRAD."""
+    from nats.js.errors import ServiceUnavailableError
+
+    from bus import store_health
+    from learner.service import Learner
+
+    monkeypatch.setattr(store_health, "STORE_IDLE_PROBE", 0.5)
+    await bootstrap(js)
+    common, model, cfg = configs(nats_server, sync_every=2, max_steps=100_000, step_time=0.02, quantiser="fp32",
+                                 error_feedback=False, sync_timeout=60)
+    learner = Learner(common, model, cfg)
+    said: list[tuple[str, dict]] = []
+    log = learner.store_watch.log
+
+    class Log:  # the learner's own log, and what its store watch said
+        def __getattr__(self, level):
+            def emit(event, **kw):
+                said.append((event, kw))
+                getattr(log, level)(event, **kw)
+            return emit
+
+    learner.store_watch.log = Log()
+    learner.store_watch.health.probe_every = 0.5
+    full = {"on": False}
+    stop = asyncio.Event()
+    run = asyncio.create_task(learner.run(stop))
+    try:
+        for g in await consume_grads(js, 4, timeout=30):  # every fragment's first round; fragment 0's merged
+            if g.meta["frag"] == 0:
+                await put_version(js, 0, 1, V0[0], applied=[[g.meta["learner"], g.meta["inc"], 0, g.meta["round"]]])
+                break
+        else:
+            raise AssertionError("no outer gradient of fragment 0")
+        await _until(lambda: bool(learner.book.holding()))  # its next round is never merged: held
+        assert learner.book.holding(), learner.book.counters()
+        real, real_async = learner.js.publish, learner.js.publish_async
+
+        def refused(subject: str) -> bool:
+            return full["on"] and subject.startswith(f"{S.prefix}.grad.")
+
+        async def publish(subject, payload=b"", **kw):
+            if refused(subject):
+                raise ServiceUnavailableError(code=503, err_code=10023, description="insufficient resources")
+            return await real(subject, payload, **kw)
+
+        async def publish_async(subject, payload=b"", **kw):
+            if refused(subject):
+                raise ServiceUnavailableError(code=503, err_code=10023, description="insufficient resources")
+            return await real_async(subject, payload, **kw)
+
+        learner.js.publish, learner.js.publish_async = publish, publish_async
+        full["on"] = True
+        await _until(lambda: learner.store_watch.faulted, 10)
+        assert learner.store_watch.faulted, said
+        assert learner.book.holding() and learner.book.counters()["holds_expired"] == 0  # said while held
+        await asyncio.sleep(1.5)  # several probes, all refused: said once
+        assert [e for e, _ in said] == ["store_full"], said
+        assert said[0][1]["reason"] == store_health.FULL and said[0][1]["server"] == "insufficient resources"
+        assert learner.store_watch.health.refused >= 2
+        full["on"] = False  # the next probe is stored
+        await _until(lambda: not learner.store_watch.faulted, 10)
+        assert [e for e, _ in said] == ["store_full", "store_writable"], said
+        probe = await js.get_last_msg(S.stream("grad"), S.grad_probe(learner.id))
+        assert len(probe.data) == store_health.PROBE_BYTES
+        assert learner.metrics()["store_faults"] == 1
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 30) == 0
 
 
 # -- (b) heartbeats keep flowing during long steps; SIGTERM stops a learner promptly ---------------
