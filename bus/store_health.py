@@ -111,10 +111,12 @@ class StoreHealth:
     def faulted(self) -> bool:
         return self.reason is not None
 
-    def fault(self, reason: str, now: float) -> bool:
-        """A write failed for want of storage; True if this starts an episode."""
+    def fault(self, reason: str, now: float, tried_at: float | None = None) -> bool:
+        """A write failed for want of storage; True if this starts an episode. ``tried_at``: when
+        that write was sent (a probe): the next probe is due ``probe_every`` after it, not after its
+        failure (a silent store fails a probe only at its timeout, which doubled the wait)."""
         self.refused += 1
-        self.next_probe = now + self.probe_every
+        self.next_probe = (now if tried_at is None else min(now, tried_at)) + self.probe_every
         if self.reason is not None:
             return False
         self.reason, self.since = reason, now
@@ -201,16 +203,17 @@ class StoreWatch:
             return False  # a write is stored right now: the one that timed out was lost, not refused
         return await self._answers(self.probe)
 
-    async def failed(self, exc: BaseException) -> bool:
+    async def failed(self, exc: BaseException, tried_at: float | None = None) -> bool:
         """A write failed with ``exc``: True if it is a store fault (counted; the first of an
-        episode logged as ``store_full``), False for any other failure (the caller's to log)."""
+        episode logged as ``store_full``), False for any other failure (the caller's to log).
+        ``tried_at``: when the write was sent (:meth:`StoreHealth.fault`)."""
         got = classify(exc)
         if got is None:
             return False
         kind, said = got
         if not self.faulted and not store_fault(kind, kind == SILENT and await self._silent_store()):
             return False
-        if self.health.fault(kind, time.monotonic()):
+        if self.health.fault(kind, time.monotonic(), tried_at):
             self.log.warning("store_full", reason=kind, server=said, effect=self.effect, hint=HINT,
                              message=describe(kind, said))
         return True
@@ -237,11 +240,12 @@ async def probe_store(js, subject: str, watch: StoreWatch) -> None:
     one is stored), and after ``STORE_IDLE_PROBE`` seconds without a stored write."""
     if not watch.probe_due(STORE_IDLE_PROBE):
         return
+    tried_at = time.monotonic()
     try:
         await write_probe(js, subject)
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - still full, or the server restarting
-        await watch.failed(e)
+        await watch.failed(e, tried_at)
     else:
         watch.stored()

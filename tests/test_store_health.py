@@ -90,6 +90,18 @@ def test_a_rare_writer_probes_after_a_quiet_spell_and_every_few_seconds_while_fa
     assert not h.probe_due(130.0, idle=10.0)
 
 
+def test_a_probe_that_timed_out_is_followed_one_spacing_after_it_was_sent():
+    """A silent store fails a probe only at its timeout (5 s): spaced from its failure, the probes of a
+    faulted role came 10 s apart, and a role resumed up to 10 s after the server's restart."""
+    h = StoreHealth(probe_every=5.0)
+    h.fault(SILENT, 105.0, tried_at=100.0)  # sent at 100, timed out at 105
+    assert h.may_write(105.0)  # the next one now, 5 s after the last was sent
+    h.fault(SILENT, 106.0, tried_at=106.0)  # refused at once
+    assert not h.may_write(110.0) and h.may_write(111.0)
+    h.fault(SILENT, 120.0)  # a write of the role's own: spaced from its failure, as before
+    assert not h.may_write(124.0) and h.may_write(125.0)
+
+
 class Log:
     def __init__(self):
         self.lines: list[tuple[str, str, dict]] = []
