@@ -43,7 +43,7 @@ staleness), lengthen the grace (fixed) or raise gamma (adaptive, still < 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Literal, Union
 
@@ -303,3 +303,21 @@ def _on_time(
         return Decision(True, None, f"{head}, the {len(missing)} missing are not expected within "
                         f"{window:.1f}s", window)
     return Decision(False, deadline, f"{head}, {deadline - now:.1f}s left", window)
+
+
+def arrival_leads(arrivals: Sequence[tuple[str, str, float]], digits: int = 3) -> list[list]:
+    """How long before the merge's median arrival each learner's contribution came (pure):
+    ``[learner, incarnation, seconds]`` per learner of a merge (its newest arrival when it had
+    several), positive for an early one; none for a merge of fewer than two learners. Logged with
+    each merge (``merged``, ``lead``): how far apart the learners' rounds reach the aggregator, which
+    decides how full the on-time quorum's rounds are (docs/BENCHMARKS.md, twentieth round)."""
+    newest: dict[tuple[str, str], float] = {}
+    for learner, inc, t in arrivals:
+        key = (learner, inc)
+        newest[key] = max(newest.get(key, t), t)
+    if len(newest) < 2:
+        return []
+    times = sorted(newest.values())
+    n = len(times)
+    median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+    return [[learner, inc, round(median - t, digits)] for (learner, inc), t in sorted(newest.items())]

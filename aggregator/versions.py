@@ -25,7 +25,7 @@ from aggregator.encoder import DownlinkEncoder
 from aggregator.publisher import PUBLISH_QUEUE, Publisher, PublishJob
 from aggregator.mlog import LoggedContribution, MergeRecord, settings_to_dict, with_clears
 from aggregator.merge import l2_norm
-from aggregator.quorum import AUTO, GracePolicy, decide
+from aggregator.quorum import AUTO, GracePolicy, arrival_leads, decide
 from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, MergeSettings, fuses, merge_step, participation_scale, round_work
 from aggregator.trust import ew_mean
@@ -226,6 +226,8 @@ class VersionMaker:
                       wait_s=round(t0 - first, 4), merge_s=round(time.monotonic() - t0, 4),
                       learners=[x.c.learner for x in items], scale=round(rec.scale, 4), clipped=new.last_clipped,
                       stale=[before - x.c.base_version for x in items],
+                      lead=[[a, t] for a, _, t in arrival_leads([(x.c.learner, x.c.incarnation, x.arrived)
+                                                                 for x in items])],
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
                       outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3),
                       **({"trust": [round(f, 3) for f in new.last_trust]} if min(new.last_trust, default=1.0) < 1.0

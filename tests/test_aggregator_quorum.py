@@ -317,3 +317,14 @@ def test_deadlines_are_judged_at_the_time_everything_on_the_server_had_been_read
     d = decide(input_clock(100.0, 99.2), 99.0, {"a": 99.0}, {"a", "b"}, AUTO, GracePolicy(), stats, 0)
     assert not d.merge and d.wait_until == pytest.approx(99.0 + AUTO_SHARE * 1.0)
     assert decide(100.0, 99.0, {"a": 99.0}, {"a", "b"}, AUTO, GracePolicy(), stats, 0).merge
+
+
+def test_arrival_leads_are_each_learners_time_before_the_merges_median_arrival():
+    from aggregator.quorum import arrival_leads
+
+    got = arrival_leads([("a", "i1", 10.0), ("b", "i2", 10.5), ("c", "i3", 11.5), ("a", "i1", 10.2)])
+    # a's newest arrival counts (10.2); the median of 10.2, 10.5, 11.5 is 10.5
+    assert got == [["a", "i1", 0.3], ["b", "i2", 0.0], ["c", "i3", -1.0]]
+    assert arrival_leads([("a", "i1", 1.0), ("b", "i2", 2.0)]) == [["a", "i1", 0.5], ["b", "i2", -0.5]]
+    assert arrival_leads([("a", "i1", 1.0), ("a", "i1", 2.0)]) == []  # one learner: no spread
+    assert arrival_leads([]) == []
