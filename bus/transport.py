@@ -117,8 +117,14 @@ class ChunkPublisher:
         """Awaited publish with retries until ``t_end`` (same Msg-Id: duplicates are dropped by the server)."""
         delay = 0.1
         while True:
+            # while the store is faulted, an attempt waits no longer than the probes are spaced: one
+            # sent to a server that then restarted (a full disk healed) is never answered, and waiting
+            # its whole ack timeout kept a learner's work off the run for up to 10 s after the restart
+            timeout = self.ack_timeout
+            if self.watch is not None and self.watch.faulted:
+                timeout = min(timeout, self.watch.health.probe_every)
             try:
-                ack = await self.js.publish(subject, payload, timeout=self.ack_timeout, headers=dict(headers))
+                ack = await self.js.publish(subject, payload, timeout=timeout, headers=dict(headers))
             except Exception as e:
                 full = self.watch is not None and await self.watch.failed(e)
                 if time.monotonic() + delay > t_end or (full and self.fail_fast):

@@ -500,3 +500,33 @@ def test_a_read_that_failed_for_the_link_or_the_server_is_transient_one_that_fai
     for e in (ValueError("checksum"), TransportError("bad chunk"), VersionConflict("v", 1), KeyError("x"),
               RuntimeError("bug")):
         assert not transient(e), e
+
+
+async def test_while_the_store_is_faulted_a_publish_attempt_waits_no_longer_than_the_probe_spacing(nats_server, js):
+    """A publish sent to a server that then restarted (a full disk healed) is never answered: while
+    the store is faulted each attempt waits at most the probes' spacing, not the whole ack timeout,
+    so the work goes out soon after the restart (it waited 10 s: the full-disk test resumed 3 s
+    later than it could). Here a subscriber that never answers stands for that server."""
+    from bus.store_health import SILENT, StoreWatch
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda event, **kw: None
+
+    swallowed = []
+
+    async def swallow(m):
+        swallowed.append(m)
+
+    sub = await js._nc.subscribe("unanswered.x", cb=swallow)
+    watch = StoreWatch(Log(), "testing", probe_every=0.3)
+    pub = ChunkPublisher(js, ack_timeout=3.0, watch=watch)
+    with pytest.raises(Exception):
+        await pub._publish_one("unanswered.x", memoryview(b"x"), {}, time.monotonic() + 1.0)
+    assert pub.retries == 0 and len(swallowed) == 1  # healthy: one attempt, its whole ack timeout (3 s)
+    watch.health.fault(SILENT, time.monotonic())
+    swallowed.clear()
+    with pytest.raises(Exception):
+        await pub._publish_one("unanswered.x", memoryview(b"x"), {}, time.monotonic() + 1.0)
+    assert len(swallowed) >= 3 and pub.retries >= 2, (len(swallowed), pub.retries)  # faulted: 0.3 s attempts
+    await sub.unsubscribe()
