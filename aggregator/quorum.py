@@ -308,9 +308,11 @@ def _on_time(
 def arrival_leads(arrivals: Sequence[tuple[str, str, float]], digits: int = 3) -> list[list]:
     """How long before the merge's median arrival each learner's contribution came (pure):
     ``[learner, incarnation, seconds]`` per learner of a merge (its newest arrival when it had
-    several), positive for an early one; none for a merge of fewer than two learners. Logged with
-    each merge (``merged``, ``lead``): how far apart the learners' rounds reach the aggregator, which
-    decides how full the on-time quorum's rounds are (docs/BENCHMARKS.md, twentieth round)."""
+    several), positive for an early one; none for a merge of fewer than two learners. In the head of
+    the version the merge made (``"lead"``), for the learners' phase lock (DILOCO_PHASE_LOCK,
+    ``learner.loop.phase_shift``), and in its ``merged`` line: how far apart the learners' rounds
+    reach the aggregator, which decides how full the on-time quorum's rounds are (docs/BENCHMARKS.md,
+    twentieth round). Differences of the aggregator's own clock: no clock is shared."""
     newest: dict[tuple[str, str], float] = {}
     for learner, inc, t in arrivals:
         key = (learner, inc)

@@ -207,7 +207,8 @@ class VersionMaker:
         new = self.states[p]
         for x in items:
             await ack_all(x.tokens)
-        self._queue_publish(p)
+        leads = arrival_leads([(x.c.learner, x.c.incarnation, x.arrived) for x in items])
+        self._queue_publish(p, leads)
         self.merge_log.checkpoint_if_due(p)  # (after the acks: a checkpoint stored meanwhile moved the log)
         self.intake.note_sync(time.monotonic() - t0)
         self.stats.merges += 1
@@ -226,8 +227,7 @@ class VersionMaker:
                       wait_s=round(t0 - first, 4), merge_s=round(time.monotonic() - t0, 4),
                       learners=[x.c.learner for x in items], scale=round(rec.scale, 4), clipped=new.last_clipped,
                       stale=[before - x.c.base_version for x in items],
-                      lead=[[a, t] for a, _, t in arrival_leads([(x.c.learner, x.c.incarnation, x.arrived)
-                                                                 for x in items])],
+                      lead=[[a, t] for a, _, t in leads],
                       steps=[x.c.inner_steps for x in items], grad_norm=[round(x.norm, 5) for x in items],
                       outer_grad_norm=round(new.last_grad_norm, 5), param_norm=round(l2_norm(new.params), 3),
                       **({"trust": [round(f, 3) for f in new.last_trust]} if min(new.last_trust, default=1.0) < 1.0
@@ -268,7 +268,7 @@ class VersionMaker:
 
     # -- publishing -------------------------------------------------------------------------------
 
-    def _publish_job(self, p: int) -> PublishJob:
+    def _publish_job(self, p: int, leads: list | None = None) -> PublishJob:
         """Version ``states[p]`` encoded for the downlink now (the merge updates the parameters in
         place, so the blob is taken before the next merge), to be published in order."""
         st = self.states[p]
@@ -277,13 +277,14 @@ class VersionMaker:
         # id ever seen (the metadata rides in every chunk's header)
         keep = self.membership.participants(time.monotonic()) | self.membership.leavers()
         return self.encoder.encode(st, {"model": self.model_hash, "plan": self.plan.plan_hash(),
-                                        "merged": [m for m in st.applied.newest_rounds(p) if m[0] in keep]})
+                                        "merged": [m for m in st.applied.newest_rounds(p) if m[0] in keep],
+                                        **({"lead": leads} if leads else {})})
 
-    def _queue_publish(self, p: int) -> None:
+    def _queue_publish(self, p: int, leads: list | None = None) -> None:
         """Hand version ``states[p]`` to the publishing stage (``aggregator.publisher``): merging goes
         on while its chunks and head are acknowledged (at most PUBLISH_QUEUE versions of a fragment
         wait; then the fragment waits, :meth:`_blocked`)."""
-        self.publisher.queue(self._publish_job(p))
+        self.publisher.queue(self._publish_job(p, leads))
 
     async def publish_global(self, p: int) -> None:
         """After a (re)start: the global version of the state if the global head is behind, and the

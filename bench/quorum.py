@@ -67,7 +67,7 @@ def timing(speeds: str, M: int, steps: int, H: int) -> dict[str, Any]:
 
 
 def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float, batch: int, seed: int,
-            quick: bool, which: tuple[str, ...] = QUORUMS) -> list:
+            quick: bool, which: tuple[str, ...] = QUORUMS, jitter: float = 0.0, lock: float = 0.0) -> list:
     from bench.algorithm import budget_steps
     from bench.size_trend import SIZES, params_of
     from simulation.reference import RefConfig
@@ -82,7 +82,8 @@ def configs(size: str, Ms: list[int], speeds: list[str], tokens_per_param: float
         out.append(("equal", replace(base, mode="sync")))
         for sp in speeds:
             for K in quorums(M, which):
-                out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, **timing(sp, M, steps, base.H))))
+                out.append((sp, replace(base, mode="decoupled", K=None if K == M else K, step_jitter=jitter, phase_lock=lock,
+                                        **timing(sp, M, steps, base.H))))
     return out
 
 
@@ -94,7 +95,9 @@ def item_row(item: tuple[str, Any]) -> dict:
     return {"M": cfg.M, "mode": cfg.mode, "K": cfg.K or cfg.M, "speeds": speeds, "steps": cfg.steps,
             "seed": cfg.data_seed, "lr": inner_rate(cfg),
             "fetch_delay": fetch_delay_of(cfg), "H": period_of(cfg),
-            "periods": [round(x, 4) for x in cfg.learner_periods] if cfg.learner_periods else None}
+            "periods": [round(x, 4) for x in cfg.learner_periods] if cfg.learner_periods else None,
+            **({"jitter": cfg.step_jitter} if cfg.step_jitter else {}),
+            **({"phase_lock": cfg.phase_lock} if cfg.phase_lock else {})}
 
 
 def one(item: tuple[str, Any]) -> dict:
@@ -117,7 +120,7 @@ def key(r: dict) -> tuple:
     recorded: whole steps then)."""
     periods = r.get("periods")
     return (r["M"], r["mode"], r["K"], r["speeds"], r["steps"], r["seed"], r.get("lr"), fetch_delay_of(r),
-            period_of(r), tuple(periods) if periods else None)
+            period_of(r), tuple(periods) if periods else None, r.get("jitter", 0.0), r.get("phase_lock", 0.0))
 
 
 def summary(rows: list[dict]) -> dict:
@@ -148,11 +151,16 @@ def main() -> None:
     p.add_argument("--quorums", nargs="+", default=list(QUORUMS), choices=QUORUMS)
     reference_options(p)
     p.add_argument("--reuse", nargs="+", default=None, help="JSON files of earlier runs: their rows are not run again")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="the asynchronous runs' step times drawn around their learner's, with this coefficient of "
+                        "variation (RefConfig.step_jitter; 0: exact)")
+    p.add_argument("--phase-lock", type=float, default=0.0,
+                   help="the asynchronous runs' phase lock (RefConfig.phase_lock, learner.loop.phase_shift; 0: off)")
     a = p.parse_args()
     size = a.size or ("tiny" if a.quick else "small")
     Ms = a.M or ([2] if a.quick else [2, 4, 8])
     tpp = a.tokens_per_param or (2.0 if a.quick else 20.0)
-    items = configs(size, Ms, a.speeds, tpp, a.batch, a.seed, a.quick, tuple(a.quorums))
+    items = configs(size, Ms, a.speeds, tpp, a.batch, a.seed, a.quick, tuple(a.quorums), a.jitter, a.phase_lock)
     old: dict = {}
     for path in a.reuse or []:
         with open(path, "rb") as f:

@@ -147,7 +147,8 @@ class IslandCore:
         c = self.book.counters()
         self.log.info("training_done", step=self.book.step, halted=self._halt.is_set(), deferred_syncs=c["deferred"], window_valve=c["valve"],
                       holds=c["holds"], holds_expired=c["holds_expired"], held_s=round(self.held_s, 3),
-                      steps_per_sync=round(self.book.steps_sent / max(1, self.book.contributions), 2))
+                      steps_per_sync=round(self.book.steps_sent / max(1, self.book.contributions), 2),
+                      phase_shifted=round(self.book.phase_shifted, 3))
 
     async def _hold(self, hook: bool) -> None:
         """The sync window's hold (``Bookkeeper.holding``): a fragment's deferred sync has waited
@@ -584,6 +585,22 @@ class IslandCore:
                 self._fetches.add(task)
                 task.add_done_callback(self._fetches.discard)
 
+    def _lock_phase(self, head: Head) -> None:
+        """The phase lock (DILOCO_PHASE_LOCK, ``learner.loop.phase_shift``): move this learner's
+        syncs by its share of its lead in the merge this head made, once per version."""
+        p = head.fragment
+        if self.cfg.phase_lock <= 0 or self.cfg.mode == "sync" or head.version <= self._phase_seen.get(p, -1):
+            return
+        self._phase_seen[p] = head.version
+        lead = lp.lead_of(head.meta, self.id, self.incarnation)
+        if lead is None:
+            return
+        # seconds per step: the pace, or before it is known (its first window) the mean so far
+        pace = self.pace.pace(time.monotonic())
+        done = self.book.step - self.book.start_step
+        step_s = self.tokens_per_step / pace if pace > 0 else self.book.step_seconds_total / max(1, done)
+        self.book.shift_phase(lp.phase_shift(lead, step_s, self.book.period, self.P, self.cfg.phase_lock))
+
     async def _on_head(self, head: Head) -> None:
         p = head.fragment
         if not 0 <= p < self.P:
@@ -598,6 +615,7 @@ class IslandCore:
             ours = lp.applied_rounds(head.meta, self.id, self.incarnation, p)
             upto = lp.merged_upto(head.meta, self.id, self.incarnation)  # merged here or earlier
             self.book.on_applied(p, ours if upto is None else [*ours, upto], head.version)
+            self._lock_phase(head)
             if upto is not None:  # rounds whose own head was missed are merged too (work fate)
                 ours = sorted({*ours, *(r for f, r in self.fate.outstanding if f == p and r <= upto)})
             self.fate.on_head(p, head.version, ours, time.monotonic())

@@ -178,6 +178,7 @@ class Bookkeeper:
         self.steps_sent = 0  # inner steps carried by those contributions
         self.resyncs = 0
         self.last_contribution: int | None = None  # fragment of the newest contribution
+        self.phase_shifted = 0.0  # steps the phase lock moved the schedule, in all (later: positive)
 
     @property
     def num_fragments(self) -> int:
@@ -317,6 +318,17 @@ class Bookkeeper:
                           for d, f in zip(due, self.frags)]
         self.period = period
         return True
+
+    def shift_phase(self, steps: float) -> None:
+        """Move this learner's syncs ``steps`` later (earlier when negative): every fragment's next
+        sync, and the anchor :meth:`set_period` keeps the phase from (the phase lock,
+        :func:`phase_shift`). A fragment moved to a step already gone by syncs at the next one."""
+        steps = float(steps)
+        if not math.isfinite(steps) or steps == 0.0:
+            return
+        self._anchor += steps
+        self._next_due = [n + steps for n in self._next_due]
+        self.phase_shifted += steps
 
     @property
     def declared_period(self) -> int:
@@ -510,6 +522,34 @@ def applied_rounds(meta: Mapping, learner: str, incarnation: str, fragment: int)
         if _is_int(a[-1]):
             out.append(a[-1])
     return out
+
+
+def lead_of(meta: Mapping, learner: str, incarnation: str) -> float | None:
+    """How many seconds before the merge's median arrival this learner's contribution came, as a
+    global head's metadata states it (``"lead"``: ``aggregator.quorum.arrival_leads``); None when
+    the head states none for it (a merge of one learner, an older aggregator, anything malformed)."""
+    leads = meta.get("lead") if isinstance(meta, Mapping) else None
+    if not isinstance(leads, (list, tuple)):
+        return None
+    for a in leads:
+        if (isinstance(a, (list, tuple)) and len(a) == 3 and a[0] == learner and a[1] == incarnation
+                and isinstance(a[2], (int, float)) and not isinstance(a[2], bool) and math.isfinite(a[2])):
+            return float(a[2])
+    return None
+
+
+def phase_shift(lead_s: float, step_s: float, period: float, fragments: int, gain: float) -> float:
+    """The phase lock: steps to move this learner's syncs (later: positive), from one merge's
+    ``lead_of`` (pure). ``gain`` of the lead per round, a ``1 / fragments`` share of it per merge
+    (each fragment's merge states it once a round); the lead is counted at most half a round either
+    way (a round's phase is circular: half a round late is as far from the others as half a round
+    early). 0 without a pace (``step_s``) or with ``gain`` 0."""
+    if not (gain > 0 and step_s > 0 and period > 0 and fragments > 0 and math.isfinite(lead_s)
+            and math.isfinite(step_s)):
+        return 0.0
+    half = period * step_s / 2
+    lead = max(-half, min(half, lead_s))
+    return gain * lead / step_s / fragments
 
 
 def merged_upto(meta: Mapping, learner: str, incarnation: str) -> int | None:

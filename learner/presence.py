@@ -314,6 +314,7 @@ class Presence:
             "staleness": self.book.staleness(), "blocked_s": round(self.blocked_s, 6),
             "quant_error": self.quant_error, "contributions": self.book.contributions,
             "steps_sent": self.book.steps_sent, "period": round(self.book.period, 3),
+            "phase_shifted": round(self.book.phase_shifted, 3),
             "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "window_valve": c["valve"], "holds": c["holds"], "held_s": round(self.held_s, 3), "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
             "start_step": self.book.start_step, "sent_step": self.book.sent_step, "restarts": self.resume.restarts,

@@ -132,6 +132,7 @@ class Learner(IslandCore, Presence):
         self._period_said = float(cfg.sync_every)  # the period a period_changed line said at info last
         self._resync_requested = False
         self._told_behind = False  # aggregator_behind said (once per process)
+        self._phase_seen: dict[int, int] = {}  # fragment -> the newest version the phase lock read
         self._finishing = False  # the final sync is under way: its outer gradients say ``final``
         self._behind = 0  # syncs deferred while admitted (or with no monitor): aggregator_behind at P
         self._halt = asyncio.Event()

@@ -170,6 +170,7 @@ class Reference:
         self.K = quorum(cfg)
         self.grace = GracePolicy(mode="fixed", grace=cfg.grace, max_grace=max(cfg.grace, 10.0))
         self.arrivals = ArrivalStats()  # the learners' pace and arrivals (the on-time quorum, K = AUTO)
+        self.jitter = np.random.default_rng([cfg.data_seed, 7919]) if cfg.step_jitter > 0 else None
         # cfg.staleness is the aggregator's setting, a str (StalenessPolicy checks it)
         staleness = StalenessPolicy(cfg.staleness, cfg.staleness_a, cfg.staleness_b)  # type: ignore[arg-type]
         self.settings = MergeSettings(method=cfg.merge, staleness=staleness,
@@ -268,7 +269,14 @@ class Reference:
         if ln.pending:
             self._apply_pending(ln)
         ln.losses.append(ln.backend.step())
-        self._at(self.now + ln.step_time, 4, self._step_done, ln, ln.epoch)
+        self._at(self.now + ln.step_time * self._jitter(), 4, self._step_done, ln, ln.epoch)
+
+    def _jitter(self) -> float:
+        """A step's time as a share of its learner's (RefConfig.step_jitter): log-normal, mean 1."""
+        if self.jitter is None:
+            return 1.0
+        sigma = float(np.sqrt(np.log1p(self.cfg.step_jitter ** 2)))
+        return float(self.jitter.lognormal(-sigma * sigma / 2, sigma))
 
     def _step_done(self, ln: _Learner, epoch: int) -> None:
         if epoch != ln.epoch or not ln.up:
@@ -377,12 +385,15 @@ class Reference:
             ln.base[p] = vec
             ln.book.on_merged(p, v)
 
-    def _deliver(self, ln: _Learner, p: int, v: int, vec: np.ndarray, applied: list) -> None:
+    def _deliver(self, ln: _Learner, p: int, v: int, vec: np.ndarray, applied: list, leads: list | None = None) -> None:
         """A global version reaches a learner (learner.service._on_head)."""
         from learner import loop as lp
 
         if not ln.up or ln.done:
             return
+        lead = lp.lead_of({"lead": leads or []}, ln.name, ln.incarnation)
+        if lead is not None:
+            ln.book.shift_phase(lp.phase_shift(lead, ln.step_time, ln.book.period, self.P, self.cfg.phase_lock))
         fetch_all = self.cfg.fetch == "every" or self.cfg.mode == "sync"
         ln.book.on_applied(p, lp.applied_rounds({"applied": applied}, ln.name, ln.incarnation, p), v)
         if fetch_all:
@@ -526,6 +537,7 @@ class Reference:
 
     def _merge(self, p: int, reason: str) -> None:
         """aggregator.service._merge and _publish_global: merge_step, encode the version, deliver it."""
+        from aggregator.quorum import arrival_leads
         from aggregator.step import merge_step, participation_scale, round_work
         from bus.downlink import decode_version, encode_version
 
@@ -563,8 +575,9 @@ class Reference:
         self.bytes_down += len(blob)
         self.published[p] = (new.version, vec)
         applied = [list(k) for k in new.last_merge]
+        leads = arrival_leads([(x.c.learner, x.c.incarnation, x.arrived) for x in items]) if cfg.phase_lock else []
         for ln in self.learners:
-            self._at(self.now + cfg.down_delay, 2, self._deliver, ln, p, new.version, vec, applied)
+            self._at(self.now + cfg.down_delay, 2, self._deliver, ln, p, new.version, vec, applied, leads)
 
 
     def _record_trust(self, p: int, version: int, items: list, new) -> None:

@@ -122,6 +122,13 @@ class RefConfig:
     down_k: int = _L("topk_k")
     # timing (virtual seconds) and faults
     step_times: tuple[float, ...] | None = None  # per learner; None: 1.0 each
+    # each step's time drawn around its learner's: a log-normal factor of this coefficient of
+    # variation (mean 1), seeded by ``data_seed``; what eight learners sharing two cores see end to
+    # end (docs/BENCHMARKS.md, twentieth round). 0: every step exactly its step time
+    step_jitter: float = 0.0
+    # the phase lock (learner.loop.phase_shift): each learner moves its syncs by this share of its
+    # lead over the merge's median arrival per round (0: off)
+    phase_lock: float = 0.0
     up_delay: float = 0.0  # a contribution's send -> arrival at the aggregator
     down_delay: float = 0.0  # a merge -> the version at every learner (download included)
     failures: tuple[tuple[int, float, float], ...] = ()  # (learner, down at, back at)

@@ -760,3 +760,39 @@ def test_retry_window_says_a_version_s_first_failure_and_tries_it_for_the_timeou
     assert lp.retry_window(failing, 1, 5, 110.5, 10.0) == (False, False)  # failed for the timeout
     assert lp.retry_window(failing, 1, 6, 111.0, 10.0) == (True, True)  # a new version starts afresh
     assert lp.retry_window(failing, 2, 5, 111.0, 10.0) == (True, True) and failing == {1: (6, 111.0), 2: (5, 111.0)}
+
+
+def test_lead_of_reads_this_learners_lead_and_ignores_anything_malformed():
+    meta = {"lead": [["a", "i1", 0.25], ["b", "i2", -1], ["c", "i3", float("nan")], ["d", "i4", True], "x"]}
+    assert lp.lead_of(meta, "a", "i1") == 0.25 and lp.lead_of(meta, "b", "i2") == -1.0
+    assert lp.lead_of(meta, "a", "other") is None  # another incarnation's
+    assert lp.lead_of(meta, "c", "i3") is None and lp.lead_of(meta, "d", "i4") is None
+    assert lp.lead_of({}, "a", "i1") is None and lp.lead_of({"lead": "x"}, "a", "i1") is None
+
+
+def test_phase_shift_moves_a_share_of_the_lead_per_merge_and_at_most_half_a_round():
+    # a lead of 0.2 s at 0.1 s per step is 2 steps; gain 0.5 over 4 fragments: 0.25 steps per merge
+    assert lp.phase_shift(0.2, 0.1, 12.0, 4, 0.5) == pytest.approx(0.25)
+    assert lp.phase_shift(-0.2, 0.1, 12.0, 4, 0.5) == pytest.approx(-0.25)
+    # a round is 1.2 s: a lead of 5 s counts as 0.6 s (half a round)
+    assert lp.phase_shift(5.0, 0.1, 12.0, 4, 1.0) == pytest.approx(1.5)
+    assert lp.phase_shift(0.2, 0.1, 12.0, 4, 0.0) == 0.0  # off
+    assert lp.phase_shift(0.2, 0.0, 12.0, 4, 0.5) == 0.0  # no pace yet
+    assert lp.phase_shift(float("nan"), 0.1, 12.0, 4, 0.5) == 0.0
+
+
+def test_shift_phase_moves_every_fragments_next_sync_and_a_new_period_keeps_the_shift():
+    b = lp.Bookkeeper(4, 8, 1)
+    for _ in range(9):
+        b.on_step()
+    before = list(b._next_due)
+    b.shift_phase(1.5)
+    assert b._next_due == [n + 1.5 for n in before] and b.phase_shifted == 1.5
+    b.shift_phase(-0.5)
+    assert b._next_due == [n + 1.0 for n in before] and b.phase_shifted == 1.0
+    unshifted = lp.Bookkeeper(4, 8, 1)
+    for _ in range(9):
+        unshifted.on_step()
+    b.set_period(4.0)  # half the period: the schedule keeps its phase, the shift included
+    unshifted.set_period(4.0)
+    assert b._next_due != unshifted._next_due and all(0 < n - b.step <= 4 for n in b._next_due), b._next_due

@@ -482,6 +482,35 @@ async def test_a_learner_waiting_for_the_aggregator_learns_of_a_full_store_and_s
         assert await asyncio.wait_for(run, 30) == 0
 
 
+async def test_the_phase_lock_moves_a_learners_syncs_by_its_lead_in_each_merge(nats_server, js):
+    """DILOCO_PHASE_LOCK: each head states every learner's lead over its merge's median arrival
+    (``aggregator.quorum.arrival_leads``); the learner moves its syncs by its share of its own, at
+    most half a round, once per version. Here each lead is over half a round (4 steps of 20 ms), so
+    each head moves it by exactly gain x period / 2 / fragments = 0.25 steps."""
+    from learner.service import Learner
+
+    await bootstrap(js)
+    common, model, cfg = configs(nats_server, sync_every=4, max_steps=100_000, step_time=0.02, quantiser="fp32",
+                                 error_feedback=False, phase_lock=0.5)
+    learner = Learner(common, model, cfg)
+    stop = asyncio.Event()
+    run = asyncio.create_task(learner.run(stop))
+    try:
+        await _until(lambda: learner.book.step >= 8)
+        me = [learner.id, learner.incarnation]
+        await put_version(js, 0, 1, V0[0], lead=[[*me, 5.0], ["other", "x", -5.0]])  # early: later syncs
+        await _until(lambda: learner.book.phase_shifted != 0)
+        assert learner.book.phase_shifted == pytest.approx(0.25)
+        await put_version(js, 1, 1, V0[1], lead=[["other", "x", 1.0]])  # a merge without this learner
+        await put_version(js, 0, 2, V0[0], lead=[[*me, -5.0]])  # late: earlier syncs
+        await _until(lambda: learner.book.phase_shifted != 0.25)
+        assert learner.book.phase_shifted == pytest.approx(0.0)
+        assert learner.metrics()["phase_shifted"] == 0.0
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 30) == 0
+
+
 # -- (b) heartbeats keep flowing during long steps; SIGTERM stops a learner promptly ---------------
 
 

@@ -190,3 +190,17 @@ def test_an_aggregator_outage_backlog_does_not_blow_up_the_model():
     # under 1.1x (above)
     _, unguarded, _ = run(outer_momentum=0.9, momentum_open_rounds=10**6)
     assert unguarded > 1.5 * pre9, (pre9, unguarded)
+
+
+def test_step_jitter_is_seeded_and_moves_the_learners_out_of_step():
+    """RefConfig.step_jitter (each step's time drawn around its learner's, as eight learners sharing
+    two cores see): the same seed gives the same run, and with a quorum below M the learners' rounds
+    no longer reach the aggregator together, so the merges differ from the exact timing's."""
+    base = replace(BASE, mode="decoupled", M=3, steps=16, H=4, P=2, K=-1)
+    setup = Setup(base)
+    exact = run_reference(base, setup)
+    a = run_reference(replace(base, step_jitter=0.5), setup)
+    b = run_reference(replace(base, step_jitter=0.5), setup)
+    assert a["train_losses"] == b["train_losses"] and a["staleness_hist"] == b["staleness_hist"]
+    assert (a["merges"], a["staleness_hist"]) != (exact["merges"], exact["staleness_hist"])
+    assert a["learner_steps"] == exact["learner_steps"] == [16, 16, 16]
