@@ -45,6 +45,9 @@ PROBE_EVERY = 5.0
 #: nothing to merge, a learner whose syncs wait for the aggregator) writes a probe: it learns of a
 #: full store too, and says so
 STORE_IDLE_PROBE = 10.0
+#: the longest a waiting learner goes between probes while they are stored (its probes stay in GRAD
+#: until the stream's limits drop them: at most about 15 an hour, 1 MiB, for each learner waiting)
+STORE_IDLE_PROBE_MAX = 300.0
 #: bytes of that probe: as much as a chunk of a small fragment, more than a filesystem block, so
 #: that it does not fit in the unused end of a block the stream has already written (a tiny write
 #: is stored there on a full disk: measured on tmpfs, docs/RELIABILITY.md)
@@ -164,8 +167,9 @@ class StoreWatch:
     server that is down or a request that was lost, and the one line per change of state.
 
     ``probe``: a JetStream request about a stream (its info), answered by a server that is up;
-    ``write_probe`` (optional): a tiny write of the role's own (the aggregator's ``state_probe``):
-    if that one is stored, a write that timed out was not the store's fault. ``effect``: what the
+    ``write_probe`` (optional): a probe write of the role's own (:func:`write_probe`: the
+    aggregator's ``state_probe``, a learner's ``grad_probe``): if that one is stored, a write that
+    timed out was lost (sent to a server that then restarted, say), not refused. ``effect``: what the
     role does meanwhile, in words."""
 
     def __init__(self, log, effect: str, probe: Callable[[], Awaitable[object]] | None = None,
@@ -235,11 +239,12 @@ async def write_probe(js, subject: str, timeout: float = 5.0) -> None:
     await js.publish(subject, bytes(PROBE_BYTES), timeout=timeout)
 
 
-async def probe_store(js, subject: str, watch: StoreWatch) -> None:
+async def probe_store(js, subject: str, watch: StoreWatch, idle: float | None = None) -> bool:
     """A probe write: every few seconds while the store is faulted (the role's writes resume once
-    one is stored), and after ``STORE_IDLE_PROBE`` seconds without a stored write."""
-    if not watch.probe_due(STORE_IDLE_PROBE):
-        return
+    one is stored), and after ``idle`` (``STORE_IDLE_PROBE``) seconds without a stored write.
+    True if a probe was written and stored."""
+    if not watch.probe_due(STORE_IDLE_PROBE if idle is None else idle):
+        return False
     tried_at = time.monotonic()
     try:
         await write_probe(js, subject)
@@ -247,5 +252,6 @@ async def probe_store(js, subject: str, watch: StoreWatch) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - still full, or the server restarting
         await watch.failed(e, tried_at)
-    else:
-        watch.stored()
+        return False
+    watch.stored()
+    return True

@@ -51,7 +51,7 @@ from bus import codec
 from bus.signals import cancel_all, install_stop
 from bus.config import CommonConfig, from_env
 from bus.log import get_logger, setup
-from bus.store_health import StoreWatch, probe_store, write_probe
+from bus.store_health import STORE_IDLE_PROBE, STORE_IDLE_PROBE_MAX, StoreWatch, probe_store, write_probe
 from bus.subjects import Subjects
 from bus.global_reader import GlobalReader
 from bus.transport import ChunkPublisher, Head
@@ -410,22 +410,34 @@ class Learner(IslandCore, Presence):
             last = time.monotonic()
 
     async def _watch_store(self) -> None:
-        """A learner whose syncs wait for the aggregator (deferred, or its steps held) writes nothing,
-        so a store that filled after its last stored write would go unsaid: the aggregator paused,
-        this learner waiting for a merge that cannot come, its log saying only ``aggregator_behind``
-        (the CI run of the nineteenth round: one learner of the full-disk test said nothing in 40 s).
-        While it waits, it writes a probe (``Subjects.grad_probe``) once no write was stored for
-        ``STORE_IDLE_PROBE`` s, and every ``PROBE_EVERY`` s while the store is faulted: a full store
-        is said once (``store_full``), and ``store_writable`` once a probe is stored again."""
+        """A learner whose syncs wait for the aggregator (deferred, its steps held, or in sync mode
+        waiting for its round's merge) writes nothing, so a store that filled after its last stored
+        write would go unsaid: the aggregator paused, this learner waiting for a merge that cannot
+        come, its log saying only ``aggregator_behind`` (the CI run of the nineteenth round: one
+        learner of the full-disk test said nothing in 40 s). While it waits, it writes a probe
+        (``Subjects.grad_probe``) once no write was stored for ``STORE_IDLE_PROBE`` s, and every
+        ``PROBE_EVERY`` s while the store is faulted: a full store is said once (``store_full``),
+        and ``store_writable`` once a probe is stored again. The probes stay in GRAD until its limits
+        drop them, so while they are stored and the learner still waits (an aggregator down for
+        long) the wait before the next doubles, up to ``STORE_IDLE_PROBE_MAX`` s."""
         subject = self.s.grad_probe(self.id)
+        idle = STORE_IDLE_PROBE
         while not self._halt.is_set():
             try:
-                await asyncio.wait_for(self._halt.wait(), self.cfg.heartbeat_interval)
+                await asyncio.wait_for(self._halt.wait(), min(1.0, self.cfg.heartbeat_interval))
                 return
             except asyncio.TimeoutError:
                 pass
-            if self.book.deferred():
-                await probe_store(self.js, subject, self.store_watch)
+            if not (self.book.deferred() or self._awaiting):
+                idle = STORE_IDLE_PROBE
+                continue
+            try:
+                if await probe_store(self.js, subject, self.store_watch, idle):
+                    idle = min(2 * idle, STORE_IDLE_PROBE_MAX)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug: said, and the next tick tries again
+                self.log.warning("store_probe_failed", error=repr(e))
 
     async def _save_progress(self) -> None:
         if self.progress is not None:

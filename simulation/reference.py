@@ -170,7 +170,11 @@ class Reference:
         self.K = quorum(cfg)
         self.grace = GracePolicy(mode="fixed", grace=cfg.grace, max_grace=max(cfg.grace, 10.0))
         self.arrivals = ArrivalStats()  # the learners' pace and arrivals (the on-time quorum, K = AUTO)
-        self.jitter = np.random.default_rng([cfg.data_seed, 7919]) if cfg.step_jitter > 0 else None
+        # one stream per learner: a learner's step times do not depend on the order of events (the
+        # phase lock on or off draws the same steps)
+        self.jitter = ([np.random.default_rng([cfg.data_seed, 7919, m]) for m in range(cfg.M)]
+                       if cfg.step_jitter > 0 else None)
+        self.jitter_sigma = float(np.sqrt(np.log1p(cfg.step_jitter ** 2)))
         # cfg.staleness is the aggregator's setting, a str (StalenessPolicy checks it)
         staleness = StalenessPolicy(cfg.staleness, cfg.staleness_a, cfg.staleness_b)  # type: ignore[arg-type]
         self.settings = MergeSettings(method=cfg.merge, staleness=staleness,
@@ -269,14 +273,14 @@ class Reference:
         if ln.pending:
             self._apply_pending(ln)
         ln.losses.append(ln.backend.step())
-        self._at(self.now + ln.step_time * self._jitter(), 4, self._step_done, ln, ln.epoch)
+        self._at(self.now + ln.step_time * self._jitter(ln), 4, self._step_done, ln, ln.epoch)
 
-    def _jitter(self) -> float:
+    def _jitter(self, ln: _Learner) -> float:
         """A step's time as a share of its learner's (RefConfig.step_jitter): log-normal, mean 1."""
         if self.jitter is None:
             return 1.0
-        sigma = float(np.sqrt(np.log1p(self.cfg.step_jitter ** 2)))
-        return float(self.jitter.lognormal(-sigma * sigma / 2, sigma))
+        sigma = self.jitter_sigma
+        return float(self.jitter[ln.i].lognormal(-sigma * sigma / 2, sigma))
 
     def _step_done(self, ln: _Learner, epoch: int) -> None:
         if epoch != ln.epoch or not ln.up:
@@ -392,7 +396,7 @@ class Reference:
         if not ln.up or ln.done:
             return
         lead = lp.lead_of({"lead": leads or []}, ln.name, ln.incarnation)
-        if lead is not None:
+        if lead is not None and self.cfg.mode != "sync":
             ln.book.shift_phase(lp.phase_shift(lead, ln.step_time, ln.book.period, self.P, self.cfg.phase_lock))
         fetch_all = self.cfg.fetch == "every" or self.cfg.mode == "sync"
         ln.book.on_applied(p, lp.applied_rounds({"applied": applied}, ln.name, ln.incarnation, p), v)

@@ -235,9 +235,11 @@ async def test_a_full_disk_pauses_the_run_loses_nothing_and_it_resumes_by_itself
         if rounds == "stored":
             procs["aggregator"].send_signal(signal.SIGSTOP)
             await asyncio.sleep(1.5)
-        filled = srv.fill()
-        if rounds == "stored":
-            procs["aggregator"].send_signal(signal.SIGCONT)
+        try:
+            filled = srv.fill()
+        finally:
+            if rounds == "stored":
+                procs["aggregator"].send_signal(signal.SIGCONT)
         t_fill = time.monotonic()
 
         async def all_said():

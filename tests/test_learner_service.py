@@ -404,24 +404,27 @@ async def test_without_a_monitor_a_learner_holds_once_its_work_is_merged(nats_se
     assert learner.book.merged_any() and learner.merges_reach
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_a_learner_waiting_for_the_aggregator_learns_of_a_full_store_and_says_so_once(nats_server, js,
-                                                                                          monkeypatch):
-    """A learner whose steps are held for the aggregator's merge writes nothing, so a store that filled
-    after its last stored write went unsaid: in the nineteenth round's CI one learner of the full-disk
-    test said nothing for 40 s (its round was stored just before the disk filled; the aggregator then
-    could not merge it). Now it writes a probe on its own GRAD subject once no write was stored for
-    STORE_IDLE_PROBE s while it waits: the store's refusal is said once (``store_full``), and
-    ``store_writable`` when a probe is stored again. The refusal is the one a server at its
-    max_file_store answers (10023), put on this learner's writes to GRAD."""
+                                                                                          monkeypatch, mode):
+    """A learner whose steps are held for the aggregator's merge (or, in sync mode, that waits for
+    its round's merge) writes nothing, so a store that filled after its last stored write went
+    unsaid: in the nineteenth round's CI one learner of the full-disk test said nothing for 40 s
+    (its round was stored just before the disk filled; the aggregator then could not merge it). Now
+    it writes a probe on its own GRAD subject once no write was stored for STORE_IDLE_PROBE s while
+    it waits: the store's refusal is said once (``store_full``), and ``store_writable`` when a probe
+    is stored again. The refusal is the one a server at its max_file_store answers (10023), put on
+    this learner's writes to GRAD."""
     from nats.js.errors import ServiceUnavailableError
 
     from bus import store_health
     from learner.service import Learner
 
-    monkeypatch.setattr(store_health, "STORE_IDLE_PROBE", 0.5)
+    monkeypatch.setattr("learner.service.STORE_IDLE_PROBE", 0.5)
     await bootstrap(js)
     common, model, cfg = configs(nats_server, sync_every=2, max_steps=100_000, step_time=0.02, quantiser="fp32",
-                                 error_feedback=False, sync_timeout=60)
+                                 error_feedback=False, sync_timeout=60,
+                                 **({"mode": "sync", "compute": "synthetic"} if mode == "sync" else {}))
     learner = Learner(common, model, cfg)
     said: list[tuple[str, dict]] = []
     log = learner.store_watch.log
@@ -438,15 +441,22 @@ async def test_a_learner_waiting_for_the_aggregator_learns_of_a_full_store_and_s
     full = {"on": False}
     stop = asyncio.Event()
     run = asyncio.create_task(learner.run(stop))
+
+    def waiting() -> bool:
+        return bool(learner.book.holding()) if mode == "async" else bool(learner._awaiting)
+
     try:
-        for g in await consume_grads(js, 4, timeout=30):  # every fragment's first round; fragment 0's merged
-            if g.meta["frag"] == 0:
-                await put_version(js, 0, 1, V0[0], applied=[[g.meta["learner"], g.meta["inc"], 0, g.meta["round"]]])
-                break
-        else:
-            raise AssertionError("no outer gradient of fragment 0")
-        await _until(lambda: bool(learner.book.holding()))  # its next round is never merged: held
-        assert learner.book.holding(), learner.book.counters()
+        if mode == "async":
+            for g in await consume_grads(js, 4, timeout=30):  # every fragment's first round; fragment 0's merged
+                if g.meta["frag"] == 0:
+                    await put_version(js, 0, 1, V0[0],
+                                      applied=[[g.meta["learner"], g.meta["inc"], 0, g.meta["round"]]])
+                    break
+            else:
+                raise AssertionError("no outer gradient of fragment 0")
+        # async: its next round of fragment 0 is never merged (held); sync: no round is ever merged
+        await _until(waiting)
+        assert waiting(), learner.book.counters()
         real, real_async = learner.js.publish, learner.js.publish_async
 
         def refused(subject: str) -> bool:
@@ -466,7 +476,7 @@ async def test_a_learner_waiting_for_the_aggregator_learns_of_a_full_store_and_s
         full["on"] = True
         await _until(lambda: learner.store_watch.faulted, 10)
         assert learner.store_watch.faulted, said
-        assert learner.book.holding() and learner.book.counters()["holds_expired"] == 0  # said while held
+        assert waiting() and learner.book.counters()["holds_expired"] == 0  # said while waiting
         await asyncio.sleep(1.5)  # several probes, all refused: said once
         assert [e for e, _ in said] == ["store_full"], said
         assert said[0][1]["reason"] == store_health.FULL and said[0][1]["server"] == "insufficient resources"
