@@ -187,6 +187,12 @@ class StoreWatch:
     def may_write(self) -> bool:
         return self.health.may_write(time.monotonic())
 
+    def attempt_timeout(self, timeout: float) -> float:
+        """How long a write waits for its acknowledgement: ``timeout``, and while the store is
+        faulted no longer than the probes are spaced (one sent to a server that then restarted,
+        a full disk healed, is never answered)."""
+        return min(timeout, self.health.probe_every) if self.faulted else timeout
+
     def probe_due(self, idle: float) -> bool:
         return self.health.probe_due(time.monotonic(), idle)
 

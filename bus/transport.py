@@ -117,12 +117,9 @@ class ChunkPublisher:
         """Awaited publish with retries until ``t_end`` (same Msg-Id: duplicates are dropped by the server)."""
         delay = 0.1
         while True:
-            # while the store is faulted, an attempt waits no longer than the probes are spaced: one
-            # sent to a server that then restarted (a full disk healed) is never answered, and waiting
-            # its whole ack timeout kept a learner's work off the run for up to 10 s after the restart
-            timeout = self.ack_timeout
-            if self.watch is not None and self.watch.faulted:
-                timeout = min(timeout, self.watch.health.probe_every)
+            # (waiting the whole ack timeout while the store was faulted kept a learner's work off
+            # the run for up to 10 s after the server's restart)
+            timeout = self.ack_timeout if self.watch is None else self.watch.attempt_timeout(self.ack_timeout)
             try:
                 ack = await self.js.publish(subject, payload, timeout=timeout, headers=dict(headers))
             except Exception as e:

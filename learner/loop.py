@@ -541,9 +541,10 @@ def lead_of(meta: Mapping, learner: str, incarnation: str) -> float | None:
 def phase_shift(lead_s: float, step_s: float, period: float, fragments: int, gain: float) -> float:
     """The phase lock: steps to move this learner's syncs (later: positive), from one merge's
     ``lead_of`` (pure). ``gain`` of the lead per round, a ``1 / fragments`` share of it per merge
-    (each fragment's merge states it once a round); the lead is counted at most half a round either
-    way (a round's phase is circular: half a round late is as far from the others as half a round
-    early). 0 without a pace (``step_s``) or with ``gain`` 0."""
+    (each fragment's merge states it once a round); the lead is clamped to half a round either way
+    (not wrapped: a lead of more than half a round, which the on-time quorum's half-round window
+    rarely gives, moves the learner the long way round). 0 without a pace (``step_s``) or with
+    ``gain`` 0."""
     if not (gain > 0 and step_s > 0 and period > 0 and fragments > 0 and math.isfinite(lead_s)
             and math.isfinite(step_s)):
         return 0.0
