@@ -1,12 +1,15 @@
 """The aggregator service against a real nats-server: rejections, merges, slow learners."""
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
 from collections import Counter
 
 import numpy as np
+import pytest
 import orjson
 from nats.js.api import DeliverPolicy
 
@@ -784,7 +787,8 @@ async def test_the_default_quorum_closes_a_round_on_time_and_waits_for_every_loc
     await task
 
 
-async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(nats_server, js, monkeypatch):
+@pytest.mark.parametrize("slow_server", [False, True])
+async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(nats_server, js, monkeypatch, slow_server):
     """DILOCO_QUORUM=auto: the aggregator is busy (blocked) for 0.6 s right after reading a's
     contribution, past the round's deadline (0.1-0.15 s after a's arrival); b's contribution of the
     same round reaches the server meanwhile, well before that deadline. The round is judged at the
@@ -830,6 +834,9 @@ async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(n
             go.set()
             assert sent.wait(10)  # b is stored on the server while this loop is blocked
             time.sleep(0.6)
+            if slow_server:  # its answers come after the aggregator's next wait (10 ms) ran out
+                os.kill(nats_server.proc.pid, signal.SIGSTOP)
+                asyncio.get_running_loop().call_later(0.3, os.kill, nats_server.proc.pid, signal.SIGCONT)
 
     monkeypatch.setattr(svc.intake, "handle", busy_after_a)
     ka = await a.send(0, base=1, **pace)

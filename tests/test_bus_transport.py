@@ -455,6 +455,54 @@ async def test_a_poll_says_when_it_last_read_everything_the_server_held(js):
     assert await consumer.poll(timeout=0.1) == [] and consumer.drained_at > before  # waited for nothing
 
 
+async def test_a_poll_whose_wait_ran_out_before_the_server_answered_does_not_say_it_read_everything(nats_server, js):
+    """The busy-aggregator flake (the round closed without b, 1 of 4 suite runs): after a blocked pass
+    the aggregator polled with a wait of 10 ms (the round's deadline had passed); the server's answer,
+    b's contribution, took longer on the loaded machine; nats-py's fetch timed out and the poll said
+    it had read everything the server held (``drained_at`` now), b still on the server. Here the
+    server is stopped for 0.3 s. The poll asks the server (``ask_if_drained``) before it says so."""
+    from tests.stopped import stopped
+
+    consumer = await _setup(js)
+    await consumer.start()
+    await ChunkPublisher(js, max_chunk=4096).publish(S.grad(0, "b"), "ob", np.arange(100, dtype=np.float32).tobytes(),
+                                                    {"i": 0})
+    before = consumer.drained_at
+    with stopped(nats_server.proc.pid):
+        task = asyncio.create_task(consumer.poll(timeout=0.01))
+        await asyncio.sleep(0.3)
+    got = await asyncio.wait_for(task, 10)
+    if not got:
+        assert consumer.drained_at == before, "the poll said it had read a contribution it had not"
+        got = await _drain(consumer, lambda out: out)
+    assert [r.meta["i"] for r in got] == [0]
+    for r in got:
+        await ack_all(r.tokens)
+    # and an idle poll still says so: the server answered that nothing was there
+    before = consumer.drained_at
+    assert await consumer.poll(timeout=0.05) == [] and consumer.drained_at > before
+
+
+async def test_a_poll_that_can_read_nothing_more_says_so_at_once(js):
+    """``max_ack_pending`` chunks held unacknowledged (a backlogged aggregator): what else is pending
+    cannot be delivered, so it does not hold deadlines (as before the consumer's state was asked), and
+    the poll ends with its wait (a pull request without ``expires`` is not answered at all then)."""
+    await ensure_run(js, RUN, Limits(max_bytes=512 * 1024 * 1024))
+    consumer = ChunkConsumer(js, S.stream("grad"), "held", [S.grad_all], Assembler(), max_ack_pending=2)
+    await consumer.start()
+    pub = ChunkPublisher(js, max_chunk=4096)
+    for i in range(4):
+        await pub.publish(S.grad(0, "a"), f"o{i}", np.arange(10, dtype=np.float32).tobytes(), {"i": i})
+    got = await _drain(consumer, lambda out: len(out) >= 2, timeout=5)
+    assert [r.meta["i"] for r in got] == [0, 1]  # held: nothing more is deliverable
+    before = consumer.drained_at
+    t0 = time.monotonic()
+    assert await consumer.poll(timeout=0.05) == []
+    assert time.monotonic() - t0 < 1.0 and consumer.drained_at > before
+    await ack_all(got[0].tokens)  # one acknowledged: the next is deliverable, and read
+    assert [r.meta["i"] for r in await _drain(consumer, lambda out: out, timeout=5)] == [2]
+
+
 async def test_take_pending_waits_for_the_servers_answer_not_a_fixed_time(nats_server, js):
     """bus.transport.take_pending ends at the server's answer: a server that answers late (stopped for
     0.4 s: a loaded machine) still gives every pending message (a fixed 50 ms wait once gave 1 of 32
