@@ -142,6 +142,7 @@ class MonitorService(Leadership, HeartbeatIntake):
         }
         self.started_at: float | None = None
         self._drained_at: float | None = None  # when the heartbeat intake was last empty (tick)
+        self._ticked_at: float | None = None  # the previous tick (a gap far longer than its period: a stall)
         self._hb_sub: Any = None  # the heartbeat subscription (its pending count: the intake's backlog)
         self.ready = asyncio.Event()
         self.nc = None

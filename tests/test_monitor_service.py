@@ -608,3 +608,25 @@ def test_a_backlog_of_heartbeats_holds_evictions_for_at_most_evict_after():
     assert svc.tick(t0 + 0.1) == []  # drained at t0 + 0.1
     assert svc.tick(t0 + EVICT + 0.5, backlog=4000) == []  # its next heartbeat may be in the queue
     assert [t.new for t in svc.tick(t0 + 2 * EVICT + 0.2, backlog=4000)] == [State.EVICTED]  # not forever
+
+
+def test_a_monitor_that_stalled_counts_silence_only_up_to_its_tick_before():
+    """The flood test's real learner, evicted once more in a suite run on an overloaded machine: the
+    monitor's process did not run for longer than ``evict_after`` (its tick wrote 3,000 records),
+    and the learner's heartbeats of that time waited unread in the socket, where no backlog counts
+    them. A tick that comes long after the one before counts silence up to that one only; the next
+    tick, once the socket is read, judges the learner (evicted if nothing came)."""
+    common, cfg = configs("nats://127.0.0.1:1", "stall", "mon-a")
+    svc = MonitorService(common, cfg)
+    t0 = time.time()
+    svc.started_at = t0 - 100
+    svc.members = {"good": Member("good", "eu", State.ACTIVE, t0, t0, "", "inc", (), 1, 1.0)}
+    assert svc.tick(t0 + 0.1) == []
+    assert svc.tick(t0 + EVICT + 0.5) == []  # stalled 1.4 s: its heartbeats may be in the socket
+    assert [t.new for t in svc.tick(t0 + EVICT + 0.6)] == [State.EVICTED]  # read since: none came
+    # ticks on time judge by the clock, as before: silent past evict_after, evicted at the next tick
+    svc.members = {"late": Member("late", "eu", State.ACTIVE, t0, t0, "", "inc", (), 1, 1.0)}
+    svc._ticked_at = None
+    seen = [t.new for k in range(1, int(EVICT / (HB / 2))) for t in svc.tick(t0 + k * HB / 2)]
+    assert seen == [State.SUSPECT]  # (after suspect_after)
+    assert [t.new for t in svc.tick(t0 + EVICT + HB / 2)] == [State.EVICTED]
