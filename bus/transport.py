@@ -310,7 +310,7 @@ async def take_pending(sub, n: int, wait: float) -> list:
     return out
 
 
-async def ask_if_drained(sub, seen: int) -> tuple[list, float | None]:
+async def ask_if_drained(sub, seen: int, wait: float = DRAIN_WAIT_S) -> tuple[list, float | None]:
     """After a poll's wait ran out on this side: (messages that reached the subscription meanwhile,
     the moment as of which every message the server held for ``sub`` has been read here, or None).
 
@@ -324,10 +324,14 @@ async def ask_if_drained(sub, seen: int) -> tuple[list, float | None]:
     request is on its way, and the reply that says so comes after it on the connection) and holds
     nothing it could give (pending messages it cannot deliver while ``max_ack_pending`` are
     unacknowledged cannot be read either: they do not hold deadlines, as before). As of when the
-    question was sent. Not a pull request: one without ``expires`` is not answered at all while
+    question was sent; no answer within ``wait`` raises. Not a pull request: one without ``expires`` is not answered at all while
     ``max_ack_pending`` are out, and one with it is held for the next message to come."""
     asked = time.monotonic()
-    info = await sub.consumer_info()
+    jsm = getattr(getattr(sub, "_js", None), "_jsm", None)
+    # (at most ``wait``: a poll of a server that does not answer ends as it did, not after the
+    # context's whole timeout)
+    info = (await jsm.consumer_info(sub._stream, sub._consumer, timeout=wait) if jsm is not None
+            else await sub.consumer_info())
     out = []
     inner = getattr(sub, "_sub", None)
     queue = inner._pending_queue if inner is not None else None

@@ -93,6 +93,7 @@ class _Learner:
     kept: dict = field(default_factory=dict)  # p -> its earlier whole-round vectors (a replaying learner)
     rng: Any = None
     steps: int = 0  # its inner steps (RefConfig.learner_steps, or steps)
+    holds: int = 0  # the sync window's holds so far (the newest one's timer is the live one)
 
 
 @dataclass
@@ -217,7 +218,8 @@ class Reference:
             own = cfg.learner_steps[m] if cfg.learner_steps else None
             be = s.backend(batches, own)
             be.load(v0)
-            book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered)
+            book = Bookkeeper(self.P, cfg.H, s.tokens_per_step, staggered=staggered,
+                              **({"window": cfg.sync_window, "hold": cfg.sync_hold} if cfg.mode != "sync" else {}))
             if cfg.learner_periods:  # (a real number of steps: Bookkeeper.set_period)
                 book.set_period(cfg.learner_periods[m])
             for p in range(self.P):
@@ -259,6 +261,8 @@ class Reference:
                 "versions": [st.version for st in self.states], "virtual_s": round(self.now, 3),
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                 "learner_steps": [ln.book.step for ln in self.learners],
+                "holds": sum(ln.holds for ln in self.learners),
+                "deferrals": sum(ln.book.deferrals for ln in self.learners),
                 "bytes_per_learner": {"up": self.bytes_up // cfg.M, "down": self.bytes_down},
                 "train_losses": [ln.losses for ln in self.learners]}
 
@@ -312,6 +316,35 @@ class Reference:
         if cfg.mode == "sync" and ln.awaiting:
             ln.blocked = True
             return
+        if cfg.mode != "sync" and self._held(ln):  # learner.core._hold
+            ln.blocked = True
+            ln.holds += 1
+            self._at(self.now + cfg.sync_timeout, 3, self._hold_expired, ln, ln.epoch, ln.holds)
+            return
+        self._start_step(ln)
+
+    def _held(self, ln: _Learner) -> bool:
+        """The sync window's hold (learner.core._hold): a fragment's deferred sync waited its periods
+        for the merge of this learner's previous round; its downloaded version, if here, is mixed in
+        now, and the hold lasts while a fragment is still held."""
+        held = ln.book.holding()
+        if not held:
+            return False
+        for p in held:  # (a download started at this boundary is here: the service's hold applies it)
+            if p in ln.downloading:
+                ln.pending[p] = ln.downloading.pop(p)
+        if any(p in ln.pending for p in held):
+            self._apply_pending(ln)
+            return bool(ln.book.holding())
+        return True
+
+    def _hold_expired(self, ln: _Learner, epoch: int, hold: int) -> None:
+        """DILOCO_SYNC_TIMEOUT: train on without the merge (Bookkeeper.give_up_hold)."""
+        if epoch != ln.epoch or hold != ln.holds or not ln.blocked or ln.done:
+            return
+        for p in ln.book.holding():
+            ln.book.give_up_hold(p)
+        ln.blocked = False
         self._start_step(ln)
 
     def _fetch_delay(self, ln: _Learner) -> int:
@@ -412,6 +445,11 @@ class Reference:
         for r in lp.applied_rounds({"applied": applied}, ln.name, ln.incarnation, p):
             if (p, r) in ln.awaiting:
                 ln.applied_in[(p, r)] = min(ln.applied_in.get((p, r), v), v)
+        if ln.blocked and self.cfg.mode != "sync":
+            if not self._held(ln):
+                ln.blocked = False
+                self._start_step(ln)
+            return
         if ln.blocked:
             for key in list(ln.awaiting):
                 f = ln.book.frags[key[0]]

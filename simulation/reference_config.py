@@ -87,6 +87,13 @@ class RefConfig:
     mix_alpha: float = _L("mix_alpha")
     fetch: str = _L("fetch")
     fetch_delay: int = _L("fetch_delay")  # -1: H/4 (the default before the fourteenth round)
+    # the learners' sync window and hold (DILOCO_SYNC_WINDOW, DILOCO_SYNC_HOLD; decoupled only):
+    # a sync deferred while the learner's previous round of the fragment is not merged, and inner
+    # steps held once one waited that many periods, at most sync_timeout (virtual) seconds. Off (0)
+    # unless set: the reference's recorded figures were made without them
+    sync_window: int = 0
+    sync_hold: int = 0
+    sync_timeout: float = _L("sync_timeout")
     final_sync: bool = _L("final_sync")
     # aggregator: its defaults, except the quorum (None: K = M, every learner; -1: on time,
     # aggregator.quorum.AUTO, the role default since the seventh round: at equal step times both
