@@ -241,6 +241,8 @@ class Reference:
         self.total_steps = 0
         while self._events:
             t, _, _, fn, args = heapq.heappop(self._events)
+            if fn == self._hold_expired and not self._hold_live(*args):
+                continue  # a hold that ended: its timer moves no clock (virtual_s)
             self.now = t
             fn(*args)
         for p in range(self.P):  # anything still buffered (K not reached at the very end): merge it
@@ -338,9 +340,13 @@ class Reference:
             return bool(ln.book.holding())
         return True
 
+    @staticmethod
+    def _hold_live(ln: _Learner, epoch: int, hold: int) -> bool:
+        return epoch == ln.epoch and hold == ln.holds and ln.blocked and not ln.done
+
     def _hold_expired(self, ln: _Learner, epoch: int, hold: int) -> None:
         """DILOCO_SYNC_TIMEOUT: train on without the merge (Bookkeeper.give_up_hold)."""
-        if epoch != ln.epoch or hold != ln.holds or not ln.blocked or ln.done:
+        if not self._hold_live(ln, epoch, hold):
             return
         for p in ln.book.holding():
             ln.book.give_up_hold(p)

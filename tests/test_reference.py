@@ -192,6 +192,24 @@ def test_an_aggregator_outage_backlog_does_not_blow_up_the_model():
     assert unguarded > 1.5 * pre9, (pre9, unguarded)
 
 
+def test_the_learners_sync_window_and_hold_in_the_reference():
+    """RefConfig.sync_window / sync_hold (the roles' DILOCO_SYNC_WINDOW and DILOCO_SYNC_HOLD): with the
+    aggregator down, a learner defers its syncs while its last round is not merged, then holds its
+    steps (virtual time passes, its steps do not) until the aggregator is back and merges it, or
+    sync_timeout ends the hold. Off (the recorded figures' reference), the learners train through
+    the outage open loop."""
+    base = replace(BASE, mode="decoupled", M=2, steps=40, H=4, P=2, agg_outages=((6.0, 30.0),))
+    setup = Setup(base)
+    off = run_reference(base, setup)
+    assert off["holds"] == 0 and off["deferrals"] == 0 and off["virtual_s"] < 45
+    on = run_reference(replace(base, sync_window=1, sync_hold=1), setup)
+    assert on["holds"] >= 2 and on["deferrals"] >= 2 and on["learner_steps"] == [40, 40]
+    # held from before step 20 until the aggregator came back at 30 and merged the held rounds
+    assert 30 + 20 <= on["virtual_s"] < 30 + 40
+    timed = run_reference(replace(base, sync_window=1, sync_hold=1, sync_timeout=2.0), setup)
+    assert timed["holds"] >= 2 and timed["virtual_s"] < on["virtual_s"]  # gave up after 2 s, trained on
+
+
 def test_step_jitter_is_seeded_and_moves_the_learners_out_of_step():
     """RefConfig.step_jitter (each step's time drawn around its learner's, as eight learners sharing
     two cores see): the same seed gives the same run, and with a quorum below M the learners' rounds
