@@ -251,7 +251,7 @@ class AggregatorService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}",
-                                reconnected_cb=self.membership.reconnected)
+                                reconnected_cb=self.membership.reconnected, after_reconnect=self.store_watch.reconnected)
         # a short timeout: a request sent while the server restarts can go unanswered, and the
         # merge loop must retry it soon rather than stall (it waited 30 s in the chaos run)
         js = self.js = self.nc.jetstream(timeout=5)

@@ -32,7 +32,7 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client
@@ -195,7 +195,8 @@ class ConnectionLog:
 
 
 async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, timeout: float | None = None,
-                  refused_grace: float | None = None, **extra: Any) -> Client:
+                  refused_grace: float | None = None, after_reconnect: Callable[[], Awaitable[None]] | None = None,
+                  **extra: Any) -> Client:
     """A connected client named ``name`` (shown in the server's /connz) for ``cfg``.
 
     ``timeout``: seconds to try at start (default DILOCO_CONNECT_TIMEOUT), then ConnectFailed.
@@ -204,7 +205,8 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
     ``REFUSED_GRACE``); None (roles): the whole window.
     ``extra``: nats-py options; an ``error_cb``, ``disconnected_cb`` or ``reconnected_cb`` given
     there replaces our logging once connected (errors while connecting are never passed to it:
-    they make the ConnectFailed)."""
+    they make the ConnectFailed). ``after_reconnect``: awaited after every reconnect as well, beside
+    the logging (a role's store watch probes a full store at once: ``StoreWatch.reconnected``)."""
     window = cfg.connect_timeout if timeout is None else max(0.1, float(timeout))
     log = get_logger(component="conn", conn=name)
     states = ConnectionLog(log)
@@ -255,6 +257,8 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
             await user_rec()
         else:
             states.reconnected()
+        if after_reconnect is not None:
+            await after_reconnect()
 
     opts: dict[str, Any] = dict(
         servers=cfg.nats_url.split(","),

@@ -157,6 +157,14 @@ class StoreHealth:
             return True
         return False
 
+    def reconnected(self, now: float) -> None:
+        """The connection to the server came back: while faulted, the next probe is due now. A
+        restart is how a full store usually ends (space freed, the server started again), and a
+        probe on the old schedule came up to ``probe_every`` later (the full-disk test resumed 11.5 s
+        after the space was freed in 6 of 10 runs, 3 s in the others)."""
+        if self.reason is not None:
+            self.next_probe = min(self.next_probe, now)
+
     def metrics(self, now: float) -> dict:
         return {"store_fault": self.reason, "store_faults": self.episodes, "store_refused": self.refused,
                 "store_fault_s": round(self.seconds + (now - self.since if self.reason else 0.0), 3)}
@@ -195,6 +203,10 @@ class StoreWatch:
 
     def probe_due(self, idle: float) -> bool:
         return self.health.probe_due(time.monotonic(), idle)
+
+    async def reconnected(self) -> None:
+        """A ``reconnected_cb`` (``bus.conn.connect``): a faulted role probes at once."""
+        self.health.reconnected(time.monotonic())
 
     async def _answers(self, probe: Callable[[], Awaitable[object]] | None) -> bool:
         if probe is None:

@@ -261,7 +261,8 @@ class Learner(IslandCore, Presence):
             self.log.warning("residual_rounded", quantiser=cfg.quantiser,
                              hint="DILOCO_RESIDUAL_DTYPE=bfloat16 with a topk codec rounds the values not sent yet "
                                   "at every sync, however long they wait; auto keeps them float32")
-        self.nc = await connect_until(self.common, f"learner-{self.id}", deadline, self.log)
+        self.nc = await connect_until(self.common, f"learner-{self.id}", deadline, self.log,
+                                      after_reconnect=self.store_watch.reconnected)
         self.js = self.nc.jetstream(timeout=10)
         self.store_watch.probe = lambda: self.js.stream_info(self.s.stream("grad"))
         # a publish that timed out while a probe of its own is stored was lost (sent to a server that

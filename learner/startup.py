@@ -62,14 +62,14 @@ class StartupError(Exception):
 
 
 
-async def connect_until(common: CommonConfig, name: str, deadline: float, log):
+async def connect_until(common: CommonConfig, name: str, deadline: float, log, **extra):
     """Connect, trying for DILOCO_CONNECT_TIMEOUT seconds (not beyond ``deadline``, monotonic), so a
     learner may start a little before its server; then StartupError(4) with the one line of
     :class:`bus.conn.ConnectFailed` (the URL and what to check). ``log`` is unused: nothing is
-    logged while it tries."""
+    logged while it tries. ``extra``: :func:`bus.conn.connect`'s callbacks."""
     window = max(0.1, min(common.connect_timeout, deadline - time.monotonic()))
     try:
-        return await connect(common, name=name, timeout=window)
+        return await connect(common, name=name, timeout=window, **extra)
     except ConnectFailed as e:
         raise StartupError(EXIT_TIMEOUT, str(e)) from None
 

@@ -275,7 +275,8 @@ class MonitorService(Leadership, HeartbeatIntake):
         """Serve until ``stop`` is set. On a graceful stop the leader flushes and releases its lease
         (a standby takes over at once); if the task is cancelled instead (a crash, for tests) the
         lease simply expires after ``lease_ttl``."""
-        connecting = asyncio.ensure_future(connect(self.common, name=f"monitor-{self.id}"))
+        connecting = asyncio.ensure_future(connect(self.common, name=f"monitor-{self.id}",
+                                                   after_reconnect=self.store_watch.reconnected))
         stopping = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -102,6 +102,22 @@ def test_a_probe_that_timed_out_is_followed_one_spacing_after_it_was_sent():
     assert not h.may_write(124.0) and h.may_write(125.0)
 
 
+def test_a_faulted_role_probes_as_soon_as_its_connection_comes_back():
+    """A full store usually ends with the server restarted on freed space: a role probed on its old
+    schedule, up to 5 s after it reconnected (the full-disk test resumed 11.5 s after the space was
+    freed in 6 of 10 runs). Reconnected while faulted: the next probe is due now; while healthy the
+    idle probes keep their spacing."""
+    h = StoreHealth(probe_every=5.0)
+    h.fault(FULL, 100.0)
+    assert not h.may_write(101.0)
+    h.reconnected(101.5)
+    assert h.may_write(101.5) and not h.may_write(102.0)  # one probe, then the spacing again
+    ok = StoreHealth(probe_every=5.0, last_stored=100.0)
+    assert ok.probe_due(110.0, idle=10.0) and not ok.probe_due(111.0, idle=10.0)
+    ok.reconnected(111.0)
+    assert not ok.probe_due(111.0, idle=10.0) and ok.may_write(111.0)
+
+
 class Log:
     def __init__(self):
         self.lines: list[tuple[str, str, dict]] = []
