@@ -206,3 +206,32 @@ def test_a_refusal_that_nats_py_hands_to_the_error_callback_is_not_logged_twice(
     conn.error(ServiceUnavailableError(code=503, err_code=10023, description="insufficient resources"))
     conn.error(ValueError("slow consumer"))
     assert [(lv, ev) for lv, ev, _ in log.lines] == [("debug", "nats_error"), ("warning", "nats_error")]
+
+
+async def test_a_reconnect_reaches_the_store_watch_and_is_still_logged(nats_server):
+    """``bus.conn.connect(..., after_reconnect=StoreWatch.reconnected)``, as every role connects: the
+    server restarted, a faulted watch may probe at once, and the connection's own line is kept."""
+    import time
+
+    import structlog
+
+    from bus.config import CommonConfig
+    from bus.conn import connect
+
+    watch = StoreWatch(Log(), "waits")
+    watch.health.fault(FULL, time.monotonic())
+    assert not watch.may_write()
+    with structlog.testing.capture_logs() as said:
+        nc = await connect(CommonConfig(nats_url=nats_server.url, run="r"), name="t", after_reconnect=watch.reconnected)
+        try:
+            nats_server.kill()
+            await asyncio.sleep(0.5)
+            nats_server.start()
+            for _ in range(200):
+                if nc.is_connected and any(e["event"] == "nats_reconnected" for e in said):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+    assert "nats_reconnected" in [e["event"] for e in said]
+    assert watch.may_write() and not watch.may_write()  # one probe now, then the spacing
