@@ -250,8 +250,13 @@ class AggregatorService:
                 delay = min(5.0, 2 * delay)
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}",
-                                reconnected_cb=self.membership.reconnected, after_reconnect=self.store_watch.reconnected)
+        async def reconnected() -> None:
+            await self.membership.reconnected()
+            await self.store_watch.reconnected()
+
+        # (after_reconnect, not reconnected_cb: that one replaced the connection's own logging, so the
+        # aggregator never said nats_reconnected, and its later disconnects went unsaid)
+        self.nc = await connect(self.common, name=f"aggregator-{self.cfg.aggregator_id}", after_reconnect=reconnected)
         # a short timeout: a request sent while the server restarts can go unanswered, and the
         # merge loop must retry it soon rather than stall (it waited 30 s in the chaos run)
         js = self.js = self.nc.jetstream(timeout=5)

@@ -258,7 +258,10 @@ async def connect(cfg: CommonConfig, name: str, ping_interval: float = 5.0, *, t
         else:
             states.reconnected()
         if after_reconnect is not None:
-            await after_reconnect()
+            try:  # (raised into nats-py's reconnect, it would count the reconnect as failed)
+                await after_reconnect()
+            except Exception as e:  # noqa: BLE001
+                log.warning("after_reconnect_failed", error=repr(e))
 
     opts: dict[str, Any] = dict(
         servers=cfg.nats_url.split(","),

@@ -321,11 +321,14 @@ async def ask_if_drained(sub, seen: int, wait: float = DRAIN_WAIT_S) -> tuple[li
     (``test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read``, 1 of 4 suite runs).
     So the consumer's state is asked for: drained if the server has given this subscription nothing
     beyond ``seen`` (the highest consumer sequence read here; a message given to the timed-out
-    request is on its way, and the reply that says so comes after it on the connection) and holds
-    nothing it could give (pending messages it cannot deliver while ``max_ack_pending`` are
+    request may still be on its way: its sequence says so, whatever order the two replies take)
+    and holds nothing it could give (pending messages it cannot deliver while ``max_ack_pending`` are
     unacknowledged cannot be read either: they do not hold deadlines, as before). As of when the
     question was sent; no answer within ``wait`` raises. Not a pull request: one without ``expires`` is not answered at all while
     ``max_ack_pending`` are out, and one with it is held for the next message to come."""
+    nc = getattr(sub, "_nc", None)
+    if nc is not None and not nc.is_connected:
+        return [], None  # (reconnecting: nothing to ask, and not drained)
     asked = time.monotonic()
     jsm = getattr(getattr(sub, "_js", None), "_jsm", None)
     # (at most ``wait``: a poll of a server that does not answer ends as it did, not after the

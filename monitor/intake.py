@@ -135,7 +135,8 @@ class HeartbeatIntake:
         that wrote thousands of records, a process the machine did not run) counts silence only up
         to that previous tick: heartbeats sent meanwhile may wait unread in the socket, where no
         backlog counts them (the flood test's real learner was evicted once more, in a suite run on
-        an overloaded machine). The next tick, once this process has read its socket, judges them."""
+        an overloaded machine). The next tick judges them: by then the loop has run its reader, and
+        what it has not processed yet is the backlog above."""
         assert self.started_at is not None
         prev, self._ticked_at = self._ticked_at, now
         if not backlog:

@@ -31,16 +31,21 @@ def _all_stopped(pid: int) -> bool:
     return True
 
 
+def stop(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped (the caller sends SIGCONT)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout}s of SIGSTOP")
+        time.sleep(0.001)
+
+
 @contextmanager
 def stopped(pid: int, timeout: float = 5.0) -> Iterator[None]:
     """``pid`` stopped (every thread) for the body, then continued."""
-    os.kill(pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + timeout
-        while not _all_stopped(pid):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"process {pid} did not stop within {timeout}s of SIGSTOP")
-            time.sleep(0.001)
+        stop(pid, timeout)
         yield
     finally:
         os.kill(pid, signal.SIGCONT)

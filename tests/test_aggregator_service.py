@@ -835,7 +835,9 @@ async def test_a_busy_aggregator_judges_a_round_s_deadline_by_what_it_had_read(n
             assert sent.wait(10)  # b is stored on the server while this loop is blocked
             time.sleep(0.6)
             if slow_server:  # its answers come after the aggregator's next wait (10 ms) ran out
-                os.kill(nats_server.proc.pid, signal.SIGSTOP)
+                from tests.stopped import stop
+
+                stop(nats_server.proc.pid)
                 asyncio.get_running_loop().call_later(0.3, os.kill, nats_server.proc.pid, signal.SIGCONT)
 
     monkeypatch.setattr(svc.intake, "handle", busy_after_a)

@@ -218,7 +218,7 @@ async def test_a_reconnect_reaches_the_store_watch_and_is_still_logged(nats_serv
     from bus.config import CommonConfig
     from bus.conn import connect
 
-    watch = StoreWatch(Log(), "waits")
+    watch = StoreWatch(Log(), "waits", probe_every=600.0)  # (its old schedule is far off whatever the load)
     watch.health.fault(FULL, time.monotonic())
     assert not watch.may_write()
     with structlog.testing.capture_logs() as said:
@@ -227,7 +227,7 @@ async def test_a_reconnect_reaches_the_store_watch_and_is_still_logged(nats_serv
             nats_server.kill()
             await asyncio.sleep(0.5)
             nats_server.start()
-            for _ in range(200):
+            for _ in range(600):  # (a loaded suite: the restart and the client's next attempt took over 10 s)
                 if nc.is_connected and any(e["event"] == "nats_reconnected" for e in said):
                     break
                 await asyncio.sleep(0.05)
