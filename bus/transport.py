@@ -324,8 +324,9 @@ async def ask_if_drained(sub, seen: int, wait: float = DRAIN_WAIT_S) -> tuple[li
     request may still be on its way: its sequence says so, whatever order the two replies take)
     and holds nothing it could give (pending messages it cannot deliver while ``max_ack_pending`` are
     unacknowledged cannot be read either: they do not hold deadlines, as before). As of when the
-    question was sent; no answer within ``wait`` raises. Not a pull request: one without ``expires`` is not answered at all while
-    ``max_ack_pending`` are out, and one with it is held for the next message to come."""
+    question was sent; no answer within ``wait`` raises. Not a pull request: one without
+    ``expires`` is not answered at all while ``max_ack_pending`` are out, and one with it is held
+    for the next message to come."""
     nc = getattr(sub, "_nc", None)
     if nc is not None and not nc.is_connected:
         return [], None  # (reconnecting: nothing to ask, and not drained)
