@@ -208,12 +208,13 @@ def test_a_refusal_that_nats_py_hands_to_the_error_callback_is_not_logged_twice(
     assert [(lv, ev) for lv, ev, _ in log.lines] == [("debug", "nats_error"), ("warning", "nats_error")]
 
 
-async def test_a_reconnect_reaches_the_store_watch_and_is_still_logged(nats_server):
+async def test_a_reconnect_reaches_the_store_watch(nats_server):
     """``bus.conn.connect(..., after_reconnect=StoreWatch.reconnected)``, as every role connects: the
-    server restarted, a faulted watch may probe at once, and the connection's own line is kept."""
+    server restarted, a faulted watch may probe at once. (That the connection still logs
+    ``nats_reconnected`` beside it: ``test_learner_service.py::test_learner_survives_nats_restart``,
+    from the learner's own stderr; captured here, structlog's loggers cached by other tests of the
+    same worker hid the lines.)"""
     import time
-
-    import structlog
 
     from bus.config import CommonConfig
     from bus.conn import connect
@@ -221,17 +222,19 @@ async def test_a_reconnect_reaches_the_store_watch_and_is_still_logged(nats_serv
     watch = StoreWatch(Log(), "waits", probe_every=600.0)  # (its old schedule is far off whatever the load)
     watch.health.fault(FULL, time.monotonic())
     assert not watch.may_write()
-    with structlog.testing.capture_logs() as said:
-        nc = await connect(CommonConfig(nats_url=nats_server.url, run="r"), name="t", after_reconnect=watch.reconnected)
-        try:
-            nats_server.kill()
-            await asyncio.sleep(0.5)
-            nats_server.start()
-            for _ in range(600):  # (a loaded suite: the restart and the client's next attempt took over 10 s)
-                if nc.is_connected and any(e["event"] == "nats_reconnected" for e in said):
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await nc.close()
-    assert "nats_reconnected" in [e["event"] for e in said]
+    came_back = asyncio.Event()
+
+    async def after() -> None:
+        await watch.reconnected()
+        came_back.set()
+
+    nc = await connect(CommonConfig(nats_url=nats_server.url, run="r"), name="t", after_reconnect=after)
+    try:
+        nats_server.kill()
+        await asyncio.sleep(0.5)
+        nats_server.start()
+        # (a loaded suite: the restart and the client's next attempt took over 10 s once)
+        await asyncio.wait_for(came_back.wait(), 60)
+    finally:
+        await nc.close()
     assert watch.may_write() and not watch.may_write()  # one probe now, then the spacing
