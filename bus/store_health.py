@@ -205,7 +205,7 @@ class StoreWatch:
         return self.health.probe_due(time.monotonic(), idle)
 
     async def reconnected(self) -> None:
-        """A ``reconnected_cb`` (``bus.conn.connect``): a faulted role probes at once."""
+        """``bus.conn.connect``'s ``after_reconnect``: a faulted role probes at once."""
         self.health.reconnected(time.monotonic())
 
     async def _answers(self, probe: Callable[[], Awaitable[object]] | None) -> bool:
