@@ -24,6 +24,11 @@ take about 17 ms here, so a merge's round trip through the bus is several steps 
 model whose steps take seconds never sees. ``--spread S`` makes learner i's steps (1 + S x i) times
 the slowdown's (the reference's speed spread is S = 0.06): learners of unequal speeds set by their
 pacing, not by how the machine's cores are shared (give a slowdown that leaves cores idle).
+The slowdown multiplies each step's measured time, the machine's scheduling noise with it: with
+eight learners on two cores their steps jitter, and their rounds drift apart. ``--step-time T``
+(``DILOCO_MIN_STEP_TIME``) gives every step one pace of T seconds instead (learner i's (1 + S x i)
+T with ``--spread``), as on hardware of that speed; the JSON reports each learner's steps'
+coefficient of variation (``learner_step_cv``).
 
     python -m bench.quality --quick --out quality.json     (small model, 80 steps, ~40 s)
     python -m bench.quality --quick --M 2 --steps 2400     (small model, 20 tokens per parameter)
@@ -76,11 +81,13 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
                      dp_lrs: tuple[float, ...] = (), slowdown: float = 1.0, agg_slowdown: float = 1.0,
                      agg_env: dict | None = None, learner_env: dict | None = None,
                      keep_logs: str | None = None, dp_inner: tuple[str, ...] = (), monitor: bool = False,
-                     spread: float = 0.0) -> dict:
+                     spread: float = 0.0, step_time: float = 0.0) -> dict:
     env = settings(quick, steps, corpus)
     runs = {}
     slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
-    paced = {i: {"DILOCO_SLOWDOWN": str(round(slowdown * (1 + spread * i), 4))} for i in range(M)} if spread else {}
+    if step_time > 0:
+        slow["DILOCO_MIN_STEP_TIME"] = str(step_time)
+    paced = {i: {k: str(round(float(x) * (1 + spread * i), 4)) for k, x in slow.items()} for i in range(M)} if spread else {}
     if paced:
         slow = {}  # (each learner's own, in ``paced``)
     for v in variants:
@@ -101,6 +108,10 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
                    "deferred_syncs": [x.get("deferred_syncs") for x in dec["learners"].values()],
                    "learner_contributions": [x["contributions"] for x in dec["learners"].values()],
                    "learner_steps": [x["step"] for x in dec["learners"].values()],
+                   # each learner's steps' coefficient of variation: how steady its pace was
+                   "learner_step_cv": [x.get("step_cv") for x in dec["learners"].values()],
+                   "learner_step_s": [round((x.get("step_seconds_total") or 0) / max(1, x["step"] or 1), 4)
+                                      for x in dec["learners"].values()],
                    "learner_bytes_received": [x["bytes_received"] for x in dec["learners"].values()],
                    # what the server counted for each learner's connection, both ways (bench.bandwidth)
                    "learner_bytes": round(sum(x["connz_in"] + x["connz_out"] for x in dec["learners"].values())
@@ -126,7 +137,8 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
         r["loss_gap"] = (r["loss"] - b) / b
         r["loss_gap_same_lr"] = (r["loss"] - dp["eval_loss"]) / dp["eval_loss"]
     d = runs[variants[0]]["loss"]
-    return {"M": M, "steps": steps, "settings": env, "slowdown": slowdown, "spread": spread, "agg_slowdown": agg_slowdown,
+    return {"M": M, "steps": steps, "settings": env, "slowdown": slowdown, "step_time": step_time, "spread": spread,
+            "agg_slowdown": agg_slowdown,
             "agg_env": agg_env or {}, "learner_env": learner_env or {}, "corpus": corpus or "(stdlib)",
             "params": dp["params"],
             "tokens": dp["tokens"], "tokens_per_param": round(dp["tokens"] / dp["params"], 2),
@@ -167,11 +179,18 @@ def main() -> None:
                         "an admitted learner holds its steps when its sync waited a period; the learners follow each "
                         "other's paces, DILOCO_DYNAMIC_H): without it every learner is accepted, holds once one "
                         "of its rounds was merged, and keeps H")
+    p.add_argument("--step-time", type=float, default=0.0,
+                   help="DILOCO_MIN_STEP_TIME of the learners: each step takes at least this many seconds, one "
+                        "steady pace (as on hardware of that speed) where --slowdown stretches the machine's "
+                        "scheduling noise with the step")
     p.add_argument("--spread", type=float, default=0.0,
-                   help="learner i's steps (1 + SPREAD x i) times the --slowdown's (0.06: the reference's spread)")
+                   help="learner i's steps (1 + SPREAD x i) times the --slowdown's and --step-time's (0.06: the "
+                        "reference's spread)")
     a = p.parse_args()
     if a.spread < 0:
         p.error(f"--spread must be >= 0, got {a.spread}")
+    if a.step_time < 0:
+        p.error(f"--step-time must be >= 0, got {a.step_time}")
     steps = a.steps or (80 if a.quick else 300)
     if a.corpus:
         import os
@@ -182,7 +201,7 @@ def main() -> None:
     variants = a.variants or ("defaults" if a.quick and a.steps is None else "defaults,k1")
     r = asyncio.run(main_async(a.quick, steps, a.M, a.reuse_dp, tuple(variants.split(",")), a.corpus, lrs,
                                a.slowdown, a.agg_slowdown, kv(a.agg_env), kv(a.learner_env), a.keep_logs,
-                               tuple(x for x in a.dp_inner.split(",") if x.strip()), a.monitor, a.spread))
+                               tuple(x for x in a.dp_inner.split(",") if x.strip()), a.monitor, a.spread, a.step_time))
     finish({"bench": "quality", "quick": a.quick, "monitor": a.monitor, **r}, a.out)
 
 

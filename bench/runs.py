@@ -384,6 +384,7 @@ async def run_learners(env: dict, M: int, steps: int, *, run: str = "bench", agg
             i_b, o_b = conn.get(f"learner-{n}", (0, 0))
             out["learners"][n] = {
                 "step": m.get("step"), "loss": m.get("loss"), "step_seconds_total": m.get("step_seconds_total"),
+                "step_cv": m.get("step_cv"),
                 "bytes_sent": m.get("bytes_sent"), "bytes_received": m.get("bytes_received"),
                 "contributions": m.get("contributions"), "skipped_syncs": m.get("skipped_syncs"),
                 "deferred_syncs": m.get("deferred_syncs"),

@@ -69,6 +69,7 @@ VARIABLES: frozenset[str] = frozenset({
     "DILOCO_MAX_WEIGHT_RATIO",
     "DILOCO_MERGE",
     "DILOCO_METRICS_INTERVAL",
+    "DILOCO_MIN_STEP_TIME",
     "DILOCO_MIX_ALPHA",
     "DILOCO_MODE",
     "DILOCO_MODEL",

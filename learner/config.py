@@ -173,7 +173,12 @@ class LearnerConfig:
                             "built-in model's default Muon rate: DILOCO_INNER_LR)")
     heartbeat_interval: float = var(1.0, number(0.05, 60), "seconds between heartbeats")
     step_time: float = var(0.05, number(0.0, 3600), "synthetic mode: seconds per inner step")
-    slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer")
+    slowdown: float = var(1.0, number(1.0, 1000), "emulate slower hardware: each step takes this factor longer "
+                          "(the factor stretches the machine's scheduling noise too: DILOCO_MIN_STEP_TIME keeps one pace)")
+    min_step_time: float = var(0.0, number(0.0, 3600),
+                               "emulate hardware of a set speed: each inner step takes at least this many seconds, "
+                               "what is left of it waited out, so the steps keep one pace whatever the machine's "
+                               "load (0: off; built-in model only)")
     sync_timeout: float = var(120.0, number(0.1), "sync mode: seconds to wait for the merged version; async mode: "
                               "the longest hold (DILOCO_SYNC_HOLD)")
     start_with: int = var(0, integer(0, 100_000),

@@ -83,8 +83,8 @@ class IslandCore:
                 break
             if self._halt.is_set() and cfg.synthetic:
                 break  # the synthetic sleep was cut short: do not count a partial step
-            if not self.backend.slowdown_included and cfg.slowdown > 1.0:
-                await self._sleep(lp.extra_sleep(time.monotonic() - t0, cfg.slowdown))
+            if not self.backend.slowdown_included and (cfg.slowdown > 1.0 or cfg.min_step_time > 0):
+                await self._sleep(lp.extra_sleep(time.monotonic() - t0, cfg.slowdown, cfg.min_step_time))
             deferrals = self.book.deferrals
             step_s = time.monotonic() - t0
             due = self.book.on_step(step_s)
@@ -145,7 +145,8 @@ class IslandCore:
         if cfg.final_sync and not self._halt.is_set():
             await self._final_sync()
         c = self.book.counters()
-        self.log.info("training_done", step=self.book.step, halted=self._halt.is_set(), deferred_syncs=c["deferred"], window_valve=c["valve"],
+        step_mean, step_cv = self.book.step_spread()
+        self.log.info("training_done", step=self.book.step, step_s_mean=round(step_mean, 4), step_cv=round(step_cv, 3), halted=self._halt.is_set(), deferred_syncs=c["deferred"], window_valve=c["valve"],
                       holds=c["holds"], holds_expired=c["holds_expired"], held_s=round(self.held_s, 3),
                       steps_per_sync=round(self.book.steps_sent / max(1, self.book.contributions), 2),
                       phase_shifted=round(self.book.phase_shifted, 3))

@@ -174,6 +174,9 @@ class Bookkeeper:
         self.sent_step = self.start_step  # the step of the newest outer gradient published (its work is the run's)
         self._sync_steps: dict[tuple[int, int], int] = {}  # (fragment, round) in flight -> step it was taken at
         self.step_seconds_total = 0.0  # seconds spent in inner steps (slowdown included)
+        # this process's steps' seconds, their mean and sum of squared deviations (Welford's, for
+        # ``step_spread``)
+        self.steps_timed, self._step_mean, self._step_m2 = 0, 0.0, 0.0
         self.contributions = 0  # outer gradients published successfully
         self.steps_sent = 0  # inner steps carried by those contributions
         self.resyncs = 0
@@ -191,6 +194,10 @@ class Bookkeeper:
         self.tokens += self.tokens_per_step
         seconds = max(0.0, float(seconds))
         self.step_seconds_total += seconds
+        self.steps_timed += 1
+        d = seconds - self._step_mean
+        self._step_mean += d / self.steps_timed
+        self._step_m2 += d * (seconds - self._step_mean)
         for f in self.frags:
             f.steps += 1
             f.tokens += self.tokens_per_step
@@ -483,6 +490,14 @@ class Bookkeeper:
             return 0
         return max(0, f.known_version - f.last_contrib_base)
 
+    def step_spread(self) -> tuple[float, float]:
+        """(mean, coefficient of variation) of this process's inner steps' seconds: how steady its
+        pace was (the reference's exact steps are 0; ``RefConfig.step_jitter`` is this CV)."""
+        n, mean = self.steps_timed, self._step_mean
+        if n == 0 or mean <= 0:
+            return mean, 0.0
+        return mean, math.sqrt(max(0.0, self._step_m2 / n)) / mean
+
     def counters(self) -> dict[str, int]:
         return {
             "sent": sum(f.sent for f in self.frags),
@@ -663,9 +678,13 @@ def fragment_paths(plan: FragmentPlan, p: int) -> list[str]:
 # -- timing and throughput ------------------------------------------------------------------------
 
 
-def extra_sleep(measured: float, slowdown: float) -> float:
-    """Seconds to sleep after a step of ``measured`` seconds to emulate ``slowdown``x slower hardware."""
-    return max(0.0, (float(slowdown) - 1.0) * max(0.0, float(measured)))
+def extra_sleep(measured: float, slowdown: float, min_step: float = 0.0) -> float:
+    """Seconds to sleep after a step of ``measured`` seconds to emulate slower hardware: the step
+    takes ``slowdown`` times what it measured (the machine's scheduling noise stretched with it),
+    and at least ``min_step`` seconds (one steady pace: what a step shorter than it measured is
+    waited out)."""
+    m = max(0.0, float(measured))
+    return max(0.0, max((float(slowdown) - 1.0) * m, float(min_step) - m))
 
 
 @dataclass

@@ -317,6 +317,7 @@ class Presence:
             "phase_shifted": round(self.book.phase_shifted, 3),
             "skipped_syncs": c["skipped"], "deferred_syncs": c["deferred"], "window_valve": c["valve"], "holds": c["holds"], "held_s": round(self.held_s, 3), "failed_syncs": c["failed"], "sync_timeouts": self.sync_timeouts,
             "resyncs": self.book.resyncs, "step_seconds_total": round(self.book.step_seconds_total, 6),
+            "step_cv": round(self.book.step_spread()[1], 4),
             "start_step": self.book.start_step, "sent_step": self.book.sent_step, "restarts": self.resume.restarts,
             "progress_writes": self.progress.writes if self.progress else 0,
             "fetch_failures": self.fetch_retries.failures,

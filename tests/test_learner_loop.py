@@ -227,6 +227,11 @@ def test_params_from_fragments_round_trips_the_plan():
 
 def test_extra_sleep_rate_meter_and_memory_formula():
     assert lp.extra_sleep(0.2, 1.0) == 0.0 and lp.extra_sleep(0.2, 3.0) == pytest.approx(0.4)
+    # a floor keeps one pace: a step the machine slowed waits less, none is stretched with its noise
+    assert [round(m + lp.extra_sleep(m, 1.0, 0.13), 9) for m in (0.01, 0.02, 0.05)] == [0.13] * 3
+    assert lp.extra_sleep(0.2, 1.0, 0.13) == 0.0  # longer than the floor: not waited
+    assert lp.extra_sleep(0.02, 6.0, 0.05) == pytest.approx(0.1)  # both: the longer of the two
+    assert lp.extra_sleep(0.01, 6.0, 0.13) == pytest.approx(0.12)
     m = lp.RateMeter(window=10.0)
     assert m.rate(0.0) == 0.0
     for i in range(11):
@@ -796,3 +801,15 @@ def test_shift_phase_moves_every_fragments_next_sync_and_a_new_period_keeps_the_
     b.set_period(4.0)  # half the period: the schedule keeps its phase, the shift included
     unshifted.set_period(4.0)
     assert b._next_due != unshifted._next_due and all(0 < n - b.step <= 4 for n in b._next_due), b._next_due
+
+
+def test_the_bookkeeper_reports_how_steady_its_steps_were():
+    b = lp.Bookkeeper(num_fragments=1, H=4, tokens_per_step=1)
+    assert b.step_spread() == (0.0, 0.0)
+    for _ in range(10):
+        b.on_step(0.1)
+    assert b.step_spread() == pytest.approx((0.1, 0.0), abs=1e-9)
+    for s in (0.05, 0.15) * 5:  # 20 steps: mean 0.1, standard deviation sqrt(10 * 0.05^2 / 20)
+        b.on_step(s)
+    mean, cv = b.step_spread()
+    assert mean == pytest.approx(0.1) and cv == pytest.approx((0.05 ** 2 / 2) ** 0.5 / 0.1)
