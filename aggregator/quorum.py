@@ -305,21 +305,63 @@ def _on_time(
     return Decision(False, deadline, f"{head}, {deadline - now:.1f}s left", window)
 
 
-def arrival_leads(arrivals: Sequence[tuple[str, str, float]], digits: int = 3) -> list[list]:
-    """How long before the merge's median arrival each learner's contribution came (pure):
-    ``[learner, incarnation, seconds]`` per learner of a merge (its newest arrival when it had
-    several), positive for an early one; none for a merge of fewer than two learners. In the head of
-    the version the merge made (``"lead"``), for the learners' phase lock (DILOCO_PHASE_LOCK,
-    ``learner.loop.phase_shift``), and in its ``merged`` line: how far apart the learners' rounds
-    reach the aggregator, which decides how full the on-time quorum's rounds are (docs/BENCHMARKS.md,
-    twentieth round). Differences of the aggregator's own clock: no clock is shared."""
+def arrival_leads(arrivals: Sequence[tuple[str, str, float]], digits: int = 3,
+                  phases: Mapping[str, float] | None = None, round_s: float | None = None) -> list[list]:
+    """How long before the others each learner's contribution came (pure): ``[learner,
+    incarnation, seconds]`` per learner of a merge (its newest arrival when it had several),
+    positive for an early one. In the head of the version the merge made (``"lead"``), for the
+    learners' phase lock (DILOCO_PHASE_LOCK, ``learner.loop.phase_shift``), and in its ``merged``
+    line: how far apart the learners' rounds reach the aggregator, which decides how full the
+    on-time quorum's rounds are (docs/BENCHMARKS.md, twentieth round). Differences of the
+    aggregator's own clock: no clock is shared.
+
+    With ``phases`` (every learner's last arrival of the fragment, those of the merge included) and
+    the round's seconds ``round_s``: against the median of all of them, each taken the short way
+    round a round (:func:`round_offset`), so that when the on-time quorum splits a round into an
+    early and a late merge each group reads its lead over the whole run's phase, not over its own
+    (where it reads 0: the twenty-second round; docs/BENCHMARKS.md). Without them, against the
+    merge's median arrival, and none for a merge of fewer than two learners."""
     newest: dict[tuple[str, str], float] = {}
     for learner, inc, t in arrivals:
         key = (learner, inc)
         newest[key] = max(newest.get(key, t), t)
+    if phases is not None and round_s is not None and round_s > 0 and math.isfinite(round_s):
+        out = []
+        for (learner, inc), t in sorted(newest.items()):
+            offsets = sorted(round_offset(v - t, round_s) for k, v in phases.items() if k != learner)
+            if offsets:
+                out.append([learner, inc, round(_median([0.0, *offsets]), digits)])
+        return out
     if len(newest) < 2:
         return []
     times = sorted(newest.values())
-    n = len(times)
-    median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
-    return [[learner, inc, round(median - t, digits)] for (learner, inc), t in sorted(newest.items())]
+    return [[learner, inc, round(_median(times) - t, digits)] for (learner, inc), t in sorted(newest.items())]
+
+
+def round_offset(dt: float, round_s: float) -> float:
+    """``dt`` seconds taken the short way round a round of ``round_s``: in [-round_s / 2, round_s / 2)."""
+    return (dt + round_s / 2) % round_s - round_s / 2
+
+
+def _median(xs: Sequence[float]) -> float:
+    v = sorted(xs)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def round_phases(stats: ArrivalStats, fragment: int, learners: AbstractSet[str],
+                 now: float) -> tuple[dict[str, float], float | None]:
+    """What :func:`arrival_leads` measures a merge against (pure): the last arrival of ``fragment``
+    of every learner in ``learners`` (the merge's and the active ones) whose last arrival is within
+    a round and a half of ``now`` (one that stopped syncing drops out), and the median of their
+    round times (None when none is known: the leads are then the merge's own)."""
+    rounds = sorted(r for r in (stats.round_time(x) for x in learners) if r is not None and r > 0)
+    if not rounds:
+        return {}, None
+    r = _median(rounds)
+    phases = {}
+    for x in learners:
+        last = stats.last_arrival.get((x, int(fragment)))
+        if last is not None and now - last[1] <= 1.5 * r:
+            phases[x] = last[1]
+    return phases, r

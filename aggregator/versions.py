@@ -25,7 +25,7 @@ from aggregator.encoder import DownlinkEncoder
 from aggregator.publisher import PUBLISH_QUEUE, Publisher, PublishJob
 from aggregator.mlog import LoggedContribution, MergeRecord, settings_to_dict, with_clears
 from aggregator.merge import l2_norm
-from aggregator.quorum import AUTO, GracePolicy, arrival_leads, decide
+from aggregator.quorum import AUTO, GracePolicy, arrival_leads, decide, round_phases
 from aggregator.rounds import held_for_round
 from aggregator.step import FragmentState, MergeSettings, fuses, merge_step, participation_scale, round_work
 from aggregator.trust import ew_mean
@@ -207,7 +207,11 @@ class VersionMaker:
         new = self.states[p]
         for x in items:
             await ack_all(x.tokens)
-        leads = arrival_leads([(x.c.learner, x.c.incarnation, x.arrived) for x in items])
+        merged = {x.c.learner for x in items}
+        phases, round_s = round_phases(self.intake.arrivals, p, merged | self.membership.active(),
+                                       max((x.arrived for x in items), default=0.0))
+        leads = arrival_leads([(x.c.learner, x.c.incarnation, x.arrived) for x in items], phases=phases,
+                              round_s=round_s)
         self._queue_publish(p, leads)
         self.merge_log.checkpoint_if_due(p)  # (after the acks: a checkpoint stored meanwhile moved the log)
         self.intake.note_sync(time.monotonic() - t0)

@@ -585,7 +585,7 @@ class Reference:
 
     def _merge(self, p: int, reason: str) -> None:
         """aggregator.service._merge and _publish_global: merge_step, encode the version, deliver it."""
-        from aggregator.quorum import arrival_leads
+        from aggregator.quorum import arrival_leads, round_phases
         from aggregator.step import merge_step, participation_scale, round_work
         from bus.downlink import decode_version, encode_version
 
@@ -623,7 +623,12 @@ class Reference:
         self.bytes_down += len(blob)
         self.published[p] = (new.version, vec)
         applied = [list(k) for k in new.last_merge]
-        leads = arrival_leads([(x.c.learner, x.c.incarnation, x.arrived) for x in items]) if cfg.phase_lock else []
+        leads = []
+        if cfg.phase_lock:
+            phases, round_s = round_phases(self.arrivals, p, learners | self._alive(),
+                                           max((x.arrived for x in items), default=self.now))
+            leads = arrival_leads([(x.c.learner, x.c.incarnation, x.arrived) for x in items], phases=phases,
+                                  round_s=round_s)
         for ln in self.learners:
             self._at(self.now + cfg.down_delay, 2, self._deliver, ln, p, new.version, vec, applied, leads)
 

@@ -328,3 +328,37 @@ def test_arrival_leads_are_each_learners_time_before_the_merges_median_arrival()
     assert arrival_leads([("a", "i1", 1.0), ("b", "i2", 2.0)]) == [["a", "i1", 0.5], ["b", "i2", -0.5]]
     assert arrival_leads([("a", "i1", 1.0), ("a", "i1", 2.0)]) == []  # one learner: no spread
     assert arrival_leads([]) == []
+
+
+def test_arrival_leads_against_the_round_s_phase_pull_split_groups_together():
+    """The on-time quorum split a round of 2 s: a, b merged at 10.0-10.1, c, d at 10.6-10.7. Against
+    their own merge each group reads leads near 0 and nothing pulls the groups together; against
+    every learner's last arrival, taken the short way round a round, the early group reads itself
+    early and the late one late, by about half their distance."""
+    from aggregator.quorum import arrival_leads, round_offset
+
+    phases = {"a": 10.0, "b": 10.1, "c": 8.6, "d": 8.7}  # c, d: their previous round's arrivals
+    early = arrival_leads([("a", "i", 10.0), ("b", "i", 10.1)], phases=phases, round_s=2.0)
+    # a's offsets: itself 0, b 0.1, c and d 0.6 and 0.7 (-1.4 and -1.3 the short way round): 0.35
+    assert early == [["a", "i", 0.35], ["b", "i", 0.25]]
+    phases = {"a": 10.0, "b": 10.1, "c": 10.6, "d": 10.7}
+    late = arrival_leads([("c", "i", 10.6), ("d", "i", 10.7)], phases=phases, round_s=2.0)
+    assert late == [["c", "i", -0.25], ["d", "i", -0.35]]
+    assert arrival_leads([("c", "i", 10.6), ("d", "i", 10.7)]) == [["c", "i", 0.05], ["d", "i", -0.05]]
+    # a learner merged alone still reads its lead over the others (its own merge gives none)
+    assert arrival_leads([("c", "i", 10.6)], phases=phases, round_s=2.0) == [["c", "i", -0.25]]
+    assert arrival_leads([("c", "i", 10.6)], phases={"c": 10.6}, round_s=2.0) == []  # nobody else
+    assert round_offset(1.9, 2.0) == pytest.approx(-0.1) and round_offset(-1.9, 2.0) == pytest.approx(0.1)
+    assert round_offset(0.3, 2.0) == pytest.approx(0.3)
+
+
+def test_round_phases_take_the_learners_syncing_now_and_their_round_time():
+    from aggregator.quorum import ArrivalStats, round_phases
+
+    st = ArrivalStats(alpha=1.0)
+    for who, t in (("a", 10.0), ("b", 10.5), ("gone", 3.0)):
+        st = st.observe_arrival(who, "i", t, 12, fragment=1, step_s=0.1, period=12)
+    phases, r = round_phases(st, 1, {"a", "b", "gone", "new"}, now=10.5)
+    assert r == pytest.approx(1.2) and phases == {"a": 10.0, "b": 10.5}  # "gone": 7.5 s ago; "new": none yet
+    assert round_phases(st, 0, {"a"}, now=10.5) == ({}, pytest.approx(1.2))  # nothing of fragment 0
+    assert round_phases(ArrivalStats(), 1, {"a"}, now=1.0) == ({}, None)
