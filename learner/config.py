@@ -102,11 +102,11 @@ class LearnerConfig:
                          "periods a sync deferred by the window may wait before this learner holds its inner steps "
                          "until the aggregator merged its previous round (at most DILOCO_SYNC_TIMEOUT s; then it "
                          "trains on): a lagging aggregator costs speed, not the model (0: never hold)")
-    phase_lock: float = var(0.0, number(0.0, 1.0),
-                            "the phase lock: the share of its lead over the others' arrivals at the aggregator (each "
-                            "merge's head states it) by which this learner moves its syncs per round, so that the "
-                            "learners' rounds reach the aggregator together however their steps jitter (0: off; not "
-                            "in DILOCO_MODE=sync)")
+    phase_lock: float = var(1.0, number(0.0, 1.0),
+                            "the phase lock: the share of its lead over the other learners' phase of the round at the "
+                            "aggregator (each merge's head states it) by which this learner moves its syncs per round, "
+                            "so that the learners' rounds reach the aggregator together, whenever each started and "
+                            "however its period was set (0: off; not in DILOCO_MODE=sync)")
     on_arrival: str = var("rebase", choice("rebase", "mix"),
                           "rebase: theta <- global + (theta - base), keeping local progress since the last sync; "
                           "mix: theta <- a*theta + (1-a)*global (DILOCO_MIX_ALPHA)")

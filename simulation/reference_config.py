@@ -134,7 +134,10 @@ class RefConfig:
     # end (docs/BENCHMARKS.md, twentieth round). 0: every step exactly its step time
     step_jitter: float = 0.0
     # the phase lock (learner.loop.phase_shift): each learner moves its syncs by this share of its
-    # lead over the merge's median arrival per round (0: off)
+    # lead over the round's phase (every syncing learner's last arrival: aggregator.quorum.round_phases)
+    # per round. 0 (off) here, unlike the roles (DILOCO_PHASE_LOCK=1.0 since the twenty-second round):
+    # the recorded figures were made without it, and learners that start together at exact step
+    # times stay in phase, where it moves next to nothing (docs/BENCHMARKS.md, twenty-second round)
     phase_lock: float = 0.0
     up_delay: float = 0.0  # a contribution's send -> arrival at the aggregator
     down_delay: float = 0.0  # a merge -> the version at every learner (download included)

@@ -498,8 +498,8 @@ async def test_a_learner_waiting_for_the_aggregator_learns_of_a_full_store_and_s
 
 
 async def test_the_phase_lock_moves_a_learners_syncs_by_its_lead_in_each_merge(nats_server, js):
-    """DILOCO_PHASE_LOCK: each head states every learner's lead over its merge's median arrival
-    (``aggregator.quorum.arrival_leads``); the learner moves its syncs by its share of its own, at
+    """DILOCO_PHASE_LOCK: each head states its learners' leads over the round's phase, every syncing
+    learner's arrival (``aggregator.quorum.arrival_leads``); the learner moves its syncs by its share of its own, at
     most half a round, once per version. Here each lead is over half a round (4 steps of 20 ms), so
     each head moves it by exactly gain x period / 2 / fragments = 0.25 steps."""
     from learner.service import Learner

@@ -210,6 +210,22 @@ def test_the_learners_sync_window_and_hold_in_the_reference():
     assert timed["holds"] >= 2 and timed["virtual_s"] < on["virtual_s"]  # gave up after 2 s, trained on
 
 
+def test_the_phase_lock_pulls_a_learner_that_started_late_into_its_peers_rounds():
+    """A learner that starts half a round after the others (here: down for its first 2 steps of a
+    4-step round) reaches the aggregator between their rounds: the on-time quorum merges it apart
+    from them every round, and its outer gradients, and theirs, are a version stale. With the phase
+    lock (RefConfig.phase_lock, DILOCO_PHASE_LOCK) each merge states its lead over every learner's
+    phase of the round (``aggregator.quorum.arrival_leads``), the learner moves its syncs by it, and
+    the rounds merge whole, their contributions up to date."""
+    base = replace(BASE, mode="decoupled", M=3, steps=48, H=4, P=2, K=-1, failures=((2, 0.0, 2.0),))
+    setup = Setup(base)
+    off = run_reference(base, setup)
+    on = run_reference(replace(base, phase_lock=1.0), setup)
+    assert off["learner_steps"] == on["learner_steps"] == [48, 48, 48]
+    assert off["merges"] >= 45 and on["merges"] <= 33, (off["merges"], on["merges"])  # 2 fragments x 12 rounds
+    assert off["staleness_hist"].get("0", 0) < 10 and on["staleness_hist"]["0"] >= 50, (off, on)
+
+
 def test_step_jitter_is_seeded_and_moves_the_learners_out_of_step():
     """RefConfig.step_jitter (each step's time drawn around its learner's, as eight learners sharing
     two cores see): the same seed gives the same run, and with a quorum below M the learners' rounds
