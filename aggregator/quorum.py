@@ -42,6 +42,7 @@ staleness), lengthen the grace (fixed) or raise gamma (adaptive, still < 1).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -326,11 +327,16 @@ def arrival_leads(arrivals: Sequence[tuple[str, str, float]], digits: int = 3,
         key = (learner, inc)
         newest[key] = max(newest.get(key, t), t)
     if phases is not None and round_s is not None and round_s > 0 and math.isfinite(round_s):
+        # every learner's phase in the round, the merge's at their arrivals here, sorted once: a
+        # learner's offsets to the others, taken the short way round, are then the sorted phases
+        # read from half a round before its own (O(M log M) a merge, not O(k M log M))
+        own = {learner: t for (learner, _), t in newest.items()}
+        ph = sorted(v % round_s for v in {**phases, **own}.values())
         out = []
         for (learner, inc), t in sorted(newest.items()):
-            offsets = sorted(round_offset(v - t, round_s) for k, v in phases.items() if k != learner)
-            if offsets:
-                out.append([learner, inc, round(_median([0.0, *offsets]), digits)])
+            if len(ph) < 2:
+                break
+            out.append([learner, inc, round(_rotated_median(ph, t % round_s, round_s), digits)])
         return out
     if len(newest) < 2:
         return []
@@ -343,6 +349,19 @@ def round_offset(dt: float, round_s: float) -> float:
     return (dt + round_s / 2) % round_s - round_s / 2
 
 
+def _rotated_median(ph: Sequence[float], mine: float, round_s: float) -> float:
+    """The median of ``round_offset(p - mine, round_s)`` over the sorted phases ``ph`` (each in
+    [0, round_s), ``mine`` among them): those offsets in increasing order are ``ph`` read from the
+    first phase at or after half a round before ``mine``, round the end."""
+    n = len(ph)
+    start = bisect.bisect_left(ph, (mine - round_s / 2) % round_s)
+
+    def offset(k: int) -> float:
+        return round_offset(ph[(start + k) % n] - mine, round_s)
+
+    return offset(n // 2) if n % 2 else (offset(n // 2 - 1) + offset(n // 2)) / 2
+
+
 def _median(xs: Sequence[float]) -> float:
     v = sorted(xs)
     n = len(v)
@@ -353,9 +372,15 @@ def round_phases(stats: ArrivalStats, fragment: int, learners: AbstractSet[str],
                  now: float) -> tuple[dict[str, float], float | None]:
     """What :func:`arrival_leads` measures a merge against (pure): the last arrival of ``fragment``
     of every learner in ``learners`` (the merge's and the active ones) whose last arrival is within
-    a round and a half of ``now`` (one that stopped syncing drops out), and the median of their
-    round times (None when none is known: the leads are then the merge's own)."""
-    rounds = sorted(r for r in (stats.round_time(x) for x in learners) if r is not None and r > 0)
+    a round and a half of ``now`` (one that stopped syncing drops out), and the round: the median
+    over ``learners`` of the seconds seen between two arrivals of one fragment
+    (``ArrivalStats.interval``; before a learner's second, its period times its pace). Not the
+    period times the pace where the gap is known: a declared period is the floor of a real one and
+    the pace leaves out what a learner does between steps, so that round is short, and a peer's
+    arrival a round ago would read as earlier than it is (None when nothing is known: the leads are
+    then the merge's own)."""
+    rounds = sorted(r for r in (stats.interval.get(x) or stats.round_time(x) for x in learners)
+                    if r is not None and r > 0)
     if not rounds:
         return {}, None
     r = _median(rounds)

@@ -87,7 +87,9 @@ async def main_async(quick: bool, steps: int, M: int, reuse_dp: str | None = Non
     slow = {"DILOCO_SLOWDOWN": str(slowdown)} if slowdown != 1.0 else {}
     if step_time > 0:
         slow["DILOCO_MIN_STEP_TIME"] = str(step_time)
-    paced = {i: {k: str(round(float(x) * (1 + spread * i), 4)) for k, x in slow.items()} for i in range(M)} if spread else {}
+    # (--spread alone: the slowdown 1 spread, as before --step-time)
+    base = dict(slow) or {"DILOCO_SLOWDOWN": str(slowdown)}
+    paced = {i: {k: str(round(float(x) * (1 + spread * i), 4)) for k, x in base.items()} for i in range(M)} if spread else {}
     if paced:
         slow = {}  # (each learner's own, in ``paced``)
     for v in variants:

@@ -557,9 +557,8 @@ def phase_shift(lead_s: float, step_s: float, period: float, fragments: int, gai
     """The phase lock: steps to move this learner's syncs (later: positive), from one merge's
     ``lead_of`` (pure). ``gain`` of the lead per round, a ``1 / fragments`` share of it per merge
     (each fragment's merge states it once a round); the lead is clamped to half a round either way
-    (not wrapped: a lead of more than half a round, which the on-time quorum's half-round window
-    rarely gives, moves the learner the long way round). 0 without a pace (``step_s``) or with
-    ``gain`` 0."""
+    (the aggregator states it the short way round a round where it knows the round:
+    ``aggregator.quorum.arrival_leads``). 0 without a pace (``step_s``) or with ``gain`` 0."""
     if not (gain > 0 and step_s > 0 and period > 0 and fragments > 0 and math.isfinite(lead_s)
             and math.isfinite(step_s)):
         return 0.0

@@ -353,7 +353,7 @@ def test_arrival_leads_against_the_round_s_phase_pull_split_groups_together():
 
 
 def test_round_phases_take_the_learners_syncing_now_and_their_round_time():
-    from aggregator.quorum import ArrivalStats, round_phases
+    from aggregator.quorum import ArrivalStats, arrival_leads, round_phases
 
     st = ArrivalStats(alpha=1.0)
     for who, t in (("a", 10.0), ("b", 10.5), ("gone", 3.0)):
@@ -362,3 +362,34 @@ def test_round_phases_take_the_learners_syncing_now_and_their_round_time():
     assert r == pytest.approx(1.2) and phases == {"a": 10.0, "b": 10.5}  # "gone": 7.5 s ago; "new": none yet
     assert round_phases(st, 0, {"a"}, now=10.5) == ({}, pytest.approx(1.2))  # nothing of fragment 0
     assert round_phases(ArrivalStats(), 1, {"a"}, now=1.0) == ({}, None)
+    # once a learner's gap between two arrivals of a fragment is seen, it is the round: a declared
+    # period (a floor) times a pace (the steps alone) is short, and a short round misreads a peer's
+    # arrival of a round ago as earlier than it was. Rounds of 1.07 s at a declared 10 steps of
+    # 0.1 s: a merges alone at 10.0, b comes 0.05 s later (its last arrival, 8.98, a round before)
+    st = ArrivalStats(alpha=1.0)
+    for who, t in (("b", 7.91), ("a", 8.93), ("b", 8.98), ("a", 10.0)):
+        st = st.observe_arrival(who, "i", t, 10, fragment=0, step_s=0.1, period=10)
+    phases, r = round_phases(st, 0, {"a", "b"}, now=10.0)
+    assert r == pytest.approx(1.07) and phases == {"a": 10.0, "b": 8.98}
+    assert arrival_leads([("a", "i", 10.0)], phases=phases, round_s=r) == [["a", "i", 0.025]]  # early
+    assert arrival_leads([("a", "i", 10.0)], phases=phases, round_s=1.0) == [["a", "i", -0.01]]  # misread
+
+def test_the_round_s_leads_are_the_median_of_each_learners_wrapped_offsets():
+    """arrival_leads reads every learner's offsets from one sorted list of phases: the same as
+    taking, for each, the median of its offsets to all the others the short way round."""
+    import random
+
+    from aggregator.quorum import arrival_leads, round_offset
+
+    rng = random.Random(3)
+    for _ in range(300):
+        n, r = rng.randint(2, 12), rng.uniform(0.5, 5.0)
+        phases = {f"l{i}": rng.uniform(0, 40) for i in range(n)}
+        merged = rng.sample(sorted(phases), rng.randint(1, n))
+        arrivals = [(x, "i", phases[x]) for x in merged]
+        got = {x: lead for x, _, lead in arrival_leads(arrivals, digits=9, phases=phases, round_s=r)}
+        for x in merged:
+            offs = sorted([0.0] + [round_offset(v - phases[x], r) for k, v in phases.items() if k != x])
+            m = len(offs)
+            want = offs[m // 2] if m % 2 else (offs[m // 2 - 1] + offs[m // 2]) / 2
+            assert got[x] == pytest.approx(want, abs=1e-6), (x, phases, r)
