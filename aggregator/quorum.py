@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Literal, Union
@@ -332,16 +333,14 @@ def arrival_leads(arrivals: Sequence[tuple[str, str, float]], digits: int = 3,
         # read from half a round before its own (O(M log M) a merge, not O(k M log M))
         own = {learner: t for (learner, _), t in newest.items()}
         ph = sorted(v % round_s for v in {**phases, **own}.values())
-        out = []
-        for (learner, inc), t in sorted(newest.items()):
-            if len(ph) < 2:
-                break
-            out.append([learner, inc, round(_rotated_median(ph, t % round_s, round_s), digits)])
-        return out
+        if len(ph) < 2:  # nobody else syncing: no lead
+            return []
+        return [[learner, inc, round(_rotated_median(ph, t % round_s, round_s), digits)]
+                for (learner, inc), t in sorted(newest.items())]
     if len(newest) < 2:
         return []
-    times = sorted(newest.values())
-    return [[learner, inc, round(_median(times) - t, digits)] for (learner, inc), t in sorted(newest.items())]
+    median = statistics.median(newest.values())
+    return [[learner, inc, round(median - t, digits)] for (learner, inc), t in sorted(newest.items())]
 
 
 def round_offset(dt: float, round_s: float) -> float:
@@ -362,12 +361,6 @@ def _rotated_median(ph: Sequence[float], mine: float, round_s: float) -> float:
     return offset(n // 2) if n % 2 else (offset(n // 2 - 1) + offset(n // 2)) / 2
 
 
-def _median(xs: Sequence[float]) -> float:
-    v = sorted(xs)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
-
 def round_phases(stats: ArrivalStats, fragment: int, learners: AbstractSet[str],
                  now: float) -> tuple[dict[str, float], float | None]:
     """What :func:`arrival_leads` measures a merge against (pure): the last arrival of ``fragment``
@@ -379,11 +372,10 @@ def round_phases(stats: ArrivalStats, fragment: int, learners: AbstractSet[str],
     the pace leaves out what a learner does between steps, so that round is short, and a peer's
     arrival a round ago would read as earlier than it is (None when nothing is known: the leads are
     then the merge's own)."""
-    rounds = sorted(r for r in (stats.interval.get(x) or stats.round_time(x) for x in learners)
-                    if r is not None and r > 0)
+    rounds = [r for r in (stats.interval.get(x) or stats.round_time(x) for x in learners) if r is not None and r > 0]
     if not rounds:
         return {}, None
-    r = _median(rounds)
+    r = statistics.median(rounds)
     phases = {}
     for x in learners:
         last = stats.last_arrival.get((x, int(fragment)))
